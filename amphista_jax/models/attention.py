@@ -1,0 +1,63 @@
+"""Attention masks (pure functions of positions and lengths) and the dense XLA attention path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def causal_mask(batch: int, t: int) -> jax.Array:
+    """`[B, T, T]` lower-triangular visibility among T new tokens.
+
+    For T = 3 each row is::
+
+        1 0 0
+        1 1 0
+        1 1 1
+    """
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+def key_visibility(
+    positions: jax.Array,  # [B, T] positions of the new tokens
+    new_mask: jax.Array,  # [B, T, T] visibility among the new tokens
+    lengths: jax.Array | None,  # [B] committed tokens in the cache, or None when there is no cache
+    num_keys: int,  # S: cache slots (or T without a cache)
+    window: jax.Array | int = 0,  # sliding window (0 = full attention)
+) -> jax.Array:
+    """`[B, T, S]` bool: which key slot each new token may attend to.
+
+    With a cache, slot `s < lengths` is a committed token at position `s` (always visible, subject to the
+    window); slot `lengths + j` is new token `j` (visible where `new_mask[:, :, j]`); later slots are
+    never visible. Without a cache the keys are the new tokens themselves.
+    """
+    if lengths is None:
+        visible, key_pos = new_mask, positions
+    else:
+        slots = jnp.arange(num_keys)[None, :]  # [1, S]
+        rel = slots - lengths[:, None]  # [B, S] offset into the new tokens
+        is_new = (rel >= 0) & (rel < new_mask.shape[-1])
+        rel_c = jnp.clip(rel, 0, new_mask.shape[-1] - 1)
+        new_visible = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], new_mask.shape[:2] +
+                                                                      (num_keys,)), axis=2)
+        visible = (rel < 0)[:, None, :] | (is_new[:, None, :] & new_visible)
+        key_pos = jnp.where(rel < 0, slots, jnp.take_along_axis(positions, rel_c, axis=1))  # [B, S]
+    distance = positions[:, :, None] - key_pos[:, None, :]  # [B, T, S]
+    in_window = (window == 0) | (distance < window)
+    return visible & in_window
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Grouped-query attention, softmax in fp32.
+
+    q: [B, T, Hq, Dh]; k, v: [B, S, Hkv, Dh]; visible: [B, T, S] bool -> [B, T, Hq, Dh].
+    """
+    b, t, hq, dh = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, dh)
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(
+        jnp.float32(dh))
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, dh).astype(q.dtype)

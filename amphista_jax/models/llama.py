@@ -1,0 +1,198 @@
+"""The Llama-family decoder in Flax Linen (Llama 2/3, Vicuna, Mistral, Qwen2).
+
+One forward serves prefill, single-token decode, tree verification and training:
+
+    model.apply({"params": params}, tokens, positions, cache=None, new_mask=None) -> Output
+
+* `tokens, positions [B, T]`: the new tokens and their absolute positions.
+* `cache`: a `KVCache` whose `lengths [B]` committed slots are attended to; the new tokens' keys/values are
+  written to slots `[lengths, lengths + T)` (the cache's `lengths` are not advanced). `None` = no cache
+  (training): the new tokens attend only to each other.
+* `new_mask [B, T, T]`: visibility among the new tokens (a tree mask for verification); `None` = causal.
+
+Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv_heads`, `mlp`, `norm`, `layers`);
+`amphista_jax.sharding` maps them to a mesh. Layers are stacked on a leading `layers` axis (`nn.scan`), so
+the model compiles once whatever its depth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from amphista_jax.cache import KVCache, write
+from amphista_jax.models.attention import causal_mask, dot_product_attention, key_visibility
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.rope import apply_rope, inverse_frequencies
+
+Dtype = Any
+
+
+@struct.dataclass
+class Output:
+    hidden: jax.Array  # [B, T, D] last-layer hidden states (after the final norm)
+    logits: jax.Array | None  # [B, T, V] fp32, when asked for
+    cache: KVCache | None  # the cache with the new tokens written to their scratch slots
+
+
+def _dense(features: int, axes: tuple[str, str], use_bias: bool, name: str, param_dtype: Dtype) -> nn.Dense:
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
+        param_dtype=param_dtype,
+        name=name,
+    )
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones_init(), ("norm",)),
+                           (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale * normed.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, visible, layer_k, layer_v, lengths):
+        c = self.config
+        b, t, _ = x.shape
+        q = _dense(c.num_heads * c.head_dim, ("embed", "heads"), c.qkv_bias, "q_proj", self.param_dtype)(x)
+        k = _dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), c.qkv_bias, "k_proj", self.param_dtype)(x)
+        v = _dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), c.qkv_bias, "v_proj", self.param_dtype)(x)
+        inv_freq = inverse_frequencies(c)
+        q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
+        k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+        if layer_k is not None:
+            layer_k, layer_v = write(layer_k, k, lengths), write(layer_v, v, lengths)
+            k, v = layer_k.astype(q.dtype), layer_v.astype(q.dtype)
+        out = dot_product_attention(q, k, v, visible)  # [B, T, Hq, Dh]
+        out = _dense(c.hidden_size, ("heads", "embed"), c.o_bias, "o_proj", self.param_dtype)(
+            out.reshape(b, t, c.num_heads * c.head_dim))
+        return out, layer_k, layer_v
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        gate = _dense(c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "gate_proj", self.param_dtype)(x)
+        up = _dense(c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "up_proj", self.param_dtype)(x)
+        return _dense(c.hidden_size, ("mlp", "embed"), c.mlp_bias, "down_proj", self.param_dtype)(
+            nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the scan body. `scanned` is this layer's (k cache, v cache, sliding window)."""
+
+    config: ModelConfig
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, scanned, shared):
+        layer_k, layer_v, window = scanned
+        positions, new_mask, lengths = shared
+        c = self.config
+        num_keys = new_mask.shape[-1] if layer_k is None else layer_k.shape[1]
+        visible = key_visibility(positions, new_mask, lengths, num_keys, window)
+        h, layer_k, layer_v = Attention(c, self.param_dtype, name="attn")(
+            RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x), positions, visible, layer_k,
+            layer_v, lengths)
+        x = x + h
+        x = x + MLP(c, self.param_dtype, name="mlp")(
+            RMSNorm(c.rms_norm_eps, self.param_dtype, name="post_attn_norm")(x))
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        return x, (layer_k, layer_v)
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        c = self.config
+        self.embed = nn.Embed(
+            c.vocab_size, c.hidden_size, param_dtype=self.param_dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
+        self.layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
+            length=c.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(c, self.param_dtype, name="layers")
+        self.final_norm = RMSNorm(c.rms_norm_eps, self.param_dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = _dense(c.vocab_size, ("embed", "vocab"), False, "lm_head", self.param_dtype)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int
+        positions: jax.Array,  # [B, T] int
+        cache: KVCache | None = None,
+        new_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal
+        return_logits: bool = True,
+    ) -> Output:
+        b, t = tokens.shape
+        if new_mask is None:
+            new_mask = causal_mask(b, t)
+        x = self.embed_tokens(tokens)
+        windows = jnp.asarray(self.config.sliding_windows, jnp.int32)
+        if cache is None:
+            x, _ = self.layers(x, (None, None, windows), (positions, new_mask, None))
+            new_cache = None
+        else:
+            x, (k, v) = self.layers(x, (cache.k, cache.v, windows), (positions, new_mask, cache.lengths))
+            new_cache = cache.replace(k=k, v=v)
+        hidden = self.final_norm(x)
+        return Output(hidden, self.logits(hidden) if return_logits else None, new_cache)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Input embeddings `[..., D]` of `tokens [...]` (Amphista/Hydra consume these)."""
+        return nn.with_logical_constraint(self.embed(tokens), ("batch", "length", "embed"))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """fp32 vocabulary logits `[..., V]` of last-layer hidden states `[..., D]`."""
+        if self.config.tie_word_embeddings:
+            out = self.embed.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+
+def init_params(config: ModelConfig, rng: jax.Array, param_dtype: Dtype = jnp.float32) -> dict:
+    """Random-init parameters (unboxed arrays)."""
+    model = Transformer(config, param_dtype)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return nn.unbox(model.init(rng, tokens, tokens, return_logits=True)["params"])
+
+
+def param_shapes(config: ModelConfig, param_dtype: Dtype = jnp.float32) -> tuple[dict, dict]:
+    """(`jax.ShapeDtypeStruct` tree, logical-axis `PartitionSpec` tree) of the params, without allocating."""
+    model = Transformer(config, param_dtype)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    boxed = jax.eval_shape(lambda r: model.init(r, tokens, tokens)["params"], jax.random.key(0))
+    return nn.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+def new_cache(config: ModelConfig, batch: int, size: int, dtype: Dtype = jnp.float32) -> KVCache:
+    return KVCache.zeros(config.num_layers, batch, size, config.num_kv_heads, config.head_dim, dtype)
