@@ -1,0 +1,87 @@
+"""YAML -> frozen, typed dataclasses, with `a.b=value` overrides from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigFileError(ValueError):
+    """A config file or override that does not fit its dataclass."""
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from a nested mapping; unknown keys are an error naming the valid ones."""
+    if not isinstance(data, Mapping):
+        raise ConfigFileError(f"{where or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - fields
+    if unknown:
+        raise ConfigFileError(
+            f"{where or cls.__name__}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(hints[name], value, f"{where}{name}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigFileError(f"{where or cls.__name__}: {e}") from e
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _convert(args[0], value, where)
+    if origin is tuple and isinstance(value, Sequence) and not isinstance(value, str):
+        args = typing.get_args(hint)
+        item = args[0] if args else Any
+        return tuple(_convert(item, v, where) for v in value)
+    if hint is float and isinstance(value, int):
+        return float(value)
+    if hint in (int, float, str, bool) and not isinstance(value, hint):
+        raise ConfigFileError(f"{where}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` strings (values parsed as YAML) to a nested dict, returning a new dict."""
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigFileError(f"override {item!r} must look like key=value (e.g. train.steps=100)")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node[p] = dict(node.get(p) or {})
+            node = node[p]
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -> T:
+    """Load `path` (YAML; None = all defaults) into `cls`, then apply `overrides`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigFileError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigFileError(f"{path} is not valid YAML: {e}") from e
+    return from_dict(cls, apply_overrides(data, overrides), where="" if path is None else f"{path}: ")

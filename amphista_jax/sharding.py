@@ -1,0 +1,77 @@
+"""Meshes and shardings. Model code names logical axes only; this module maps them to mesh axes.
+
+Mesh axes: `data` (pure data parallel), `fsdp` (data parallel + parameter sharding on `embed`), `tensor`
+(model parallel over heads / MLP / vocab).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from amphista_jax.cache import KVCache
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.llama import param_shapes
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
+    ("length", None),
+    ("layers", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("norm", None),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A `(data, fsdp, tensor)` mesh with `Auto` axes (Linen's logical constraints need them)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if data * fsdp * tensor != len(devices):
+        raise ValueError(f"mesh {data=} x {fsdp=} x {tensor=} = {data * fsdp * tensor} devices, but "
+                         f"{len(devices)} are available: choose sizes whose product is the device count")
+    grid = np.asarray(devices).reshape(data, fsdp, tensor)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Drop mesh axes from dimensions they do not divide (e.g. 2 KV heads on a tensor axis of 4)."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+        out.append(axes if names and dim % size == 0 else None)
+    return PartitionSpec(*out)
+
+
+def logical_sharding(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh,
+                     rules: Sequence = LOGICAL_RULES) -> NamedSharding:
+    mesh_spec = nn.logical_to_mesh_axes(tuple(logical), rules)
+    return NamedSharding(mesh, _fit(mesh_spec, shape, mesh))
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, rules: Sequence = LOGICAL_RULES) -> dict:
+    """A tree like the target params of `NamedSharding`s from their logical axes."""
+    shapes, logical = param_shapes(config)
+    return jax.tree.map(lambda s, spec: logical_sharding(spec, s.shape, mesh, rules), shapes, logical,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Shard the leading (batch) dimension over `data` x `fsdp`, replicate the rest."""
+    return NamedSharding(mesh, _fit(PartitionSpec(BATCH_AXES), shape, mesh))
+
+
+def cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
+    """KV cache `[L, B, S, KVH, Dh]`: batch over `data` x `fsdp`, KV heads over `tensor`."""
+    kv = NamedSharding(mesh, _fit(PartitionSpec(None, BATCH_AXES, None, "tensor"), cache.k.shape, mesh))
+    return KVCache(kv, kv, batch_sharding(mesh, cache.lengths.shape))

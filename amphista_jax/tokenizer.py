@@ -1,0 +1,46 @@
+"""Tokenizers, chat templates and stop tokens of a local Hugging Face checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from amphista_jax.models.config import ModelConfig
+
+
+class TokenizerError(ValueError):
+    """A checkpoint directory whose tokenizer cannot be used as asked."""
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"cannot load a tokenizer from {path} ({e}); the directory needs tokenizer.json "
+                             "or the tokenizer files its tokenizer_config.json names") from e
+
+
+def stop_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: ModelConfig) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (int or list), config.json and the tokenizer, deduplicated."""
+    ids: list[int] = list(config.eos_token_ids)
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool = False) -> list[int]:
+    """Token ids of `text`; with `chat`, as one user turn through the tokenizer's chat template."""
+    if not chat:
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if not tokenizer.chat_template:
+        raise TokenizerError("this tokenizer has no chat template: drop --chat, or add a chat_template to its "
+                             "tokenizer_config.json")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    return list(ids)

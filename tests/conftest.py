@@ -1,0 +1,49 @@
+"""Shared fixtures. Eight emulated CPU devices for the sharding tests; fp32 everywhere."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# name -> (transformers config class, model class, config kwargs)
+HF_VARIANTS = {
+    "llama-mha": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4)),
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}, rope_theta=500000.0)),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=6)),
+    "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+}
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+            max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def build_hf_model(name: str, path, seed: int = 0):
+    """Build a tiny random HF model of variant `name` in fp32, save it to `path`, return the torch model."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    cfg_cls, model_cls, kwargs = HF_VARIANTS[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, cfg_cls)(**(TINY | kwargs))
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():  # HF zero-inits biases; random ones make the qkv-bias path observable
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.02)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(params=sorted(HF_VARIANTS))
+def hf_model(request, tmp_path):
+    """(torch model, checkpoint dir) for each supported variant."""
+    path = tmp_path / request.param
+    return build_hf_model(request.param, path), path

@@ -1,0 +1,1 @@
+"""Training: the embedded target's pre-training recipe and (later) the draft-head trainer."""

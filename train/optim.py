@@ -1,0 +1,34 @@
+"""Optimizers: AdamW with linear warmup + cosine decay and global-norm clipping."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"{self.lr=} must be > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"{self.warmup_steps=} must be >= 0")
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(total_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )

@@ -1,0 +1,234 @@
+"""Recipe for the embedded default target: a small Llama trained on the standard library's Python source.
+
+    amphista-jax pretrain-target --config configs/target/tiny-code.yaml [key=value ...]
+
+Builds the corpus (sorted stdlib `.py` files, held out by a stable hash of the path), trains a byte-level
+BPE tokenizer, trains the model with our own model code + optax + a grain pipeline of packed sequences,
+checkpoints with orbax every `checkpoint_every` steps (an interrupted run, SIGTERM included, resumes where
+it stopped), then exports a Hugging Face directory (bf16 safetensors, tokenizer, generation config) and
+prints the held-out loss and a few greedy continuations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from amphista_jax.decode import check_fits, generate, pad_prompts
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.hf import save_params
+from amphista_jax.models.llama import Transformer, init_params
+from train.checkpoint import Checkpointer
+from train.corpus import split_corpus, stdlib_files, train_tokenizer
+from train.data import pack_documents, packed_dataset
+from train.optim import OptimConfig, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetArch:
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    run_dir: str = "runs/tiny-code-llama"  # tokenizer, orbax checkpoints
+    export_dir: str = "runs/tiny-code-llama/export"  # the Hugging Face directory written at the end
+    vocab_size: int = 4096
+    heldout_fraction: float = 0.05
+    max_files: int = 0  # 0 = every stdlib file; >0 = the first N (smoke tests)
+    arch: TargetArch = TargetArch()
+    seq_len: int = 256
+    batch_size: int = 32
+    steps: int = 640
+    optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50, b2=0.95, weight_decay=0.1)
+    checkpoint_every: int = 40
+    keep_checkpoints: int = 2
+    eval_windows: int = 64
+    heldout_sample_chars: int = 24000
+    sample_prompts: tuple[str, ...] = (
+        "def fibonacci(n):\n",
+        "class Stack:\n    def __init__(self):\n",
+        "import os\n\n\ndef list_python_files(path):\n",
+    )
+    sample_tokens: int = 48
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"{self.heldout_fraction=} must be in (0, 1)")
+        if self.vocab_size < 260:
+            raise ValueError(f"{self.vocab_size=} must be >= 260 (256 bytes + special tokens)")
+
+
+def next_token_loss(model: Transformer, params: Any, windows: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats/token) over `windows [B, T + 1]`."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    b, t = inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    logits = model.apply({"params": params}, inputs, positions).logits  # [B, T, V] fp32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def heldout_loss(model: Transformer, params: Any, windows: np.ndarray, batch_size: int) -> float:
+    loss_fn = jax.jit(lambda p, w: next_token_loss(model, p, w))
+    losses = [float(loss_fn(params, windows[i: i + batch_size])) * len(windows[i: i + batch_size])
+              for i in range(0, len(windows), batch_size)]
+    return sum(losses) / len(windows)
+
+
+def _tokenizer(cfg: PretrainConfig, train_texts: list[str]) -> PreTrainedTokenizerBase:
+    path = Path(cfg.run_dir) / "tokenizer"
+    if (path / "tokenizer.json").is_file():  # resume: never retrain, the checkpoints depend on it
+        return AutoTokenizer.from_pretrained(path)
+    tok = train_tokenizer(train_texts, cfg.vocab_size)
+    tok.save_pretrained(path)
+    return tok
+
+
+def _encode(tok: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    return tok(texts, add_special_tokens=True)["input_ids"]
+
+
+def model_config(cfg: PretrainConfig, tok: PreTrainedTokenizerBase) -> ModelConfig:
+    a = cfg.arch
+    return ModelConfig(
+        vocab_size=len(tok), hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+        head_dim=a.hidden_size // a.num_heads, rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+
+
+def run(cfg: PretrainConfig) -> dict[str, Any]:
+    """Train (or resume) and export. Returns the summary written to `export_dir/training_summary.json`."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root)
+    if cfg.max_files:
+        files = files[: cfg.max_files]
+    train_texts, heldout_texts = split_corpus(files, root, cfg.heldout_fraction)
+    if not train_texts or not heldout_texts:
+        raise ValueError(f"corpus split left {len(train_texts)} train / {len(heldout_texts)} held-out files: "
+                         "raise max_files or heldout_fraction")
+    tok = _tokenizer(cfg, train_texts)
+    eos = tok.eos_token_id
+    train_windows = pack_documents(_encode(tok, train_texts), eos, cfg.seq_len)
+    heldout_windows = pack_documents(_encode(tok, heldout_texts), eos, cfg.seq_len)[: cfg.eval_windows]
+    print(f"corpus: {len(files)} files ({len(train_texts)} train, {len(heldout_texts)} held out); "
+          f"{train_windows.size:,} train tokens in {len(train_windows)} windows of {cfg.seq_len + 1}")
+
+    mcfg = model_config(cfg, tok)
+    model = Transformer(mcfg)
+    optimizer = make_optimizer(cfg.optim, cfg.steps)
+
+    def init_state() -> dict[str, Any]:
+        params = init_params(mcfg, jax.random.key(cfg.seed))
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    @jax.jit
+    def train_step(state: dict[str, Any], batch: jax.Array) -> tuple[dict[str, Any], jax.Array]:
+        loss, grads = jax.value_and_grad(lambda p: next_token_loss(model, p, batch))(state["params"])
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss
+
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
+    data_iter = iter(packed_dataset(train_windows, cfg.batch_size, cfg.seed))
+    extra: dict[str, Any] = {"tokens_seen": 0, "train_seconds": 0.0, "losses": []}
+    if ckpt.latest_step() is not None:
+        state, extra = ckpt.restore(jax.eval_shape(init_state))
+        data_iter.set_state(extra.pop("data"))
+        print(f"resumed from step {int(state['step'])} in {ckpt.directory}")
+    else:
+        state = init_state()
+    print(f"model: {mcfg.num_params:,} parameters; {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} tokens")
+
+    stop = {"signal": None}
+    previous = signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
+    step = int(state["step"])
+    bar = tqdm(total=cfg.steps, initial=step, desc="pretrain", unit="step", dynamic_ncols=True)
+    try:
+        while step < cfg.steps and stop["signal"] is None:
+            t0 = time.perf_counter()
+            state, loss = train_step(state, jnp.asarray(next(data_iter)))
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"training loss became {loss} at step {step + 1}: lower optim.lr")
+            step += 1
+            extra["tokens_seen"] += cfg.batch_size * cfg.seq_len
+            extra["train_seconds"] += time.perf_counter() - t0
+            extra["losses"].append(round(loss, 4))
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            ckpt.save(step, state, extra | {"data": data_iter.get_state()}, force=step == cfg.steps)
+    finally:
+        bar.close()
+        signal.signal(signal.SIGTERM, previous)
+    if stop["signal"] is not None:
+        ckpt.save(step, state, extra | {"data": data_iter.get_state()}, force=True)
+        ckpt.close()
+        print(f"stopped by signal at step {step}; checkpoint saved, rerun the same command to resume")
+        raise SystemExit(143)
+    ckpt.close()
+    return export(cfg, mcfg, tok, state["params"], heldout_windows, heldout_texts, extra)
+
+
+def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase, params: Any,
+           heldout_windows: np.ndarray, heldout_texts: list[str], extra: dict[str, Any]) -> dict[str, Any]:
+    out = Path(cfg.export_dir)
+    save_params(params, mcfg, out, dtype="bfloat16")
+    tok.save_pretrained(out)
+    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+           "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (out / "heldout_sample.txt").write_text("\n".join(heldout_texts)[: cfg.heldout_sample_chars])
+
+    # Evaluate what was shipped: the bf16 weights, computed in fp32.
+    shipped = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+    model = Transformer(mcfg)
+    loss = heldout_loss(model, shipped, heldout_windows, cfg.batch_size)
+    prompts = [_encode(tok, [p])[0] for p in cfg.sample_prompts]
+    tokens, lengths = pad_prompts(prompts, pad_id=tok.pad_token_id)
+    cache = tokens.shape[1] + cfg.sample_tokens
+    check_fits(lengths, cfg.sample_tokens, cache)
+    result = generate(shipped, tokens, lengths, jax.random.key(0), config=mcfg, max_new_tokens=cfg.sample_tokens,
+                      cache_size=cache, eos_ids=mcfg.eos_token_ids, pad_id=tok.pad_token_id)
+    samples = {}
+    for p, row, n in zip(cfg.sample_prompts, np.asarray(result.tokens), np.asarray(result.num_tokens),
+                         strict=True):
+        samples[p] = tok.decode(row[:n], skip_special_tokens=True)
+        print(f"--- {p!r}\n{p}{samples[p]}")
+    summary = {
+        "parameters": mcfg.num_params,
+        "tokens_seen": extra["tokens_seen"],
+        "steps": len(extra["losses"]),
+        "train_seconds": round(extra["train_seconds"], 1),
+        "heldout_loss_nats_per_token": round(loss, 4),
+        "heldout_windows": int(len(heldout_windows)),
+        "final_train_loss": extra["losses"][-1] if extra["losses"] else None,
+        "config": dataclasses.asdict(cfg),
+        "greedy_samples": samples,
+    }
+    (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"held-out loss: {loss:.4f} nats/token over {len(heldout_windows)} windows; exported to {out}")
+    return summary
