@@ -47,3 +47,28 @@ def hf_model(request, tmp_path):
     """(torch model, checkpoint dir) for each supported variant."""
     path = tmp_path / request.param
     return build_hf_model(request.param, path), path
+
+
+SMOKE_OVERRIDES = [
+    "max_files=30", "heldout_fraction=0.2", "vocab_size=300", "seq_len=32", "batch_size=4",
+    "arch.hidden_size=32", "arch.intermediate_size=64", "arch.num_layers=2", "arch.num_heads=2",
+    "arch.num_kv_heads=1", "eval_windows=4", "sample_tokens=8", "checkpoint_every=2",
+    "optim.warmup_steps=1",
+]
+
+
+def smoke_pretrain_config(run_dir, steps: int):
+    from amphista_jax.config_io import load_config
+    from train.pretrain_target import PretrainConfig
+
+    return load_config(PretrainConfig, None, SMOKE_OVERRIDES + [
+        f"run_dir={run_dir}", f"export_dir={run_dir}/export", f"steps={steps}"])
+
+
+@pytest.fixture(scope="session")
+def smoke_model(tmp_path_factory):
+    """A tiny target trained for 3 steps by the real recipe: (run dir, summary)."""
+    from train.pretrain_target import run
+
+    run_dir = tmp_path_factory.mktemp("pretrain")
+    return run_dir, run(smoke_pretrain_config(run_dir, steps=3))

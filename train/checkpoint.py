@@ -27,7 +27,12 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, extra: dict[str, Any], force: bool = False) -> bool:
-        """Save `state` (a pytree of arrays) and `extra` (JSON: data-iterator state, counters)."""
+        """Save `state` (a pytree of arrays) and `extra` (JSON: data-iterator state, counters).
+
+        A step that is already saved is left as it is (orbax also saves a run's first step).
+        """
+        if step == self.latest_step():
+            return False
         return self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)),
             force=force)

@@ -1,0 +1,84 @@
+"""The embedded-target recipe end to end on a tiny budget: export, transformers loading, resume, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from amphista_jax.models.hf import load_params
+from amphista_jax.models.llama import Transformer
+from tests.conftest import SMOKE_OVERRIDES, smoke_pretrain_config
+from train.corpus import is_heldout, stdlib_files
+from train.pretrain_target import run
+
+
+def test_corpus_is_the_stdlib_with_a_stable_five_percent_split():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root)
+    assert files == sorted(files) and not any("site-packages" in f.parts for f in files)
+    held = [f for f in files if is_heldout(f.relative_to(root).as_posix(), 0.05)]
+    assert 0.03 < len(held) / len(files) < 0.07
+    assert is_heldout("json/decoder.py", 0.05) == is_heldout("json/decoder.py", 0.05)
+
+
+def test_export_is_a_hf_checkpoint_that_transformers_loads(smoke_model):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    run_dir, summary = smoke_model
+    export = run_dir / "export"
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "training_summary.json"):
+        assert (export / name).is_file(), name
+    assert summary["steps"] == 3 and summary["tokens_seen"] == 3 * 4 * 32
+    assert np.isfinite(summary["heldout_loss_nats_per_token"])
+    tok = AutoTokenizer.from_pretrained(export)
+    ids = tok("def add(a, b):\n    return a + b\n")["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True).startswith("def add")
+
+    params, config = load_params(export, dtype="float32")
+    hf = LlamaForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    tokens = np.asarray([ids])
+    ours = Transformer(config).apply({"params": params}, jnp.asarray(tokens), jnp.arange(len(ids))[None]).logits
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
+
+
+def test_rerun_resumes_from_the_last_checkpoint(smoke_model, tmp_path, capsys):
+    run_dir, first = smoke_model
+    resumed = run(smoke_pretrain_config(run_dir, steps=5))
+    assert "resumed from step 3" in capsys.readouterr().out
+    assert resumed["steps"] == 5 and resumed["tokens_seen"] == 5 * 4 * 32
+    assert resumed["config"]["steps"] == 5 and first["config"]["steps"] == 3
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    overrides = SMOKE_OVERRIDES + [f"run_dir={tmp_path}", f"export_dir={tmp_path}/export", "steps=100000",
+                                   "checkpoint_every=100000"]
+    proc = subprocess.Popen([sys.executable, "-m", "amphista_jax.cli", "pretrain-target", "--config",
+                             "configs/target/tiny-code.yaml", *overrides], cwd=Path(__file__).parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    out = ""
+    deadline = time.time() + 240
+    while "loss=" not in out and time.time() < deadline:  # wait until training steps are running
+        out += proc.stdout.read(1)
+    proc.send_signal(signal.SIGTERM)
+    out += proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-2000:]
+    assert "checkpoint saved, rerun the same command to resume" in out
+    saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+    assert saved and max(saved) > 0
+    extra = json.loads(next((tmp_path / "checkpoints" / str(max(saved))).rglob("extra/*")).read_text())
+    assert extra["tokens_seen"] == max(saved) * 4 * 32
