@@ -50,8 +50,11 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         args = typing.get_args(hint)
         item = args[0] if args else Any
         return tuple(_convert(item, v, where) for v in value)
-    if hint is float and isinstance(value, int):
-        return float(value)
+    if hint is float and isinstance(value, int | str) and not isinstance(value, bool):
+        try:  # YAML 1.1 reads `1e-4` (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise ConfigFileError(f"{where}: expected float, got {value!r}") from None
     if hint in (int, float, str, bool) and not isinstance(value, hint):
         raise ConfigFileError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value

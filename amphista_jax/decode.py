@@ -22,6 +22,9 @@ from amphista_jax.models.llama import Output, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
 
 
+GREEDY = SamplingConfig()
+
+
 class PromptTooLongError(ValueError):
     """A prompt that does not fit in the cache together with the tokens to generate."""
 
@@ -106,7 +109,7 @@ def generate(
     config: ModelConfig,
     max_new_tokens: int,
     cache_size: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = GREEDY,
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
 ) -> GenerateOutput:

@@ -1,0 +1,1 @@
+"""Evaluation: benchmarks and (later) the acceptance-length harness."""
