@@ -21,7 +21,6 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
 
-
 GREEDY = SamplingConfig()
 
 
