@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from amphista_jax.cache import KVCache
+from amphista_jax.cache import KVCache, compact
+from amphista_jax.drafters.base import DraftContext
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
+from amphista_jax.trees import TreeSpec, tree_arrays
+from amphista_jax.verify import AcceptanceConfig, Verdict, verify
 
 GREEDY = SamplingConfig()
 
@@ -33,6 +37,7 @@ class GenerateOutput:
     tokens: jax.Array  # [B, max_new_tokens] generated tokens, `pad_id` after a row stops
     num_tokens: jax.Array  # [B] tokens generated per row (an EOS token counts and is included)
     steps: jax.Array  # [] target forward passes after the prefill
+    accept_lengths: jax.Array  # [B, max_new_tokens] tokens committed by each forward (0 once a row is done)
 
 
 @struct.dataclass
@@ -149,4 +154,103 @@ def generate(
         return _LoopState(out.cache.advance(~s.done), nxt, tokens, num_tokens, done, s.steps + 1, s.rng)
 
     final = jax.lax.while_loop(cond, body, state)
-    return GenerateOutput(final.tokens, final.num_tokens, final.steps)
+    one_per_step = (jnp.arange(max_new_tokens)[None] < final.num_tokens[:, None] - 1).astype(jnp.int32)
+    return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step)
+
+
+@struct.dataclass
+class _SpecState:
+    cache: KVCache
+    draft_state: Any
+    root: jax.Array  # [B] target's next token, not yet in the cache
+    hidden: jax.Array  # [B, D] hidden state at the node that produced `root`
+    tokens: jax.Array  # [B, max_new_tokens]
+    num_tokens: jax.Array  # [B]
+    done: jax.Array  # [B]
+    accept_lengths: jax.Array  # [B, max_new_tokens] tokens committed per step (0 once done)
+    steps: jax.Array  # []
+    rng: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "config", "drafter", "tree", "max_new_tokens", "cache_size", "sampling", "acceptance", "eos_ids", "pad_id"))
+def speculative_generate(
+    params: dict,
+    draft_params: Any,
+    prompt: jax.Array,  # [B, T]
+    prompt_lengths: jax.Array,  # [B]
+    rng: jax.Array,
+    *,
+    config: ModelConfig,
+    drafter: Any,
+    tree: TreeSpec,
+    max_new_tokens: int,
+    cache_size: int,
+    sampling: SamplingConfig = GREEDY,
+    acceptance: AcceptanceConfig = AcceptanceConfig(),
+    eos_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> GenerateOutput:
+    """Draft-tree / verify generation; greedy output equals `generate`'s token for token.
+
+    Each step: the drafter proposes the tree's tokens, one target forward verifies all of them with the tree
+    mask (positions = length + depth), the acceptance rule picks a path, the accepted keys/values are
+    compacted into the committed cache, and the path's tokens plus the bonus token are emitted. The caller
+    checks `check_fits(prompt_lengths, max_new_tokens + tree.num_nodes, cache_size)` first.
+    """
+    b, t = prompt.shape
+    arrays = tree_arrays(tree)
+    n, depth = tree.num_nodes, tree.depth
+    if t + n > cache_size:
+        raise PromptTooLongError(f"padded prompt length {t} + {n} tree nodes exceeds {cache_size=}")
+    model = Transformer(config)
+    dtype = jax.tree.leaves(params)[0].dtype
+    out, cache, logits = prefill(model, params, prompt, prompt_lengths, new_cache(config, b, cache_size, dtype))
+    first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
+    hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    draft_state = drafter.prefill(draft_params, params, out, prompt_lengths, drafter.init_state(b, cache_size))
+    state = _SpecState(
+        cache=cache, draft_state=draft_state, root=first, hidden=hidden,
+        tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
+        num_tokens=jnp.ones((b,), jnp.int32),
+        done=is_stop(first, eos_ids) | (max_new_tokens <= 1),
+        accept_lengths=jnp.zeros((b, max_new_tokens), jnp.int32),
+        steps=jnp.zeros((), jnp.int32), rng=rng)
+    tree_mask = jnp.broadcast_to(jnp.asarray(arrays.mask), (b, n, n))
+
+    def body(s: _SpecState) -> _SpecState:
+        key = jax.random.fold_in(s.rng, s.steps + 1)
+        ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)
+        proposal = drafter.propose(draft_params, params, ctx, arrays, jax.random.fold_in(key, 0))
+        positions = s.cache.lengths[:, None] + jnp.asarray(arrays.depth)[None]
+        verified = model.apply({"params": params}, proposal.tokens, positions, s.cache, tree_mask)
+        verdict = verify(proposal.tokens, verified.logits, arrays, sampling, acceptance, jax.random.fold_in(key, 1),
+                         proposal.q)
+        n_acc = jnp.where(s.done, 0, verdict.n_accepted)
+        verdict = verdict.replace(n_accepted=jnp.maximum(n_acc, 1))
+        cache = compact(verified.cache, verdict.accepted_nodes, n_acc)
+        draft_state = drafter.commit(draft_params, params, verdict, verified, s.draft_state)
+        # Emitted this step: the accepted draft tokens (path nodes 1..n-1), then the bonus token.
+        path_tokens = jnp.take_along_axis(proposal.tokens, jnp.maximum(verdict.accepted_nodes, 0), 1)  # [B, D+1]
+        idx = jnp.arange(depth + 1)[None]
+        emit = jnp.where(idx < n_acc[:, None] - 1, jnp.roll(path_tokens, -1, axis=1), verdict.bonus[:, None])
+        stop = is_stop(emit, eos_ids) & (idx < n_acc[:, None])
+        first_stop = jnp.where(stop.any(1), jnp.argmax(stop, 1) + 1, depth + 1)
+        count = jnp.minimum(jnp.minimum(n_acc, first_stop), max_new_tokens - s.num_tokens)
+        count = jnp.where(s.done, 0, count)
+        dest = jnp.where(idx < count[:, None], s.num_tokens[:, None] + idx, max_new_tokens)
+        tokens = jax.vmap(lambda row, d, e: row.at[d].set(e, mode="drop"))(s.tokens, dest, emit)
+        num_tokens = s.num_tokens + count
+        done = s.done | (first_stop <= count) | (num_tokens >= max_new_tokens)
+        last = _last_accepted(verdict)
+        hidden = jnp.take_along_axis(verified.hidden, last[:, None, None], axis=1)[:, 0]
+        accept_lengths = s.accept_lengths.at[:, s.steps].set(count, mode="drop")
+        return _SpecState(cache, draft_state, verdict.bonus, hidden, tokens, num_tokens, done, accept_lengths,
+                          s.steps + 1, s.rng)
+
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths)
+
+
+def _last_accepted(verdict: Verdict) -> jax.Array:
+    return jnp.take_along_axis(verdict.accepted_nodes, (verdict.n_accepted - 1)[:, None], 1)[:, 0]

@@ -1,0 +1,160 @@
+"""Acceptance rules over a verified draft tree: greedy, typical acceptance, lossless tree rejection sampling.
+
+Inputs are the tree's node tokens `[B, N]` (node 0 = the root, the token the target produced last step),
+the target's fp32 logits at every node `[B, N, V]` (the distribution of the token *after* that node) and
+the `TreeArrays`. Output: the accepted root-to-node path `accepted_nodes [B, D + 1]` (node ids, -1 past
+`n_accepted`), `n_accepted [B]` (the root included, so >= 1), and the `bonus [B]` token drawn from the
+target at the last accepted node.
+
+* greedy: the longest path whose every token is the argmax of its parent's logits (first such path in
+  path order on ties); bonus = argmax. Exactly the AR greedy output.
+* typical (Medusa): a token is accepted when its target probability exceeds
+  `min(posterior_threshold, posterior_alpha * exp(-entropy))`; longest path; bonus sampled from the target.
+  Not distribution-preserving: a speed/quality trade-off, as in Medusa.
+* rejection (lossless): walk down from the root; at each node try its children in rank order, accepting
+  child token x with probability `min(1, p(x) / q(x))`; on rejection the target distribution becomes the
+  residual `normalize(max(p - q, 0))`. When no child is accepted the bonus is drawn from the residual.
+  `q` is the drafter's distribution for each node (`[B, N, V]`), or None for deterministic (top-k)
+  proposals, where q is a point mass on the node's token: then a rejected token's probability is zeroed
+  and the rest renormalised. Either way the committed tokens follow the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from amphista_jax.sampling import SamplingConfig, warp_logits
+from amphista_jax.trees import TreeArrays
+
+ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceConfig:
+    """How to accept draft tokens. `rule=None` picks greedy at temperature 0 and rejection otherwise."""
+
+    rule: str | None = None
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.rule is not None and self.rule not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance rule {self.rule!r} is not one of {', '.join(ACCEPTANCE_RULES)}")
+
+    def resolve(self, sampling: SamplingConfig) -> str:
+        if self.rule is None:
+            return "greedy" if sampling.greedy else "rejection"
+        if self.rule == "greedy" and not sampling.greedy:
+            raise ValueError("greedy acceptance needs temperature 0; use 'rejection' (lossless) or 'typical'")
+        return self.rule
+
+
+@struct.dataclass
+class Verdict:
+    accepted_nodes: jax.Array  # [B, D + 1] node ids on the accepted path, -1 past n_accepted
+    n_accepted: jax.Array  # [B] accepted nodes, root included (>= 1)
+    bonus: jax.Array  # [B] the target's token after the last accepted node
+
+
+def children_table(tree: TreeArrays) -> np.ndarray:
+    """`[N, C]` children of each node in rank order, padded with -1 (for static, numpy trees)."""
+    parent, valid, topk = np.asarray(tree.parent), np.asarray(tree.valid), np.asarray(tree.topk_index)
+    kids = [sorted((int(topk[c]), c) for c in range(1, len(parent)) if valid[c] and parent[c] == n)
+            for n in range(len(parent))]
+    width = max(1, max(len(k) for k in kids))
+    table = np.full((len(parent), width), -1, np.int32)
+    for n, k in enumerate(kids):
+        table[n, : len(k)] = [c for _, c in k]
+    return table
+
+
+def _longest_path(node_ok: jax.Array, tree: TreeArrays) -> tuple[jax.Array, jax.Array]:
+    """node_ok [B, N]: node's token accepted given its parent. Returns (accepted_nodes, n_accepted)."""
+    paths = jnp.asarray(tree.paths)  # [P, D+1]
+    ok = jnp.where(paths[None, :, 1:] >= 0, node_ok[:, jnp.maximum(paths[:, 1:], 0)], False)  # [B, P, D]
+    run = jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1)  # [B, P] accepted drafts along each path
+    best = jnp.argmax(run, axis=-1)  # [B] first longest
+    n_accepted = jnp.take_along_axis(run, best[:, None], 1)[:, 0] + 1
+    nodes = paths[best]  # [B, D+1]
+    nodes = jnp.where(jnp.arange(paths.shape[1])[None] < n_accepted[:, None], nodes, -1)
+    return nodes, n_accepted
+
+
+def _last_node(accepted_nodes: jax.Array, n_accepted: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(accepted_nodes, (n_accepted - 1)[:, None], 1)[:, 0]
+
+
+def verify_greedy(tokens: jax.Array, logits: jax.Array, tree: TreeArrays) -> Verdict:
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N] target's choice after each node
+    node_ok = tokens == jnp.take_along_axis(best, jnp.asarray(tree.parent)[None].repeat(tokens.shape[0], 0), 1)
+    nodes, n = _longest_path(node_ok, tree)
+    return Verdict(nodes, n, jnp.take_along_axis(best, _last_node(nodes, n)[:, None], 1)[:, 0])
+
+
+def verify_typical(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampling: SamplingConfig,
+                   cfg: AcceptanceConfig, rng: jax.Array) -> Verdict:
+    warped = warp_logits(logits, sampling)  # [B, N, V]
+    logp = jax.nn.log_softmax(warped, axis=-1)
+    entropy = -jnp.sum(jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0), axis=-1)  # [B, N]
+    parent = jnp.asarray(tree.parent)
+    token_p = jnp.exp(jnp.take_along_axis(logp[:, parent], tokens[:, :, None], -1)[..., 0])  # [B, N]
+    limit = jnp.minimum(cfg.posterior_threshold, cfg.posterior_alpha * jnp.exp(-entropy[:, parent]))
+    nodes, n = _longest_path(token_p > limit, tree)
+    last = _last_node(nodes, n)
+    bonus_logits = jnp.take_along_axis(warped, last[:, None, None], 1)[:, 0]
+    return Verdict(nodes, n, jax.random.categorical(rng, bonus_logits).astype(jnp.int32))
+
+
+def verify_rejection(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampling: SamplingConfig,
+                     rng: jax.Array, q: jax.Array | None = None) -> Verdict:
+    probs = jax.nn.softmax(warp_logits(logits, sampling), axis=-1)  # [B, N, V]
+    kids = jnp.asarray(children_table(tree))  # [N, C]
+    depth = int(np.asarray(tree.paths).shape[1]) - 1
+    vocab = logits.shape[-1]
+
+    def one(tok: jax.Array, p_all: jax.Array, q_all: jax.Array | None, key: jax.Array):
+        cur, p, alive = jnp.int32(0), p_all[0], jnp.bool_(True)
+        path = jnp.full((depth + 1,), -1, jnp.int32).at[0].set(0)
+        count = jnp.int32(1)
+        for d in range(depth):
+            chosen = jnp.int32(-1)
+            for c in range(kids.shape[1]):
+                child = kids[cur, c]
+                trying = alive & (child >= 0) & (chosen < 0)
+                x = tok[jnp.maximum(child, 0)]
+                qd = jax.nn.one_hot(x, vocab) if q_all is None else q_all[jnp.maximum(child, 0)]
+                ratio = p[x] / jnp.maximum(qd[x], 1e-20)
+                u = jax.random.uniform(jax.random.fold_in(key, d * kids.shape[1] + c))
+                accept = trying & (u < ratio)
+                residual = jnp.maximum(p - qd, 0.0)
+                residual = residual / jnp.maximum(residual.sum(), 1e-20)
+                p = jnp.where(trying & ~accept, residual, p)
+                chosen = jnp.where(accept, child, chosen)
+            moved = chosen >= 0
+            cur = jnp.where(moved, chosen, cur)
+            p = jnp.where(moved, p_all[jnp.maximum(chosen, 0)], p)
+            path = path.at[d + 1].set(jnp.where(moved, chosen, -1))
+            count = count + moved
+            alive = alive & moved
+        bonus = jax.random.categorical(jax.random.fold_in(key, 10_000), jnp.log(p))
+        return path, count, bonus.astype(jnp.int32)
+
+    keys = jax.random.split(rng, tokens.shape[0])
+    path, count, bonus = jax.vmap(one, in_axes=(0, 0, None if q is None else 0, 0))(tokens, probs, q, keys)
+    return Verdict(path, count, bonus)
+
+
+def verify(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampling: SamplingConfig,
+           acceptance: AcceptanceConfig, rng: jax.Array, q: jax.Array | None = None) -> Verdict:
+    """Apply the acceptance rule that `acceptance` resolves to for `sampling`."""
+    rule = acceptance.resolve(sampling)
+    if rule == "greedy":
+        return verify_greedy(tokens, logits, tree)
+    if rule == "typical":
+        return verify_typical(tokens, logits, tree, sampling, acceptance, rng)
+    return verify_rejection(tokens, logits, tree, sampling, rng, q)
