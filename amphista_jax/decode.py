@@ -235,13 +235,14 @@ def speculative_generate(
         idx = jnp.arange(depth + 1)[None]
         emit = jnp.where(idx < n_acc[:, None] - 1, jnp.roll(path_tokens, -1, axis=1), verdict.bonus[:, None])
         stop = is_stop(emit, eos_ids) & (idx < n_acc[:, None])
-        first_stop = jnp.where(stop.any(1), jnp.argmax(stop, 1) + 1, depth + 1)
+        hit = stop.any(1)
+        first_stop = jnp.where(hit, jnp.argmax(stop, 1) + 1, depth + 1)  # tokens up to and including an EOS
         count = jnp.minimum(jnp.minimum(n_acc, first_stop), max_new_tokens - s.num_tokens)
         count = jnp.where(s.done, 0, count)
         dest = jnp.where(idx < count[:, None], s.num_tokens[:, None] + idx, max_new_tokens)
         tokens = jax.vmap(lambda row, d, e: row.at[d].set(e, mode="drop"))(s.tokens, dest, emit)
         num_tokens = s.num_tokens + count
-        done = s.done | (first_stop <= count) | (num_tokens >= max_new_tokens)
+        done = s.done | (hit & (first_stop <= count)) | (num_tokens >= max_new_tokens)
         last = _last_accepted(verdict)
         hidden = jnp.take_along_axis(verified.hidden, last[:, None, None], axis=1)[:, 0]
         accept_lengths = s.accept_lengths.at[:, s.steps].set(count, mode="drop")

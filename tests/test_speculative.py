@@ -1,0 +1,188 @@
+"""The speculative engine: lossless greedy decoding, an oracle drafter, lossless sampling, one compile."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.drafters import Medusa
+from amphista_jax.drafters.base import DraftContext, Proposal
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.sampling import SamplingConfig
+from amphista_jax.trees import PRESETS, TreeSpec, tree_arrays
+from amphista_jax.verify import verify_rejection
+
+CONFIG = tiny_llama_config()
+PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]
+NEW = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle:
+    """Proposes the target's own greedy continuation at every node (`params` = the full reference rows)."""
+
+    def init_state(self, batch, cache_size):
+        return ()
+
+    def prefill(self, params, target_params, target_out, prompt_lengths, state):
+        return state
+
+    def propose(self, params, target_params, ctx: DraftContext, tree, rng):
+        pos = ctx.lengths[:, None] + jnp.asarray(tree.depth)[None]  # [B, N] position of each node's token
+        tokens = jnp.take_along_axis(params, jnp.minimum(pos, params.shape[1] - 1), axis=1)
+        return Proposal(tokens.at[:, 0].set(ctx.root))
+
+    def commit(self, params, target_params, verdict, verify_out, state):
+        return state
+
+
+@pytest.fixture(scope="module")
+def target():
+    return init_params(CONFIG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def medusa_heads(target):
+    medusa = Medusa(num_heads=4, num_layers=1)
+    params = medusa.init(jax.random.key(1), CONFIG, target)
+    noise = jax.random.normal(jax.random.key(2), params["w"].shape) * 0.3
+    return medusa, params | {"w": noise}
+
+
+def _run(target, drafter, dparams, prompts, tree, **kw):
+    tokens, lengths = pad_prompts(prompts)
+    kw = dict(config=CONFIG, drafter=drafter, tree=tree, max_new_tokens=NEW, cache_size=128) | kw
+    return speculative_generate(target, dparams, tokens, lengths, jax.random.key(0), **kw)
+
+
+def _ar(target, prompts):
+    tokens, lengths = pad_prompts(prompts)
+    return generate(target, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=NEW, cache_size=64)
+
+
+@pytest.mark.parametrize("tree", sorted(PRESETS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_medusa_equals_ar(target, medusa_heads, tree, batch):
+    prompts = PROMPTS[:batch] if batch == 3 else PROMPTS[1:2]
+    ar = _ar(target, prompts)
+    spec = _run(target, *medusa_heads, prompts, PRESETS[tree])
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
+    lengths = np.asarray(spec.accept_lengths)
+    assert (lengths.sum(1) == NEW - 1).all()  # the prefill made the first token
+
+
+@pytest.mark.parametrize("tree", sorted(PRESETS))
+def test_oracle_drafter_accepts_whole_depth_every_step(target, tree):
+    ar = _ar(target, PROMPTS)
+    tokens, lengths = pad_prompts(PROMPTS)
+    ref = np.zeros((3, tokens.shape[1] + NEW + 8), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        ref[row, : len(prompt)] = prompt
+        ref[row, len(prompt): len(prompt) + NEW] = np.asarray(ar.tokens[row])
+    spec = _run(target, Oracle(), jnp.asarray(ref), PROMPTS, PRESETS[tree])
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    depth = PRESETS[tree].depth
+    steps = int(spec.steps)
+    full = (NEW - 1) // (depth + 1)
+    accepted = np.asarray(spec.accept_lengths)[:, :steps]
+    assert (accepted[:, :full] == depth + 1).all()  # every step but the one cut by max_new_tokens
+    assert steps == -(-(NEW - 1) // (depth + 1))
+
+
+def test_eos_stops_rows_inside_an_accepted_path(target):
+    ar = _ar(target, PROMPTS)
+    eos = int(np.asarray(ar.tokens)[0, 7])
+    tokens, lengths = pad_prompts(PROMPTS)
+    ref = np.zeros((3, tokens.shape[1] + NEW + 8), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        ref[row, : len(prompt)] = prompt
+        ref[row, len(prompt): len(prompt) + NEW] = np.asarray(ar.tokens[row])
+    spec = _run(target, Oracle(), jnp.asarray(ref), PROMPTS, PRESETS["chain-4"], eos_ids=(eos,), pad_id=-1)
+    plain = generate(target, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=NEW, cache_size=64,
+                     eos_ids=(eos,), pad_id=-1)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(plain.num_tokens))
+
+
+def test_speculative_generation_compiles_once(target, medusa_heads):
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    try:
+        kw = dict(config=CONFIG, drafter=medusa_heads[0], tree=PRESETS["small-8"], max_new_tokens=NEW,
+                  cache_size=96)
+        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
+            tokens, lengths = pad_prompts(prompts, length=16)
+            jax.block_until_ready(speculative_generate(target, medusa_heads[1], tokens, lengths, jax.random.key(0),
+                                                       **kw))
+        assert len(compiles) == 1
+    finally:
+        jax.monitoring.clear_event_listeners()
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+# chi-square critical values at p = 0.001 for the degrees of freedom used below
+CHI2_999 = {7: 24.32, 15: 37.70}
+
+
+@pytest.mark.parametrize("proposal", ["good", "poor"])
+def test_tree_rejection_sampling_keeps_the_target_distribution(proposal):
+    """Root with three children (top-k drafts) each with a child: the first committed token must follow the
+    target's distribution at the root, and the second its distribution at the first token."""
+    vocab = 8
+    spec = TreeSpec(((0,), (1,), (2,), (0, 0), (1, 0), (2, 0)))
+    arrays = tree_arrays(spec)
+    rng = np.random.RandomState(0)
+    logits = jnp.asarray(rng.normal(size=(1, spec.num_nodes, vocab)) * 1.5, jnp.float32)
+    probs = np.asarray(jax.nn.softmax(logits[0], -1))
+    order = np.argsort(-probs[0]) if proposal == "good" else np.argsort(probs[0])  # poor: least likely first
+    tokens = np.zeros((1, spec.num_nodes), np.int32)
+    tokens[0, 1:4] = order[:3]
+    tokens[0, 4:7] = [np.argmax(probs[i]) if proposal == "good" else np.argmin(probs[i]) for i in (1, 2, 3)]
+    n = 20000
+    keys = jax.random.split(jax.random.key(42), n)
+    run = jax.jit(jax.vmap(lambda k: verify_rejection(jnp.asarray(tokens), logits, arrays, SamplingConfig(1.0), k)))
+    verdict = run(keys)
+    nodes, count, bonus = (np.asarray(x)[:, 0] for x in (verdict.accepted_nodes, verdict.n_accepted, verdict.bonus))
+    first = np.where(count >= 2, tokens[0, np.maximum(nodes[:, 1], 0)], bonus)
+    assert _chi_square(np.bincount(first, minlength=vocab), probs[0]) < CHI2_999[7]
+    # Second token given that the first was the tree's top candidate (node 1).
+    took_1 = (count >= 2) & (nodes[:, 1] == 1)
+    second = np.where(count[took_1] >= 3, tokens[0, np.maximum(nodes[took_1, 2], 0)], bonus[took_1])
+    assert _chi_square(np.bincount(second, minlength=vocab), probs[1]) < CHI2_999[7]
+
+
+def test_speculative_sampling_matches_the_target_end_to_end(target, medusa_heads):
+    """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
+    marginal equals the exact one computed from the target."""
+    config = tiny_llama_config(vocab_size=16)
+    params = init_params(config, jax.random.key(5))
+    params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, params)  # sharper distributions
+    medusa = Medusa(num_heads=2)
+    heads = medusa.init(jax.random.key(6), config, params)
+    prompt = [3, 7, 1]
+    rows = 4000
+    tokens, lengths = pad_prompts([prompt] * rows, length=4)
+    out = speculative_generate(params, heads, tokens, lengths, jax.random.key(9), config=config, drafter=medusa,
+                               tree=PRESETS["small-8"], max_new_tokens=3, cache_size=16,
+                               sampling=SamplingConfig(temperature=1.0))
+    second = np.asarray(out.tokens[:, 1])
+    model = Transformer(config)
+    first_dist = jax.nn.softmax(model.apply({"params": params}, jnp.asarray([prompt]), jnp.arange(3)[None]).logits[0, -1])
+    seqs = jnp.asarray([prompt + [t] for t in range(16)])
+    cond = jax.nn.softmax(model.apply({"params": params}, seqs, jnp.broadcast_to(jnp.arange(4), (16, 4))).logits[:, -1])
+    exact = np.asarray(first_dist @ cond)
+    assert _chi_square(np.bincount(second, minlength=16), exact / exact.sum()) < CHI2_999[15]
