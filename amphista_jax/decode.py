@@ -26,6 +26,7 @@ from amphista_jax.trees import TreeSpec, tree_arrays
 from amphista_jax.verify import AcceptanceConfig, Verdict, verify
 
 GREEDY = SamplingConfig()
+DEFAULT_ACCEPTANCE = AcceptanceConfig()
 
 
 class PromptTooLongError(ValueError):
@@ -187,7 +188,7 @@ def speculative_generate(
     max_new_tokens: int,
     cache_size: int,
     sampling: SamplingConfig = GREEDY,
-    acceptance: AcceptanceConfig = AcceptanceConfig(),
+    acceptance: AcceptanceConfig = DEFAULT_ACCEPTANCE,
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
 ) -> GenerateOutput:
