@@ -16,36 +16,80 @@ def default_model() -> str:
     return str(default_model_dir())
 
 
+def _load_drafter(args: argparse.Namespace, config, params):
+    """(drafter, draft params) from --heads, or untrained heads of --draft initialised from the target."""
+    import jax
+
+    from amphista_jax.drafters import DRAFTERS
+    from amphista_jax.drafters.io import load_draft
+
+    if args.heads:
+        method, drafter, draft_params = load_draft(args.heads, config, params)
+        if args.draft and args.draft != method:
+            raise SystemExit(f"--draft {args.draft} but {args.heads} holds {method} heads")
+        return drafter, draft_params
+    print(f"note: no --heads given, using untrained {args.draft} heads (expect accept length ~1)", file=sys.stderr)
+    drafter = DRAFTERS[args.draft]()
+    return drafter, drafter.init(jax.random.key(args.seed), config, params)
+
+
+def _colour_drafts(tok, tokens, drafted) -> str:
+    """Decoded text with drafted tokens in green (ANSI)."""
+    out, previous = [], ""
+    for i in range(len(tokens)):
+        text = tok.decode(tokens[: i + 1], skip_special_tokens=True)
+        piece, previous = text[len(previous):], text
+        out.append(f"\033[32m{piece}\033[0m" if drafted[i] else piece)
+    return "".join(out)
+
+
 def _generate(args: argparse.Namespace) -> int:
+    import functools
+
     import jax
     import numpy as np
 
-    from amphista_jax.decode import check_fits, generate, pad_prompts
+    from amphista_jax.decode import check_fits, generate, pad_prompts, speculative_generate
     from amphista_jax.models.hf import load_params
     from amphista_jax.sampling import SamplingConfig
     from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from amphista_jax.trees import get_tree
+    from amphista_jax.verify import AcceptanceConfig
 
     params, config = load_params(args.model, dtype=args.dtype)
     tok = load_tokenizer(args.model)
     ids = encode_prompt(tok, args.prompt, chat=args.chat)
-    tokens, lengths = pad_prompts([ids], pad_id=config.pad_token_id or 0)
-    max_len = args.max_len or tokens.shape[1] + args.max_new_tokens
-    check_fits(lengths, args.max_new_tokens, max_len)
-    kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, cache_size=max_len,
+    pad_id = config.pad_token_id or 0
+    tokens, lengths = pad_prompts([ids], pad_id=pad_id)
+    kwargs = dict(config=config, max_new_tokens=args.max_new_tokens,
                   sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
-                  eos_ids=stop_token_ids(args.model, tok, config), pad_id=config.pad_token_id or 0)
+                  eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
+    reserve = 0
+    if args.draft or args.heads:
+        drafter, draft_params = _load_drafter(args, config, params)
+        tree = get_tree(args.tree)
+        reserve = tree.num_nodes
+        run = functools.partial(speculative_generate, params, draft_params, drafter=drafter, tree=tree,
+                                acceptance=AcceptanceConfig(args.acceptance), **kwargs)
+    else:
+        run = functools.partial(generate, params, **kwargs)
+    max_len = args.max_len or tokens.shape[1] + args.max_new_tokens + reserve
+    check_fits(lengths, args.max_new_tokens + reserve, max_len)
     rng = jax.random.key(args.seed)
     t0 = time.perf_counter()
-    jax.block_until_ready(generate(params, tokens, lengths, rng, **kwargs))  # compile + warm-up
+    jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))  # compile + warm-up
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    out = jax.block_until_ready(generate(params, tokens, lengths, rng, **kwargs))
+    out = jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))
     seconds = time.perf_counter() - t0
-    n = int(out.num_tokens[0])
-    text = tok.decode(np.asarray(out.tokens[0, :n]), skip_special_tokens=True)
-    print(args.prompt + text if not args.chat else text)
-    print(f"\n[{n} tokens in {seconds:.3f}s = {n / seconds:.1f} tokens/s; compile+first run {compile_s:.1f}s]",
-          file=sys.stderr)
+    n, steps = int(out.num_tokens[0]), int(out.steps)
+    new = np.asarray(out.tokens[0, :n])
+    text = _colour_drafts(tok, new, np.asarray(out.drafted[0, :n])) if args.show_drafts else tok.decode(
+        new, skip_special_tokens=True)
+    print(text if args.chat else args.prompt + text)
+    tau = (n - 1) / max(steps, 1)  # tokens per decoding forward; the prefill's token is not counted
+    print(f"\n[{n} tokens in {seconds:.3f}s = {n / seconds:.1f} tokens/s; {steps} decoding forwards, "
+          f"tau = {tau:.2f} tokens/forward; compile+first run {compile_s:.1f}s]", file=sys.stderr)
     return 0
 
 
@@ -72,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    g.add_argument("--draft", choices=("medusa",), default=None, help="speculative decoding with this draft method")
+    g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
+    g.add_argument("--tree", default="mc_sim_7b_63", help="tree preset name or JSON file of top-k paths")
+    g.add_argument("--acceptance", choices=("greedy", "typical", "rejection"), default=None,
+                   help="default: greedy at temperature 0, lossless rejection sampling otherwise")
+    g.add_argument("--show-drafts", action="store_true", help="colour the tokens that came from the draft heads")
     g.set_defaults(func=_generate)
 
     p = sub.add_parser("pretrain-target", help="train the embedded default target model (recipe)")

@@ -39,6 +39,7 @@ class GenerateOutput:
     num_tokens: jax.Array  # [B] tokens generated per row (an EOS token counts and is included)
     steps: jax.Array  # [] target forward passes after the prefill
     accept_lengths: jax.Array  # [B, max_new_tokens] tokens committed by each forward (0 once a row is done)
+    drafted: jax.Array  # [B, max_new_tokens] bool, the token came from the drafter (accepted draft)
 
 
 @struct.dataclass
@@ -156,7 +157,7 @@ def generate(
 
     final = jax.lax.while_loop(cond, body, state)
     one_per_step = (jnp.arange(max_new_tokens)[None] < final.num_tokens[:, None] - 1).astype(jnp.int32)
-    return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step)
+    return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step, jnp.zeros_like(final.tokens, bool))
 
 
 @struct.dataclass
@@ -166,6 +167,7 @@ class _SpecState:
     root: jax.Array  # [B] target's next token, not yet in the cache
     hidden: jax.Array  # [B, D] hidden state at the node that produced `root`
     tokens: jax.Array  # [B, max_new_tokens]
+    drafted: jax.Array  # [B, max_new_tokens] bool
     num_tokens: jax.Array  # [B]
     done: jax.Array  # [B]
     accept_lengths: jax.Array  # [B, max_new_tokens] tokens committed per step (0 once done)
@@ -213,6 +215,7 @@ def speculative_generate(
     state = _SpecState(
         cache=cache, draft_state=draft_state, root=first, hidden=hidden,
         tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
+        drafted=jnp.zeros((b, max_new_tokens), bool),
         num_tokens=jnp.ones((b,), jnp.int32),
         done=is_stop(first, eos_ids) | (max_new_tokens <= 1),
         accept_lengths=jnp.zeros((b, max_new_tokens), jnp.int32),
@@ -241,17 +244,19 @@ def speculative_generate(
         count = jnp.minimum(jnp.minimum(n_acc, first_stop), max_new_tokens - s.num_tokens)
         count = jnp.where(s.done, 0, count)
         dest = jnp.where(idx < count[:, None], s.num_tokens[:, None] + idx, max_new_tokens)
-        tokens = jax.vmap(lambda row, d, e: row.at[d].set(e, mode="drop"))(s.tokens, dest, emit)
+        scatter = jax.vmap(lambda row, d, e: row.at[d].set(e, mode="drop"))
+        tokens = scatter(s.tokens, dest, emit)
+        drafted = scatter(s.drafted, dest, idx < n_acc[:, None] - 1)
         num_tokens = s.num_tokens + count
         done = s.done | (hit & (first_stop <= count)) | (num_tokens >= max_new_tokens)
         last = _last_accepted(verdict)
         hidden = jnp.take_along_axis(verified.hidden, last[:, None, None], axis=1)[:, 0]
         accept_lengths = s.accept_lengths.at[:, s.steps].set(count, mode="drop")
-        return _SpecState(cache, draft_state, verdict.bonus, hidden, tokens, num_tokens, done, accept_lengths,
-                          s.steps + 1, s.rng)
+        return _SpecState(cache, draft_state, verdict.bonus, hidden, tokens, drafted, num_tokens, done,
+                          accept_lengths, s.steps + 1, s.rng)
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths)
+    return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths, final.drafted)
 
 
 def _last_accepted(verdict: Verdict) -> jax.Array:

@@ -28,3 +28,43 @@ def test_prompt_longer_than_max_len_is_a_clear_error(smoke_model):
     run_dir, _ = smoke_model
     with pytest.raises(PromptTooLongError, match="raise --max-len"):
         main(["generate", "--model", str(run_dir / "export"), "--prompt", "x = 1\n" * 40, "--max-len", "32"])
+
+
+def test_speculative_generate_equals_ar_and_reports_tau(smoke_model, capsys, tmp_path):
+    import jax
+
+    from amphista_jax.drafters import Medusa
+    from amphista_jax.drafters.io import save_draft
+    from amphista_jax.models.hf import load_params
+
+    run_dir, _ = smoke_model
+    model = str(run_dir / "export")
+    args = ["generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "12"]
+    main(args)
+    ar_text = capsys.readouterr().out
+    params, config = load_params(model, dtype="float32")
+    medusa = Medusa(num_heads=3)
+    save_draft(tmp_path / "heads", "medusa", medusa, medusa.init(jax.random.key(0), config, params), config)
+    main(args + ["--heads", str(tmp_path / "heads"), "--tree", "small-8"])
+    out, err = capsys.readouterr()
+    assert out == ar_text and "tau = " in err
+    main(args + ["--draft", "medusa", "--tree", "chain-4", "--show-drafts"])
+    assert "untrained medusa heads" in capsys.readouterr().err
+
+
+def test_heads_for_another_target_are_refused(smoke_model, tmp_path):
+    import dataclasses
+
+    import jax
+
+    from amphista_jax.drafters import Medusa
+    from amphista_jax.drafters.io import DraftCheckpointError, save_draft
+    from amphista_jax.models.hf import load_params
+
+    run_dir, _ = smoke_model
+    params, config = load_params(run_dir / "export", dtype="float32")
+    medusa = Medusa(num_heads=2)
+    other = dataclasses.replace(config, hidden_size=config.hidden_size * 2)
+    save_draft(tmp_path / "heads", "medusa", medusa, medusa.init(jax.random.key(0), config, params), other)
+    with pytest.raises(DraftCheckpointError, match="were trained for another target"):
+        main(["generate", "--model", str(run_dir / "export"), "--prompt", "x", "--heads", str(tmp_path / "heads")])

@@ -1,0 +1,66 @@
+"""Draft-head checkpoints: `draft.json` (method, its settings, the target it was trained for) + orbax params.
+
+Loading checks that the heads fit the target they are used with, so heads trained for another model are a
+clear error rather than garbage drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from amphista_jax.drafters import DRAFTERS
+from amphista_jax.models.config import ModelConfig
+
+META_FILE = "draft.json"
+TARGET_KEYS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
+
+
+class DraftCheckpointError(ValueError):
+    """Draft heads that cannot be loaded for this target."""
+
+
+def target_fingerprint(config: ModelConfig) -> dict[str, Any]:
+    return {k: getattr(config, k) for k in TARGET_KEYS}
+
+
+def save_draft(path: str | Path, method: str, drafter: Any, params: Any, target_config: ModelConfig) -> Path:
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {"method": method, "settings": dataclasses.asdict(drafter), "target": target_fingerprint(target_config)}
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "params", params, force=True)
+    (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict) -> tuple[str, Any, Any]:
+    """(method name, drafter, params) from `path`, checked against the target."""
+    path = Path(path).absolute()
+    if not (path / META_FILE).is_file():
+        raise DraftCheckpointError(f"{path} is not a draft-head checkpoint: it has no {META_FILE}")
+    meta = json.loads((path / META_FILE).read_text())
+    method = meta.get("method")
+    if method not in DRAFTERS:
+        raise DraftCheckpointError(f"{path} holds heads of unknown method {method!r}; known: {', '.join(DRAFTERS)}")
+    expected = target_fingerprint(target_config)
+    if meta.get("target") != expected:
+        diff = {k: (meta.get("target", {}).get(k), v) for k, v in expected.items()
+                if meta.get("target", {}).get(k) != v}
+        raise DraftCheckpointError(
+            f"the {method} heads in {path} were trained for another target (trained for / this target: {diff}); "
+            "train heads for this target, or pass the --model they were trained on")
+    drafter = DRAFTERS[method](**meta["settings"])
+    abstract = jax.eval_shape(lambda: drafter.init(jax.random.key(0), target_config, target_params))
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            params = ckpt.restore(path / "params", abstract)
+    except Exception as e:  # orbax raises many types for damaged checkpoints
+        raise DraftCheckpointError(f"the draft params in {path / 'params'} cannot be restored "
+                                   f"({type(e).__name__}: {e}); re-save or retrain the heads") from e
+    return method, drafter, params
