@@ -1,0 +1,134 @@
+"""AR vs speculative decoding on one target, and the cost of one verify step vs tree size.
+
+    python -m evals.benchmarks.spec_decode [--model DIR] [--heads DIR] [--trees mc_sim_7b_63 small-8 chain-4]
+                                           [--new-tokens 128] [--runs 3] [--out runs/benchmarks]
+
+Part 1 runs the AR baseline and Medusa with each tree on the same prompts and settings (greedy, batch 1),
+checks the outputs are identical, and prints tokens/s, tau (tokens per decoding forward; the prefill's
+token is not counted) and speed-up over AR, medians of `--runs` timed runs after a warm-up. Without
+`--heads` the heads are untrained (tau near 1): the numbers then show the engine's overhead, not a method.
+Part 2 times one target forward over T tree tokens (T = 1, 8, 16, 32, 64) on a cache of committed tokens:
+on a compute-bound CPU the verify cost grows with T, which is where speculative decoding's crossover lies.
+Writes spec_decode.json and spec_decode.md to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amphista_jax.assets import default_model_dir
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.drafters import Medusa
+from amphista_jax.drafters.io import load_draft
+from amphista_jax.models.hf import load_params
+from amphista_jax.models.llama import Transformer, new_cache
+from amphista_jax.tokenizer import encode_prompt, load_tokenizer
+from amphista_jax.trees import TreeSpec, get_tree, tree_arrays
+
+PROMPTS = (
+    "def binary_search(items, target):\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "import json\n\n\ndef load_config(path):\n",
+)
+
+
+def _median_seconds(fn, runs: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def end_to_end(params, config, tok, drafter, draft_params, trees, new_tokens: int, runs: int) -> list[dict]:
+    rows = []
+    for prompt in PROMPTS:
+        tokens, lengths = pad_prompts([encode_prompt(tok, prompt)], pad_id=config.pad_token_id or 0)
+        cache = tokens.shape[1] + new_tokens + 80
+        ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), config=config,
+                               max_new_tokens=new_tokens, cache_size=cache)
+        ar_out = ar()
+        ar_s = _median_seconds(ar, runs)
+        rows.append({"prompt": prompt, "method": "ar", "tree": "-", "tokens_per_s": new_tokens / ar_s, "tau": 1.0,
+                     "speedup": 1.0, "same_as_ar": True})
+        for name in trees:
+            spec = functools.partial(speculative_generate, params, draft_params, tokens, lengths, jax.random.key(0),
+                                     config=config, drafter=drafter, tree=get_tree(name),
+                                     max_new_tokens=new_tokens, cache_size=cache)
+            out = spec()
+            seconds = _median_seconds(spec, runs)
+            rows.append({"prompt": prompt, "method": "medusa", "tree": name, "tokens_per_s": new_tokens / seconds,
+                         "tau": (new_tokens - 1) / int(out.steps), "speedup": ar_s / seconds,
+                         "same_as_ar": bool((np.asarray(out.tokens) == np.asarray(ar_out.tokens)).all())})
+    return rows
+
+
+def verify_cost(params, config, sizes: tuple[int, ...], committed: int, runs: int) -> list[dict]:
+    model = Transformer(config)
+    step = jax.jit(lambda p, c, tk, pos, m: model.apply({"params": p}, tk, pos, c, m).logits)
+    rows = []
+    for t in sizes:
+        spec = TreeSpec(tuple((i,) for i in range(t - 1)))  # root + (t - 1) children: t query tokens
+        arrays = tree_arrays(spec)
+        cache = new_cache(config, 1, committed + t).advance(committed)
+        tokens = jnp.zeros((1, t), jnp.int32)
+        positions = committed + jnp.asarray(arrays.depth)[None]
+        mask = jnp.asarray(arrays.mask)[None]
+        seconds = _median_seconds(functools.partial(step, params, cache, tokens, positions, mask), max(runs, 10))
+        rows.append({"tree_nodes": t, "verify_ms": seconds * 1e3})
+    base = rows[0]["verify_ms"]
+    for r in rows:
+        r["cost_vs_1"] = r["verify_ms"] / base
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--heads", default=None)
+    parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "small-8", "chain-4"])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", default="runs/benchmarks")
+    args = parser.parse_args()
+    model = args.model or str(default_model_dir())
+    params, config = load_params(model, dtype="float32")
+    tok = load_tokenizer(model)
+    if args.heads:
+        _, drafter, draft_params = load_draft(args.heads, config, params)
+    else:
+        drafter = Medusa()
+        draft_params = drafter.init(jax.random.key(0), config, params)
+    e2e = end_to_end(params, config, tok, drafter, draft_params, args.trees, args.new_tokens, args.runs)
+    cost = verify_cost(params, config, (1, 8, 16, 32, 64), committed=256, runs=args.runs)
+
+    lines = [f"model: {model}; heads: {args.heads or 'untrained medusa'}; backend: {jax.default_backend()}", "",
+             "| method | tree | tokens/s | tau | speed-up | same as AR |", "|---|---|---|---|---|---|"]
+    for method, tree in dict.fromkeys((r["method"], r["tree"]) for r in e2e):
+        sel = [r for r in e2e if r["method"] == method and r["tree"] == tree]
+        mean = lambda k, sel=sel: statistics.mean(r[k] for r in sel)  # noqa: E731
+        lines.append(f"| {method} | {tree} | {mean('tokens_per_s'):.1f} | {mean('tau'):.2f} | "
+                     f"{mean('speedup'):.2f}x | {all(r['same_as_ar'] for r in sel)} |")
+    lines += ["", "| tree nodes | verify ms | cost vs 1 node |", "|---|---|---|"]
+    lines += [f"| {r['tree_nodes']} | {r['verify_ms']:.2f} | {r['cost_vs_1']:.2f}x |" for r in cost]
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec_decode.json").write_text(json.dumps({"end_to_end": e2e, "verify_cost": cost}, indent=2) + "\n")
+    (out / "spec_decode.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
