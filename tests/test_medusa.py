@@ -1,0 +1,67 @@
+"""Medusa heads: initialisation, sequential independence, typical acceptance, and the training loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from amphista_jax.drafters import Medusa
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.sampling import SamplingConfig
+from amphista_jax.trees import TreeSpec, tree_arrays
+from amphista_jax.verify import AcceptanceConfig, verify_typical
+
+CONFIG = tiny_llama_config()
+
+
+def test_fresh_heads_equal_the_target_lm_head():
+    params = init_params(CONFIG, jax.random.key(0))
+    medusa = Medusa(num_heads=3, num_layers=2)
+    heads = medusa.init(jax.random.key(1), CONFIG, params)
+    hidden = jax.random.normal(jax.random.key(2), (4, CONFIG.hidden_size))
+    logits = medusa.head_logits(heads, hidden)  # zero ResBlocks: x + silu(0) = x
+    target = Transformer(CONFIG).apply({"params": params}, hidden, method=Transformer.logits)
+    for k in range(3):
+        np.testing.assert_allclose(np.asarray(logits[:, k]), np.asarray(target), atol=1e-5)
+
+
+def test_typical_acceptance_literal():
+    """Root's distribution puts 0.6 on token 1: child token 1 is typical, token 3 (p=0.02) is not."""
+    vocab = 4
+    tree = tree_arrays(TreeSpec(((0,), (1,))))
+    root = jnp.log(jnp.array([0.3, 0.6, 0.08, 0.02]))
+    logits = jnp.stack([root, root, root])[None]  # [1, 3, V]
+    cfg = AcceptanceConfig("typical", posterior_threshold=0.09, posterior_alpha=0.3)
+    good = verify_typical(jnp.array([[0, 1, 3]]), logits, tree, SamplingConfig(1.0), cfg, jax.random.key(0))
+    assert good.n_accepted.tolist() == [2] and good.accepted_nodes.tolist() == [[0, 1]]
+    bad = verify_typical(jnp.array([[0, 3, 3]]), logits, tree, SamplingConfig(1.0), cfg, jax.random.key(0))
+    assert bad.n_accepted.tolist() == [1]
+    assert 0 <= int(bad.bonus[0]) < vocab
+
+
+def test_loss_trains_heads_toward_shifted_labels():
+    params = init_params(CONFIG, jax.random.key(0))
+    medusa = Medusa(num_heads=2)
+    heads = medusa.init(jax.random.key(1), CONFIG, params)
+    tokens = jax.random.randint(jax.random.key(3), (4, 24), 0, CONFIG.vocab_size)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}
+    target_out = Transformer(CONFIG).apply({"params": params}, tokens, jnp.broadcast_to(jnp.arange(24), (4, 24)))
+    opt = optax.adam(3e-3)
+    state = opt.init(heads)
+
+    @jax.jit
+    def step(h, s):
+        (loss, metrics), grads = jax.value_and_grad(lambda p: medusa.loss(p, params, batch, target_out),
+                                                    has_aux=True)(h)
+        updates, s = opt.update(grads, s)
+        return optax.apply_updates(h, updates), s, loss, metrics
+
+    first = None
+    for _ in range(60):
+        heads, state, loss, metrics = step(heads, state)
+        first = float(loss) if first is None else first
+    assert float(loss) < 0.5 * first
+    assert float(metrics["head0/top5"]) >= float(metrics["head0/top1"]) > 0.5

@@ -1,0 +1,41 @@
+"""Stop tokens and chat templates from a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.tokenizer import TokenizerError, encode_prompt, load_tokenizer, stop_token_ids
+from train.corpus import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, vocab_size=300).save_pretrained(path)
+    return path
+
+
+def test_eos_ids_from_generation_config_list(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    ids = stop_token_ids(tok_dir, tok, tiny_llama_config(eos_token_ids=(9, 11)))
+    assert ids == (9, 11, 2, 7)  # config first, then generation_config, then the tokenizer's; no duplicates
+
+
+def test_chat_template_and_plain_prompts(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    plain = encode_prompt(tok, "def f")
+    assert plain[0] == tok.bos_token_id
+    chat = encode_prompt(tok, "def f", chat=True)
+    assert tok.decode(chat).endswith("# user:\ndef f\n# assistant:\n")
+    tok.chat_template = None
+    with pytest.raises(TokenizerError, match="no chat template"):
+        encode_prompt(tok, "def f", chat=True)
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(TokenizerError, match="cannot load a tokenizer"):
+        load_tokenizer(tmp_path)
