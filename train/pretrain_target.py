@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import signal
 import sysconfig
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from amphista_jax.decode import check_fits, generate, pad_prompts
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import save_params
 from amphista_jax.models.llama import Transformer, init_params
-from train.checkpoint import Checkpointer
 from train.corpus import split_corpus, stdlib_files, train_tokenizer
 from train.data import pack_documents, packed_dataset
+from train.loop import LoopConfig, run_loop
 from train.optim import OptimConfig, make_optimizer
 
 
@@ -152,44 +148,16 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss
 
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
-    data_iter = iter(packed_dataset(train_windows, cfg.batch_size, cfg.seed))
-    extra: dict[str, Any] = {"tokens_seen": 0, "train_seconds": 0.0, "losses": []}
-    if ckpt.latest_step() is not None:
-        state, extra = ckpt.restore(jax.eval_shape(init_state))
-        data_iter.set_state(extra.pop("data"))
-        print(f"resumed from step {int(state['step'])} in {ckpt.directory}")
-    else:
-        state = init_state()
-    print(f"model: {mcfg.num_params:,} parameters; {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} tokens")
+    def step_fn(state: dict[str, Any], batch: np.ndarray) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+        state, loss = train_step(state, jnp.asarray(batch))
+        return state, {"loss": loss}
 
-    stop = {"signal": None}
-    previous = signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
-    step = int(state["step"])
-    bar = tqdm(total=cfg.steps, initial=step, desc="pretrain", unit="step", dynamic_ncols=True)
-    try:
-        while step < cfg.steps and stop["signal"] is None:
-            t0 = time.perf_counter()
-            state, loss = train_step(state, jnp.asarray(next(data_iter)))
-            loss = float(loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"training loss became {loss} at step {step + 1}: lower optim.lr")
-            step += 1
-            extra["tokens_seen"] += cfg.batch_size * cfg.seq_len
-            extra["train_seconds"] += time.perf_counter() - t0
-            extra["losses"].append(round(loss, 4))
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-            ckpt.save(step, state, extra | {"data": data_iter.get_state()}, force=step == cfg.steps)
-    finally:
-        bar.close()
-        signal.signal(signal.SIGTERM, previous)
-    if stop["signal"] is not None:
-        ckpt.save(step, state, extra | {"data": data_iter.get_state()}, force=True)
-        ckpt.close()
-        print(f"stopped by signal at step {step}; checkpoint saved, rerun the same command to resume")
-        raise SystemExit(143)
-    ckpt.close()
+    print(f"model: {mcfg.num_params:,} parameters; {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} tokens")
+    loop = LoopConfig(steps=cfg.steps, checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
+                      log_every=1)
+    state, extra = run_loop(run_dir=run_dir, cfg=loop, init_state=init_state, train_step=step_fn,
+                            data=iter(packed_dataset(train_windows, cfg.batch_size, cfg.seed)),
+                            tokens_per_batch=cfg.batch_size * cfg.seq_len, desc="pretrain")
     return export(cfg, mcfg, tok, state["params"], heldout_windows, heldout_texts, extra)
 
 
@@ -221,11 +189,11 @@ def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase,
     summary = {
         "parameters": mcfg.num_params,
         "tokens_seen": extra["tokens_seen"],
-        "steps": len(extra["losses"]),
+        "steps": extra["steps"],
         "train_seconds": round(extra["train_seconds"], 1),
         "heldout_loss_nats_per_token": round(loss, 4),
         "heldout_windows": int(len(heldout_windows)),
-        "final_train_loss": extra["losses"][-1] if extra["losses"] else None,
+        "final_train_loss": extra["last_metrics"].get("loss"),
         "config": dataclasses.asdict(cfg),
         "greedy_samples": samples,
     }
