@@ -101,6 +101,22 @@ def _pretrain_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from amphista_jax.config_io import load_config
+    from train.heads import TrainConfig, train_heads
+
+    train_heads(load_config(TrainConfig, args.config, args.set or []))
+    return 0
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from train.distill import distill
+
+    distill(args.model, args.prompts, args.out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+            prompt_len=args.prompt_len, chat=args.chat, temperature=args.temperature, seed=args.seed)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="amphista-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +139,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
     g.add_argument("--show-drafts", action="store_true", help="colour the tokens that came from the draft heads")
     g.set_defaults(func=_generate)
+
+    t = sub.add_parser("train", help="train draft heads on a frozen target")
+    t.add_argument("--config", required=True, help="YAML, e.g. configs/medusa/tiny-code.yaml")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    t.set_defaults(func=_train)
+
+    d = sub.add_parser("distill", help="answer prompts with the target to make self-distillation data")
+    d.add_argument("--model", default=None)
+    d.add_argument("--prompts", required=True, help="JSONL of prompts (prompt / turns / conversations)")
+    d.add_argument("--out", required=True, help="ShareGPT JSONL to append to (resumable)")
+    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--prompt-len", type=int, default=256, help="prompts are left-truncated to this many tokens")
+    d.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="use the chat template (default: when the tokenizer has one)")
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_distill)
 
     p = sub.add_parser("pretrain-target", help="train the embedded default target model (recipe)")
     p.add_argument("--config", default="configs/target/tiny-code.yaml")

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from amphista_jax.config_io import ConfigFileError, load_config
+from train.heads import TrainConfig
 from train.pretrain_target import PretrainConfig
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-KINDS = {"target": PretrainConfig}
+KINDS = {"target": PretrainConfig, "medusa": TrainConfig}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))

@@ -1,12 +1,19 @@
-"""grain pipelines. Packed fixed-length sequences from token streams (pre-training, plain text/code)."""
+"""grain pipelines: packed fixed-length sequences (pre-training, plain text/code) and chat conversations
+(ShareGPT / messages) with assistant-only loss masks. Every pipeline is sharded by JAX process."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import glob
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import grain
 import jax
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
 
 def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, seq_len: int) -> np.ndarray:
@@ -26,4 +33,163 @@ def packed_dataset(windows: np.ndarray, batch_size: int, seed: int) -> grain.Map
     Each JAX process reads a disjoint slice; the iterator's `get_state()` is JSON and resumes exactly.
     """
     ds = grain.MapDataset.source(windows)[jax.process_index()::jax.process_count()]
+    return ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversations (ShareGPT / messages JSON or JSONL) -> chat-template tokens with assistant-only loss masks.
+
+ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+
+class DataError(ValueError):
+    """A dataset that yields no usable example, or cannot be read at all."""
+
+
+@dataclasses.dataclass
+class DataReport:
+    """What loading kept and skipped; `problems` holds the first few skipped records by line number."""
+
+    source: str
+    kept: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def skip(self, line: int, reason: str, max_problems: int = 5) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if len(self.problems) < max_problems:
+            self.problems.append(f"{self.source}:{line}: {reason}")
+
+    def summary(self) -> str:
+        skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
+        lines = [f"{self.source}: kept {self.kept} records; skipped: {skipped}"] + [f"  {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _records(path: Path, report: DataReport) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for a JSONL file or a JSON list file; bad JSON lines are skipped."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} is not valid JSON ({e}); use a JSON list or one JSON object per line") from e
+        yield from ((i + 1, item) for i, item in enumerate(items))
+        return
+    for i, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield i, json.loads(line)
+        except json.JSONDecodeError as e:
+            report.skip(i, f"invalid JSON ({e.msg})")
+
+
+def normalize_messages(record: Any, require_assistant: bool = True) -> list[dict[str, str]]:
+    """`[{"role", "content"}]` from a ShareGPT (`conversations`/`from`/`value`) or `messages` record.
+
+    Raises ValueError naming the problem (empty conversation, unknown role, missing text, no assistant turn).
+    """
+    if not isinstance(record, dict):
+        raise ValueError("record is not a JSON object")
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("empty conversation")
+    out = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise ValueError("turn is not a JSON object")
+        role = turn.get("from", turn.get("role"))
+        content = turn.get("value", turn.get("content"))
+        if role not in ROLE_ALIASES:
+            raise ValueError(f"unknown role {role!r}")
+        if not isinstance(content, str):
+            raise ValueError("turn has no text")
+        out.append({"role": ROLE_ALIASES[role], "content": content})
+    if require_assistant and not any(m["role"] == "assistant" for m in out):
+        raise ValueError("no assistant turn")
+    return out
+
+
+def render_with_mask(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_len: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Chat-template tokens `[T]` (T <= max_len) and a loss mask `[T]` that is 1 exactly on the tokens of
+    assistant turns (their text and the template's end-of-turn marker, not the headers before them)."""
+    def render(msgs: list[dict[str, str]], prompt: bool) -> str:
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+
+    text = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start = len(render(messages[:i], True))
+            end = len(render(messages[: i + 1], False))
+            spans.append((start, end))
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_len)
+    ids = np.asarray(enc["input_ids"], np.int32)
+    mask = np.zeros(len(ids), np.int32)
+    for j, (a, b) in enumerate(enc["offset_mapping"]):
+        mask[j] = any(s <= a < e for s, e in spans) and b > a
+    return ids, mask
+
+
+def conversation_examples(path: str | Path, tok: PreTrainedTokenizerBase, max_len: int
+                          ) -> tuple[list[dict[str, np.ndarray]], DataReport]:
+    """Padded examples `{"tokens": [max_len], "loss_mask": [max_len]}` from a conversations file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset {path} does not exist")
+    report = DataReport(str(path))
+    examples = []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    for line, record in _records(path, report):
+        try:
+            messages = normalize_messages(record)
+        except ValueError as e:
+            report.skip(line, str(e))
+            continue
+        ids, mask = render_with_mask(tok, messages, max_len)
+        if mask.sum() == 0:
+            report.skip(line, "no trainable token within max_len")
+            continue
+        tokens = np.full(max_len, pad, np.int32)
+        loss_mask = np.zeros(max_len, np.int32)
+        tokens[: len(ids)], loss_mask[: len(ids)] = ids, mask
+        examples.append({"tokens": tokens, "loss_mask": loss_mask})
+        report.kept += 1
+    if not examples:
+        raise DataError(f"{path} yields no usable example:\n{report.summary()}")
+    return examples, report
+
+
+def packed_examples(texts: Sequence[str], tok: PreTrainedTokenizerBase, seq_len: int) -> list[dict[str, np.ndarray]]:
+    """`{"tokens": [seq_len], "loss_mask": ones}` windows of the documents packed end to end."""
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    windows = pack_documents(tok(list(texts), add_special_tokens=True)["input_ids"], eos, seq_len - 1)
+    return [{"tokens": w, "loss_mask": np.ones_like(w)} for w in windows]
+
+
+def text_examples(pattern: str, tok: PreTrainedTokenizerBase, seq_len: int) -> tuple[list[dict[str, np.ndarray]],
+                                                                                   DataReport]:
+    """Packed examples from plain text/code files (a directory, read recursively, or a glob)."""
+    base = Path(pattern)
+    names = [str(p) for p in base.rglob("*")] if base.is_dir() else glob.glob(pattern, recursive=True)
+    files = sorted(Path(n) for n in names if Path(n).is_file())
+    report = DataReport(pattern)
+    texts = []
+    for i, f in enumerate(files, start=1):
+        try:
+            texts.append(f.read_text(encoding="utf-8"))
+            report.kept += 1
+        except (UnicodeDecodeError, OSError) as e:
+            report.skip(i, f"{f}: unreadable ({type(e).__name__})")
+    if not texts:
+        raise DataError(f"{pattern} matches no readable text file")
+    return packed_examples(texts, tok, seq_len), report
+
+
+def example_dataset(examples: list[dict[str, np.ndarray]], batch_size: int, seed: int) -> grain.MapDataset:
+    """Shuffled, repeated batches of this process's share of `examples` (dicts of equal-shape arrays)."""
+    ds = grain.MapDataset.source(examples)[jax.process_index()::jax.process_count()]
     return ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)

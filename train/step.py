@@ -1,0 +1,72 @@
+"""The draft-head train step: frozen target forward (once per batch) + the drafter's loss, one `jax.jit`.
+
+With a mesh, the target's params are sharded by their logical axes, the draft state is replicated, and the
+batch is split over `data` x `fsdp`; without one the same function runs on the default device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from amphista_jax.models.llama import Output, Transformer
+from amphista_jax.sharding import BATCH_AXES, LOGICAL_RULES
+
+
+def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax.Array]) -> Output:
+    """The frozen target's last-layer hidden states and fp32 logits over `batch["tokens"] [B, T]`.
+
+    When the batch carries precomputed `hidden [B, T, D]` only the output projection runs.
+    """
+    if "hidden" in batch:
+        hidden = batch["hidden"].astype(jnp.float32)
+        logits = model.apply({"params": target_params}, hidden, method=Transformer.logits)
+        return jax.lax.stop_gradient(Output(hidden, logits, None))
+    tokens = batch["tokens"]
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = model.apply({"params": target_params}, tokens, positions)
+    return jax.lax.stop_gradient(out.replace(hidden=out.hidden.astype(jnp.float32)))
+
+
+def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransformation,
+               mesh: Mesh | None = None, target_shardings: Any = None):
+    """(train_step(state, target_params, batch) -> (state, metrics), eval_step(params, target_params, batch)
+    -> metrics), jitted; sharded over `mesh` when given."""
+
+    def loss_fn(params, target_params, batch):
+        with nn.logical_axis_rules(LOGICAL_RULES):
+            target_out = target_forward(model, target_params, batch)
+        return drafter.loss(params, target_params, batch, target_out)
+
+    def train_step(state, target_params, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = metrics | {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    def eval_step(params, target_params, batch):
+        loss, metrics = loss_fn(params, target_params, batch)
+        return metrics | {"loss": loss}
+
+    if mesh is None:
+        return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_spec = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    train = jax.jit(train_step, in_shardings=(replicated, target_shardings, batch_spec),
+                    out_shardings=(replicated, replicated), donate_argnums=0)
+    evaluate = jax.jit(eval_step, in_shardings=(replicated, target_shardings, batch_spec), out_shardings=replicated)
+
+    def in_mesh(fn):
+        def run(*args):
+            with jax.set_mesh(mesh):
+                return fn(*args)
+        return run
+
+    return in_mesh(train), in_mesh(evaluate)
