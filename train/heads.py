@@ -150,7 +150,7 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     state, extra = run_loop(
         run_dir=out_dir, cfg=cfg.loop, init_state=init_state,
         train_step=lambda s, b: train_step(s, target_params, b),
-        data=iter(example_dataset(train_examples, cfg.data.batch_size, cfg.data.seed)),
+        data=iter(example_dataset(train_examples, cfg.data.batch_size, cfg.data.seed)), evaluate=evaluate,
         tokens_per_batch=cfg.data.batch_size * cfg.data.max_len * jax.process_count(), desc=f"train {cfg.method}")
     summary = {
         "method": cfg.method, "settings": dataclasses.asdict(drafter), "model": model_dir,
@@ -180,7 +180,7 @@ def plot_curve(run_dir: str | Path) -> Path:
     ax_loss.plot([r["step"] for r in evals], [r["eval/loss"] for r in evals], "o-", label="held-out")
     ax_loss.set(xlabel="step", ylabel="loss", title="draft loss")
     ax_loss.legend()
-    heads = sorted({k.split("/")[1] for r in evals for k in r if k.endswith("/top1")})
+    heads = sorted({k.split("/")[1] for r in evals for k in r if k.startswith("eval/head") and k.endswith("/top1")})
     for h in heads:
         ax_acc.plot([r["step"] for r in evals], [r[f"eval/{h}/top1"] for r in evals], "o-", label=h)
     ax_acc.set(xlabel="step", ylabel="held-out top-1", title="per-head accuracy")

@@ -48,7 +48,7 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = metrics | {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = metrics | {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def eval_step(params, target_params, batch):

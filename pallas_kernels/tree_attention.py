@@ -1,0 +1,376 @@
+"""Tree attention over a KV cache: a Pallas kernel beside its dense jnp reference.
+
+One decode step of tree speculative decoding scores T new tokens (the nodes of a draft tree) at once. Their
+keys/values are already written into the cache at slots [lengths[b], lengths[b] + T); everything before
+`lengths[b]` is committed context that every new token sees; among the new tokens `tree_mask[b, i, j]` says
+whether query i sees node j (its ancestors and itself). Slots at or past lengths[b] + T are unused: never read
+into the result (they may hold garbage, even NaN).
+
+Example, lengths[b] = 3, S = 8, T = 3 nodes: n0 is the root, n1 and n2 are its two children
+(q_positions = [3, 4, 4]).
+
+    slot:            0 1 2 | 3  4  5  | 6 7
+    kind:            committed | n0 n1 n2 | unused
+    query n0 (t=0):  1 1 1 | 1  .  .  | . .
+    query n1 (t=1):  1 1 1 | 1  1  .  | . .
+    query n2 (t=2):  1 1 1 | 1  .  1  | . .
+
+With a sliding window (HF semantics, `window > 0`), a key is also required to satisfy
+q_positions[b, t] - key_pos < window, where key_pos is the slot index for committed slots and the node's
+q_position for new-token slots. With window = 3 the row of n1 (position 4) keeps key positions 2, 3, 4:
+
+    query n1 (t=1):  . . 1 | 1  1  .  | . .
+
+Shapes: q [B, T, Hq, Dh]; k_cache, v_cache [B, S, Hkv, Dh]; lengths [B]; tree_mask [B, T, T];
+q_positions [B, T]; window a scalar (may be traced, 0 = no window). Query head h reads kv head h // (Hq // Hkv).
+Scores are scaled by 1/sqrt(Dh); softmax and accumulation are fp32; the output has q's dtype. A query that sees
+no key at all (never in valid use: a node always sees itself) gets a zero output, not NaN.
+
+The kernel runs one program per (batch row, kv head) over the T * G query rows of that head's group
+(G = Hq // Hkv): an online softmax over `block_k`-slot blocks of the committed prefix, looping only up to
+cdiv(lengths[b], block_k) (and, with a window, starting past the blocks no query can reach), then one last
+step over the T new-token slots, whose visibility is a plain [T*G, T] mask with no gather.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+Backend = Literal["auto", "pallas", "xla"]
+BACKENDS: tuple[str, ...] = ("auto", "pallas", "xla")
+_NEG_INF = -jnp.inf
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input validation, shared by the kernel and the reference.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_rank(name: str, x: jax.Array, rank: int) -> None:
+    if x.ndim != rank:
+        raise ValueError(f"{name} must have rank {rank}, got {x.shape=}")
+
+
+def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(shape)}")
+
+
+def _check_integer(name: str, x: jax.Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got {x.dtype=}")
+
+
+def validate_inputs(
+    q: jax.Array,  # [B, T, Hq, Dh]
+    k_cache: jax.Array,  # [B, S, Hkv, Dh]
+    v_cache: jax.Array,  # [B, S, Hkv, Dh]
+    lengths: jax.Array,  # [B] int
+    tree_mask: jax.Array,  # [B, T, T] bool
+    q_positions: jax.Array,  # [B, T] int
+    window: int | jax.Array = 0,  # [] int, may be traced
+) -> None:
+    """Raise ValueError unless the inputs have the shapes and dtypes that tree attention expects.
+
+    Checks only static facts (shapes, dtypes, a concrete `window`); `lengths + T <= S` is the caller's promise.
+    """
+    _check_rank("q", q, 4)
+    _check_rank("k_cache", k_cache, 4)
+    _check_rank("v_cache", v_cache, 4)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {k_cache.shape=} {v_cache.shape=}")
+    batch, num_new, num_q_heads, head_dim = q.shape
+    cache_batch, num_slots, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_batch != batch:
+        raise ValueError(f"k_cache batch must match q batch, got {cache_batch=} {batch=}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"k_cache head_dim must match q head_dim, got {cache_head_dim=} {head_dim=}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} must be a positive multiple of {num_kv_heads=}")
+    if num_new == 0:
+        raise ValueError(f"q must hold at least one new token, got {q.shape=}")
+    if num_new > num_slots:
+        raise ValueError(f"{num_new=} new tokens must fit in the cache: need num_new <= {num_slots=}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating array, got {x.dtype=}")
+    _check_shape("lengths", lengths.shape, (batch,))
+    _check_integer("lengths", lengths)
+    _check_shape("tree_mask", tree_mask.shape, (batch, num_new, num_new))
+    if tree_mask.dtype != jnp.bool_:
+        raise ValueError(f"tree_mask must be bool, got {tree_mask.dtype=}")
+    _check_shape("q_positions", q_positions.shape, (batch, num_new))
+    _check_integer("q_positions", q_positions)
+    _validate_window(window)
+
+
+def _validate_window(window: int | jax.Array) -> None:
+    if isinstance(window, bool):
+        raise ValueError(f"window must be an integer scalar, got {window=}")
+    if isinstance(window, int | np.integer):
+        if window < 0:
+            raise ValueError(f"{window=} must be >= 0 (0 = no sliding window)")
+        return
+    window = jnp.asarray(window)
+    if window.ndim != 0 or not jnp.issubdtype(window.dtype, jnp.integer):
+        raise ValueError(f"window must be an integer scalar, got {window.shape=} {window.dtype=}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dense reference.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def visibility_mask(
+    lengths: jax.Array,  # [B]
+    tree_mask: jax.Array,  # [B, T, T] bool
+    q_positions: jax.Array,  # [B, T]
+    window: int | jax.Array,  # []
+    num_slots: int,
+) -> jax.Array:  # [B, T, S] bool
+    """Which cache slot each new token's query sees (the drawing in the module docstring)."""
+    num_new = tree_mask.shape[-1]
+    slots = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    length = lengths.astype(jnp.int32)[:, None, None]  # [B, 1, 1]
+    node = jnp.clip(slots - length, 0, num_new - 1)  # [B, 1, S]: the new token a slot would hold
+    node = jnp.broadcast_to(node, tree_mask.shape[:2] + (num_slots,))  # [B, T, S]
+    committed = slots < length
+    is_new = (slots >= length) & (slots < length + num_new)
+    tree_visible = jnp.take_along_axis(tree_mask, node, axis=2)  # [B, T, S]
+    q_pos = q_positions.astype(jnp.int32)
+    new_key_pos = jnp.take_along_axis(jnp.broadcast_to(q_pos[:, None, :], tree_mask.shape), node, axis=2)
+    key_pos = jnp.where(committed, slots, new_key_pos)  # [B, T, S]
+    window = jnp.asarray(window, jnp.int32)
+    in_window = (window <= 0) | (q_pos[:, :, None] - key_pos < window)
+    return (committed | (is_new & tree_visible)) & in_window
+
+
+def tree_attention_reference(
+    q: jax.Array,  # [B, T, Hq, Dh]
+    k_cache: jax.Array,  # [B, S, Hkv, Dh]
+    v_cache: jax.Array,  # [B, S, Hkv, Dh]
+    lengths: jax.Array,  # [B]
+    tree_mask: jax.Array,  # [B, T, T] bool
+    q_positions: jax.Array,  # [B, T]
+    window: int | jax.Array = 0,  # []
+) -> jax.Array:  # [B, T, Hq, Dh]
+    """Dense tree attention in plain jnp with fp32 scores, softmax and accumulation."""
+    validate_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window)
+    batch, num_new, num_q_heads, head_dim = q.shape
+    num_slots, num_kv_heads = k_cache.shape[1:3]
+    group = num_q_heads // num_kv_heads
+    visible = visibility_mask(lengths, tree_mask, q_positions, window, num_slots)  # [B, T, S]
+    # Zero slots no query may read so garbage (NaN) there cannot reach the output through 0 * NaN.
+    used = jnp.any(visible, axis=1)[:, :, None, None]  # [B, S, 1, 1]
+    k = jnp.where(used, k_cache.astype(jnp.float32), 0.0)
+    v = jnp.where(used, v_cache.astype(jnp.float32), 0.0)
+    qg = q.astype(jnp.float32).reshape(batch, num_new, num_kv_heads, group, head_dim)  # [B, T, K, G, Dh]
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k) / math.sqrt(head_dim)
+    scores = jnp.where(visible[:, None, None], scores, _NEG_INF)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.where(visible[:, None, None], jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", p, v)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pallas kernel.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b.T with fp32 accumulation: [M, D] x [N, D] -> [M, N]."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b with fp32 accumulation: [M, N] x [N, D] -> [M, D]."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _online_softmax_step(
+    carry: tuple[jax.Array, jax.Array, jax.Array],  # m [R, 1], l [R, 1], acc [R, Dh], all fp32
+    scores: jax.Array,  # [R, N] fp32, may hold NaN where not visible
+    visible: jax.Array,  # [R, N] bool
+    v: jax.Array,  # [N, Dh], finite (masked rows already zeroed)
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Fold one block of keys into the running (max, sum, weighted values) of a flash-style softmax."""
+    m_prev, l_prev, acc_prev = carry
+    scores = jnp.where(visible, scores, _NEG_INF)  # before any arithmetic: drops NaN from unused slots
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+    m_safe = jnp.where(m_next == _NEG_INF, 0.0, m_next)  # all masked so far: avoid -inf - -inf
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.where(visible, jnp.exp(scores - m_safe), 0.0)  # [R, N]
+    l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    acc_next = alpha * acc_prev + _dot_nn(p.astype(v.dtype), v)
+    return m_next, l_next, acc_next
+
+
+def _tree_attention_kernel(
+    lengths_ref,  # [B] int32
+    window_ref,  # [1] int32
+    q_ref,  # [R, Dh], R = T * G query rows of one kv head, row t * G + g
+    k_ref,  # [S, Dh]
+    v_ref,  # [S, Dh]
+    new_mask_ref,  # [R, T] int32: tree & window visibility among the new tokens
+    q_pos_ref,  # [R, 1] int32
+    o_ref,  # [R, Dh]
+    *,
+    sm_scale: float,
+    block_k: int,
+    num_new: int,
+) -> None:
+    length = lengths_ref[pl.program_id(0)]
+    window = window_ref[0]
+    q = q_ref[...]
+    q_pos = q_pos_ref[...]  # [R, 1]
+    num_rows, head_dim = q.shape
+    num_slots = k_ref.shape[0]
+
+    def committed_block(i, carry):
+        nominal = i * block_k
+        start = jnp.minimum(nominal, num_slots - block_k)  # the tail block overlaps its neighbour instead of
+        # reading past S; slots below `nominal` were already counted and are masked out here.
+        cols = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
+        rows = start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [bk, 1]
+        k = k_ref[pl.ds(start, block_k), :]
+        v = v_ref[pl.ds(start, block_k), :]
+        v = jnp.where((rows >= nominal) & (rows < length), v, jnp.zeros_like(v))  # 0 * NaN = NaN otherwise
+        in_window = (window <= 0) | (q_pos - cols < window)  # [R, bk]
+        visible = (cols >= nominal) & (cols < length) & in_window
+        return _online_softmax_step(carry, _dot_nt(q, k) * sm_scale, visible, v)
+
+    first_visible = jnp.maximum(jnp.min(q_pos) - window + 1, 0)  # oldest committed slot any row may see
+    lo = jnp.where(window > 0, first_visible // block_k, 0)
+    hi = pl.cdiv(length, block_k)
+    carry = (
+        jnp.full((num_rows, 1), _NEG_INF, jnp.float32),
+        jnp.zeros((num_rows, 1), jnp.float32),
+        jnp.zeros((num_rows, head_dim), jnp.float32),
+    )
+    carry = lax.fori_loop(lo, hi, committed_block, carry)
+
+    k_new = k_ref[pl.ds(length, num_new), :]  # [T, Dh]
+    v_new = v_ref[pl.ds(length, num_new), :]
+    carry = _online_softmax_step(carry, _dot_nt(q, k_new) * sm_scale, new_mask_ref[...] != 0, v_new)
+
+    _, l_final, acc = carry
+    o_ref[...] = (acc / jnp.where(l_final == 0.0, 1.0, l_final)).astype(o_ref.dtype)
+
+
+def _new_token_mask(
+    tree_mask: jax.Array,  # [B, T, T] bool
+    q_positions: jax.Array,  # [B, T] int32
+    window: jax.Array,  # [] int32
+) -> jax.Array:  # [B, T, T] bool
+    """Visibility among the new tokens: the tree, cut by the sliding window."""
+    distance = q_positions[:, :, None] - q_positions[:, None, :]
+    return tree_mask & ((window <= 0) | (distance < window))
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "interpret"))
+def _tree_attention_pallas(
+    q: jax.Array,  # [B, T, Hq, Dh]
+    k_cache: jax.Array,  # [B, S, Hkv, Dh]
+    v_cache: jax.Array,  # [B, S, Hkv, Dh]
+    lengths: jax.Array,  # [B]
+    tree_mask: jax.Array,  # [B, T, T] bool
+    q_positions: jax.Array,  # [B, T]
+    window: jax.Array,  # []
+    *,
+    block_k: int,
+    interpret: bool,
+) -> jax.Array:  # [B, T, Hq, Dh]
+    batch, num_new, num_q_heads, head_dim = q.shape
+    num_slots, num_kv_heads = k_cache.shape[1:3]
+    group = num_q_heads // num_kv_heads
+    rows = num_new * group
+    block_k = min(block_k, num_slots)
+    lengths = lengths.astype(jnp.int32)
+    q_positions = q_positions.astype(jnp.int32)
+    window = jnp.asarray(window, jnp.int32).reshape(1)
+
+    # Query rows of one kv head side by side: [B, T, K, G, Dh] -> [B, K, T * G, Dh], row t * G + g.
+    q_rows = q.reshape(batch, num_new, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
+    new_mask = _new_token_mask(tree_mask, q_positions, window[0])
+    new_mask = jnp.repeat(new_mask, group, axis=1).astype(jnp.int32)  # [B, R, T]
+    q_pos_rows = jnp.repeat(q_positions, group, axis=1)[:, :, None]  # [B, R, 1]
+
+    kernel = functools.partial(
+        _tree_attention_kernel, sm_scale=1.0 / math.sqrt(head_dim), block_k=block_k, num_new=num_new
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((batch,), lambda b, h: (0,)),  # lengths
+            pl.BlockSpec((1,), lambda b, h: (0,)),  # window
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0)),  # q rows
+            pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h: (b, 0, h, 0)),  # k_cache
+            pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h: (b, 0, h, 0)),  # v_cache
+            pl.BlockSpec((None, rows, num_new), lambda b, h: (b, 0, 0)),  # new-token mask
+            pl.BlockSpec((None, rows, 1), lambda b, h: (b, 0, 0)),  # query positions
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype),
+        interpret=interpret,
+        name="tree_attention",
+    )(lengths, window, q_rows, k_cache, v_cache, new_mask, q_pos_rows)
+    out = out.reshape(batch, num_kv_heads, num_new, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(q.shape)
+
+
+def _resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
+    """(backend to run, interpret flag) for the current default JAX platform."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    on_cpu = jax.default_backend() == "cpu"
+    if backend == "xla":
+        return "xla", False
+    if interpret is None:
+        interpret = on_cpu
+    if on_cpu and not interpret:
+        raise ValueError(f"{interpret=} needs a GPU or TPU; on CPU the Pallas kernel runs only with interpret=True")
+    return "pallas", interpret
+
+
+def tree_attention(
+    q: jax.Array,  # [B, T, Hq, Dh]
+    k_cache: jax.Array,  # [B, S, Hkv, Dh]
+    v_cache: jax.Array,  # [B, S, Hkv, Dh]
+    lengths: jax.Array,  # [B]
+    tree_mask: jax.Array,  # [B, T, T] bool
+    q_positions: jax.Array,  # [B, T]
+    window: int | jax.Array = 0,  # [], may be traced
+    *,
+    block_k: int = 128,
+    interpret: bool | None = None,
+    backend: Backend = "auto",
+) -> jax.Array:  # [B, T, Hq, Dh]
+    """Tree attention of T new tokens over a KV cache that already holds their keys/values.
+
+    backend: "xla" runs `tree_attention_reference`; "pallas" and "auto" run the Pallas kernel (on CPU in
+    interpret mode). interpret: None means True on CPU and False on GPU/TPU.
+    """
+    validate_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window)
+    if block_k <= 0:
+        raise ValueError(f"{block_k=} must be > 0")
+    backend, interpret = _resolve_backend(backend, interpret)
+    if backend == "xla":
+        return tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, q_positions, window)
+    return _tree_attention_pallas(
+        q, k_cache, v_cache, lengths, tree_mask, q_positions, jnp.asarray(window, jnp.int32),
+        block_k=block_k, interpret=interpret,
+    )

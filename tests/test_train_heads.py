@@ -1,0 +1,185 @@
+"""The draft-head trainer: sharded step parity, exact resume after SIGTERM, data pipelines, distillation, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from amphista_jax.cli import main
+from amphista_jax.drafters import Medusa
+from amphista_jax.drafters.io import load_draft
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.models.hf import load_params
+from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.sharding import make_mesh, param_shardings
+from amphista_jax.tokenizer import load_tokenizer
+from train.data import DataError, conversation_examples, example_dataset, render_with_mask
+from train.distill import distill
+from train.loop import LoopConfig, Preempted, run_loop
+from train.optim import OptimConfig, make_optimizer
+from train.step import make_steps
+
+CONFIG = tiny_llama_config(vocab_size=256)
+
+
+def _setup(seed: int = 0):
+    params = init_params(CONFIG, jax.random.key(seed))
+    medusa = Medusa(num_heads=2)
+    optimizer = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), 20, part_lrs={"lm_head": 1e-3})
+    tokens = np.asarray(jax.random.randint(jax.random.key(7), (64, 16), 0, 256), np.int32)
+    examples = [{"tokens": t, "loss_mask": np.ones_like(t)} for t in tokens]
+
+    def init_state():
+        heads = medusa.init(jax.random.key(1), CONFIG, params)
+        heads = heads | {"w": jax.random.normal(jax.random.key(2), heads["w"].shape) * 0.1}
+        return {"params": heads, "opt_state": optimizer.init(heads), "step": jnp.zeros((), jnp.int32)}
+
+    return params, medusa, optimizer, examples, init_state
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_sharded_train_step_matches_single_device():
+    params, medusa, optimizer, examples, init_state = _setup()
+    batch = {k: np.stack([e[k] for e in examples[:8]]) for k in examples[0]}
+    model = Transformer(CONFIG)
+    single_step, _ = make_steps(model, medusa, optimizer)
+    single_state, single_metrics = single_step(init_state(), params, batch)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    shardings = param_shardings(CONFIG, mesh)
+    sharded_params = jax.tree.map(jax.device_put, params, shardings)
+    sharded_step, _ = make_steps(model, medusa, optimizer, mesh, shardings)
+    sharded_state, sharded_metrics = sharded_step(init_state(), sharded_params, batch)
+    np.testing.assert_allclose(float(sharded_metrics["loss"]), float(single_metrics["loss"]), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5),
+                 sharded_state["params"], single_state["params"])
+
+
+class _KillAfter:
+    """A grain iterator that sends this process SIGTERM when batch `n` is drawn."""
+
+    def __init__(self, it, n: int):
+        self.it, self.n, self.drawn = it, n, 0
+
+    def __next__(self):
+        self.drawn += 1
+        if self.drawn == self.n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next(self.it)
+
+    def get_state(self):
+        return self.it.get_state()
+
+    def set_state(self, state):
+        self.it.set_state(state)
+
+
+def test_exact_resume_after_sigterm(tmp_path):
+    params, medusa, optimizer, examples, init_state = _setup()
+    step, _ = make_steps(Transformer(CONFIG), medusa, optimizer)
+
+    def train(run_dir, data):
+        return run_loop(run_dir=run_dir, cfg=LoopConfig(steps=6, checkpoint_every=100), init_state=init_state,
+                        train_step=lambda s, b: step(s, params, b), data=data, tokens_per_batch=64)
+
+    fresh = lambda: iter(example_dataset(examples, 4, seed=3))  # noqa: E731
+    straight, _ = train(tmp_path / "a", fresh())
+    with pytest.raises(Preempted) as stopped:
+        train(tmp_path / "b", _KillAfter(fresh(), 3))
+    assert stopped.value.step == 3 and stopped.value.code == 143
+    resumed, extra = train(tmp_path / "b", fresh())
+    assert extra["steps"] == 6 and extra["tokens_seen"] == 6 * 64
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 straight["params"], resumed["params"])
+
+
+def test_nan_loss_stops_naming_the_step(tmp_path):
+    params, medusa, optimizer, examples, init_state = _setup()
+    step, _ = make_steps(Transformer(CONFIG), medusa, optimizer)
+
+    def poisoned(s, b):
+        s, m = step(s, params, b)
+        return s, m | {"loss": m["loss"] * jnp.where(s["step"] == 2, jnp.nan, 1.0)}
+
+    with pytest.raises(FloatingPointError, match="at step 2"):
+        run_loop(run_dir=tmp_path, cfg=LoopConfig(steps=5, checkpoint_every=100), init_state=init_state,
+                 train_step=poisoned, data=iter(example_dataset(examples, 4, 0)), tokens_per_batch=64)
+
+
+def test_assistant_only_loss_mask_on_a_real_template(smoke_model):
+    run_dir, _ = smoke_model
+    tok = load_tokenizer(run_dir / "export")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add two numbers"},
+                {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+                {"role": "user", "content": "and subtract"}, {"role": "assistant", "content": "a - b"}]
+    ids, mask = render_with_mask(tok, messages, max_len=512)
+    trained = tok.decode(ids[mask == 1])
+    assert trained == "def add(a, b):\n    return a + b\na - b\n"  # both answers and their end-of-turn newline
+    assert "add two numbers" not in trained and "# assistant" not in trained
+    ids_short, mask_short = render_with_mask(tok, messages, max_len=10)
+    assert len(ids_short) == 10
+
+
+def test_bad_records_are_skipped_and_counted(smoke_model, tmp_path):
+    run_dir, _ = smoke_model
+    tok = load_tokenizer(run_dir / "export")
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]}
+    lines = [json.dumps(good), "{not json", json.dumps({"conversations": []}),
+             json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}),
+             json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+             json.dumps({"conversations": [{"from": "human", "value": "only a question"}]})]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    examples, report = conversation_examples(path, tok, max_len=64)
+    assert report.kept == 2 and len(examples) == 2
+    assert report.skipped == {"invalid JSON (Expecting property name enclosed in double quotes)": 1,
+                              "empty conversation": 1, "unknown role 'wizard'": 1, "no assistant turn": 1}
+    assert report.problems[0].endswith("data.jsonl:2: invalid JSON (Expecting property name enclosed in double quotes)")
+    path.write_text("\n".join(lines[1:4]) + "\n")
+    with pytest.raises(DataError, match="yields no usable example"):
+        conversation_examples(path, tok, max_len=64)
+
+
+def test_distill_is_resumable_and_feeds_training(smoke_model, tmp_path):
+    run_dir, _ = smoke_model
+    model = str(run_dir / "export")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join([json.dumps({"id": "a", "prompt": "def add(a, b):"}),
+                                  json.dumps({"question_id": 7, "turns": ["write a loop", "now a class"]}),
+                                  "oops"]) + "\n")
+    out = tmp_path / "distilled.jsonl"
+    assert distill(model, str(prompts), str(out), batch_size=4, max_new_tokens=8, prompt_len=32) == 2
+    prompts.write_text(prompts.read_text() + json.dumps(
+        {"messages": [{"role": "user", "content": "sort a list"}]}) + "\n")
+    assert distill(model, str(prompts), str(out), batch_size=4, max_new_tokens=8, prompt_len=32) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "7", "4"]
+    assert rows[1]["conversations"][0] == {"from": "human", "value": "write a loop"}
+    examples, report = conversation_examples(out, load_tokenizer(model), max_len=64)
+    assert report.kept == 3
+
+
+def test_train_cli_end_to_end(smoke_model, tmp_path):
+    run_dir, _ = smoke_model
+    code = tmp_path / "code"
+    code.mkdir()
+    for i in range(30):
+        (code / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 6)
+    out = tmp_path / "run"
+    args = ["train", "--config", "configs/medusa/tiny-code.yaml", "--set", f"model={run_dir / 'export'}",
+            "--set", f"out_dir={out}", "--set", "data.kind=text", "--set", f"data.train={code}",
+            "--set", "data.max_len=32", "--set", "data.batch_size=4", "--set", "loop.steps=4",
+            "--set", "loop.eval_every=2", "--set", "loop.log_every=1", "--set", "method_settings.num_heads=2",
+            "--set", "data.cache_target_hidden=true"]
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and set(summary["heldout_after"]) >= {"loss", "head0/top1", "head1/top5"}
+    assert (out / "training_curve.png").stat().st_size > 1000
+    params, config = load_params(run_dir / "export", dtype="float32")
+    method, drafter, heads = load_draft(out / "heads", config, params)
+    assert method == "medusa" and drafter == Medusa(num_heads=2)

@@ -1,0 +1,233 @@
+"""Tree attention: the Pallas kernel against its dense reference, and the reference against hand-computed values.
+
+`TreeAttentionTest` runs the kernel in interpret mode (CPU); `TreeAttentionDeviceTest` runs the same tests compiled
+on a GPU/TPU and is skipped on CPU. Cache slots past lengths + T are filled with NaN so any read past the mask shows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.tree_attention import tree_attention, tree_attention_reference, validate_inputs
+
+TOLERANCES = {
+    jnp.dtype(jnp.float32): dict(atol=1e-5, rtol=1e-5),
+    jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel-vs-reference configuration."""
+
+    lengths: tuple[int, ...]  # committed tokens per batch row
+    num_slots: int = 48  # S
+    num_new: int = 8  # T
+    q_heads: int = 2
+    kv_heads: int = 2
+    head_dim: int = 16
+    window: int = 0
+    block_k: int = 16
+    padded_nodes: int = 0  # trailing tree nodes that only see themselves and that no real node sees
+    dtype: str = "float32"
+
+
+CASES = {
+    "len0": Case(lengths=(0,), num_slots=32, num_new=5),
+    "cache_end": Case(lengths=(41,), num_slots=48, num_new=7, q_heads=4, kv_heads=2),
+    "ragged_tail_S_and_T": Case(lengths=(3, 29), num_slots=40, num_new=11, q_heads=4, kv_heads=1),
+    "block_k_over_S": Case(lengths=(5, 0), num_slots=24, num_new=6, block_k=32),
+    "gqa1_ragged_batch": Case(lengths=(0, 17, 55), num_slots=64, num_new=9, block_k=32),
+    "gqa2": Case(lengths=(12, 30), num_slots=48, num_new=10, q_heads=4, kv_heads=2, head_dim=8),
+    "gqa4": Case(lengths=(31, 7), num_slots=48, num_new=13, q_heads=8, kv_heads=2, head_dim=8),
+    "padded_nodes": Case(lengths=(9, 26), num_slots=40, num_new=12, padded_nodes=4),
+    "window": Case(lengths=(20, 37), num_slots=64, num_new=8, window=5),
+    "window_wider_than_context": Case(lengths=(4, 0), num_slots=32, num_new=9, window=40, padded_nodes=2),
+    "large": Case(lengths=(50, 76), num_slots=96, num_new=20, q_heads=8, kv_heads=2, head_dim=32, window=13,
+                  block_k=32, padded_nodes=3),
+    "bf16": Case(lengths=(14, 33), num_slots=48, num_new=9, q_heads=4, kv_heads=2, dtype="bfloat16"),
+    "bf16_window": Case(lengths=(40, 2), num_slots=64, num_new=12, q_heads=4, kv_heads=1, window=7,
+                        padded_nodes=2, dtype="bfloat16"),
+}
+
+
+def random_tree(rng: np.random.Generator, num_new: int, padded: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ancestor-or-self mask [T, T] bool, depth [T]) of a random tree; the last `padded` nodes see only
+    themselves and are nobody's ancestor, like the padding of a fixed-size tree buffer."""
+    real = num_new - padded
+    parent = [-1] + [int(rng.integers(0, j)) for j in range(1, real)]
+    mask = np.eye(num_new, dtype=bool)
+    depth = np.zeros(num_new, np.int32)
+    for node in range(1, real):
+        mask[node] |= mask[parent[node]]
+        depth[node] = depth[parent[node]] + 1
+    return mask, depth
+
+
+def make_inputs(case: Case, seed: int = 0) -> tuple[dict, dict]:
+    """(kernel inputs with NaN in unused slots, the same inputs with those slots finite)."""
+    rng = np.random.default_rng(seed)
+    batch = len(case.lengths)
+    lengths = np.asarray(case.lengths, np.int32)
+    assert (lengths + case.num_new <= case.num_slots).all(), case
+    dtype = jnp.dtype(case.dtype)
+    cache_shape = (batch, case.num_slots, case.kv_heads, case.head_dim)
+    q = rng.normal(size=(batch, case.num_new, case.q_heads, case.head_dim))
+    k, v = rng.normal(size=cache_shape), rng.normal(size=cache_shape)
+    trees = [random_tree(rng, case.num_new, case.padded_nodes) for _ in range(batch)]
+    tree_mask = np.stack([mask for mask, _ in trees])
+    q_positions = lengths[:, None] + np.stack([depth for _, depth in trees])
+    clean = dict(q=jnp.asarray(q, dtype), k_cache=jnp.asarray(k, dtype), v_cache=jnp.asarray(v, dtype),
+                 lengths=jnp.asarray(lengths), tree_mask=jnp.asarray(tree_mask),
+                 q_positions=jnp.asarray(q_positions, jnp.int32), window=case.window)
+    unused = np.arange(case.num_slots)[None, :] >= (lengths + case.num_new)[:, None]  # [B, S]
+    poisoned = dict(clean)
+    for name in ("k_cache", "v_cache"):
+        poisoned[name] = jnp.where(unused[:, :, None, None], jnp.nan, clean[name]).astype(dtype)
+    return poisoned, clean
+
+
+class TreeAttentionTest:
+    __test__ = True  # collected although the name does not start with "Test"
+    INTERPRET = True
+
+    def run_kernel(self, inputs: dict, **kwargs) -> jax.Array:
+        return tree_attention(**inputs, interpret=self.INTERPRET, backend="pallas", **kwargs)
+
+    @pytest.mark.parametrize("name", sorted(CASES))
+    def test_kernel_matches_reference(self, name: str):
+        case = CASES[name]
+        poisoned, clean = make_inputs(case)
+        out = self.run_kernel(poisoned, block_k=case.block_k)
+        expected = tree_attention_reference(**clean)
+        assert out.dtype == expected.dtype == jnp.dtype(case.dtype)
+        assert np.isfinite(np.asarray(out, np.float32)).all(), "NaN from unused cache slots leaked"
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                                   **TOLERANCES[out.dtype])
+
+    def test_reference_ignores_nan_in_unused_slots(self):
+        poisoned, clean = make_inputs(CASES["padded_nodes"])
+        np.testing.assert_array_equal(tree_attention_reference(**poisoned), tree_attention_reference(**clean))
+
+    def test_traced_window_from_scan(self):
+        """`window` is a traced int32 scalar scanned over layers; one compiled kernel serves every value."""
+        case = CASES["window"]
+        poisoned, clean = make_inputs(case)
+        windows = jnp.asarray([0, 3, 9], jnp.int32)
+
+        def layer(carry, window):
+            out = self.run_kernel(poisoned | dict(window=window), block_k=case.block_k)
+            return carry, out
+
+        _, outs = jax.jit(lambda w: jax.lax.scan(layer, 0, w))(windows)
+        for window, out in zip(windows.tolist(), outs, strict=True):
+            expected = tree_attention_reference(**(clean | dict(window=window)))
+            np.testing.assert_allclose(out, expected, **TOLERANCES[out.dtype])
+
+    def test_fully_masked_row_is_zero(self):
+        """Not valid use (a node always sees itself), but the kernel must give 0, not NaN."""
+        poisoned, clean = make_inputs(Case(lengths=(0,), num_slots=16, num_new=4))
+        tree_mask = poisoned["tree_mask"].at[0, 2].set(False)
+        out = self.run_kernel(poisoned | dict(tree_mask=tree_mask))
+        expected = tree_attention_reference(**(clean | dict(tree_mask=tree_mask)))
+        np.testing.assert_array_equal(out[0, 2], 0.0)
+        np.testing.assert_allclose(out, expected, **TOLERANCES[out.dtype])
+
+    def test_xla_backend_is_reference(self):
+        poisoned, clean = make_inputs(CASES["gqa2"])
+        out = tree_attention(**poisoned, backend="xla")
+        np.testing.assert_array_equal(out, tree_attention_reference(**clean))
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="compiled Pallas needs a GPU or TPU")
+class TreeAttentionDeviceTest(TreeAttentionTest):
+    INTERPRET = False
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reference by hand: one row, lengths = 1, T = 2 chain nodes, S = 4 (slot 3 unused, NaN), Dh = 4 (scale 1/2).
+# Slot keys are 2 * e_slot and values e_slot, so a query e_j scores 1 on slot j and 0 elsewhere.
+# ----------------------------------------------------------------------------------------------------------------
+
+E = math.e
+
+
+def hand_example(window: int) -> jax.Array:
+    eye = np.eye(4, dtype=np.float32)
+    cache = np.where(np.arange(4)[:, None] < 3, eye, np.nan)  # slot 3 unused
+    q = np.stack([eye[0], eye[2]])[None, :, None, :]  # [1, 2, 1, 4]: node 0 asks for slot 0, node 1 for slot 2
+    k = (2 * cache)[None, :, None, :]  # [1, 4, 1, 4]
+    v = cache[None, :, None, :]
+    tree_mask = np.array([[[True, False], [True, True]]])
+    out = tree_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([1]),
+                                   jnp.asarray(tree_mask), jnp.asarray([[1, 2]]), window)
+    return out[0, :, 0, :]  # [T, Dh]
+
+
+@pytest.mark.parametrize(
+    "window, expected",
+    [
+        # node 0 sees slots 0, 1 with scores (1, 0); node 1 sees slots 0, 1, 2 with scores (0, 0, 1).
+        (0, [[E / (E + 1), 1 / (E + 1), 0, 0], [1 / (E + 2), 1 / (E + 2), E / (E + 2), 0]]),
+        # key positions 0, 1, 2 for slots 0, 1, 2: node 0 (position 1) keeps slot 1, node 1 (position 2) slot 2.
+        (1, [[0, 1, 0, 0], [0, 0, 1, 0]]),
+        # node 0 keeps slots 0, 1; node 1 keeps slots 1, 2 with scores (0, 1).
+        (2, [[E / (E + 1), 1 / (E + 1), 0, 0], [0, 1 / (E + 1), E / (E + 1), 0]]),
+    ],
+)
+def test_reference_by_hand(window: int, expected: list[list[float]]):
+    np.testing.assert_allclose(hand_example(window), np.asarray(expected, np.float32), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# validate_inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def valid_inputs() -> dict:
+    _, clean = make_inputs(Case(lengths=(3, 5), num_slots=16, num_new=4, q_heads=4, kv_heads=2, head_dim=8))
+    return clean
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x: dict(q=x["q"][0]), "q must have rank 4"),
+        (lambda x: dict(k_cache=x["k_cache"][..., 0]), "k_cache must have rank 4"),
+        (lambda x: dict(v_cache=x["v_cache"][:, :8]), "k_cache and v_cache must have the same shape"),
+        (lambda x: dict(q=x["q"][:, :, :3]), "num_q_heads=3 must be a positive multiple of num_kv_heads=2"),
+        (lambda x: dict(q=x["q"][:1]), "k_cache batch must match q batch"),
+        (lambda x: dict(q=x["q"][..., :4]), "k_cache head_dim must match q head_dim"),
+        (lambda x: dict(k_cache=x["k_cache"][:, :3], v_cache=x["v_cache"][:, :3]), "num_new=4 new tokens"),
+        (lambda x: dict(lengths=x["lengths"][:1]), r"lengths must have shape \(2,\)"),
+        (lambda x: dict(lengths=x["lengths"].astype(jnp.float32)), "lengths must be an integer array"),
+        (lambda x: dict(tree_mask=x["tree_mask"].astype(jnp.int32)), "tree_mask must be bool"),
+        (lambda x: dict(tree_mask=x["tree_mask"][:, :3]), r"tree_mask must have shape \(2, 4, 4\)"),
+        (lambda x: dict(q_positions=x["q_positions"][:, :3]), r"q_positions must have shape \(2, 4\)"),
+        (lambda x: dict(q_positions=x["q_positions"].astype(jnp.float32)), "q_positions must be an integer"),
+        (lambda x: dict(window=-1), "window=-1 must be >= 0"),
+        (lambda x: dict(window=jnp.ones(2, jnp.int32)), "window must be an integer scalar"),
+    ],
+)
+def test_validate_inputs_raises(change, message: str):
+    inputs = valid_inputs()
+    bad = inputs | change(inputs)
+    with pytest.raises(ValueError, match=message):
+        validate_inputs(**bad)
+    with pytest.raises(ValueError, match=message):
+        tree_attention(**bad)
+
+
+def test_validate_inputs_accepts_valid():
+    validate_inputs(**valid_inputs())
+
+
+def test_unknown_backend_raises():
+    with pytest.raises(ValueError, match="backend='cuda' must be one of"):
+        tree_attention(**valid_inputs(), backend="cuda")
