@@ -1,0 +1,97 @@
+"""Train-step throughput for draft heads on a frozen target, and the share of time in the target forward.
+
+    python -m evals.benchmarks.train_throughput [--model DIR] [--method medusa] [--batch-size 8]
+                                                [--seq-len 256] [--steps 10] [--out runs/benchmarks]
+
+Times (medians over `--steps` after a warm-up) the full jitted train step (target forward + drafter loss +
+backward + AdamW), the target forward alone, and the step on precomputed target hidden states
+(`data.cache_target_hidden`), on whatever backend JAX runs on. Writes train_throughput.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amphista_jax.assets import default_model_dir
+from amphista_jax.drafters import DRAFTERS
+from amphista_jax.models.hf import load_params
+from amphista_jax.models.llama import Transformer
+from train.optim import OptimConfig, make_optimizer
+from train.step import make_steps, target_forward
+
+
+def _median(fn, steps: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--method", default="medusa", choices=sorted(DRAFTERS))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default="runs/benchmarks")
+    args = parser.parse_args()
+    model_dir = args.model or str(default_model_dir())
+    params, config = load_params(model_dir, dtype="float32")
+    model = Transformer(config)
+    drafter = DRAFTERS[args.method]()
+    optimizer = make_optimizer(OptimConfig(), 1000)
+    heads = drafter.init(jax.random.key(0), config, params)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, config.vocab_size, (args.batch_size, args.seq_len)),
+                         jnp.int32)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}
+    train_step, _ = make_steps(model, drafter, optimizer)
+    state = {"params": heads, "opt_state": optimizer.init(heads), "step": jnp.zeros((), jnp.int32)}
+
+    def full():
+        nonlocal state
+        state, metrics = train_step(state, params, batch)
+        return metrics["loss"]
+
+    forward = jax.jit(lambda p, b: target_forward(model, p, b).hidden)
+    hidden = forward(params, batch)
+    cached_batch = batch | {"hidden": hidden}
+
+    def cached():
+        nonlocal state
+        state, metrics = train_step(state, params, cached_batch)
+        return metrics["loss"]
+
+    t_full = _median(full, args.steps)
+    t_forward = _median(lambda: forward(params, batch), args.steps)
+    t_cached = _median(cached, args.steps)
+    n = args.batch_size * args.seq_len
+    row = {"model": model_dir, "parameters": config.num_params, "method": args.method, "backend": jax.default_backend(),
+           "batch_size": args.batch_size, "seq_len": args.seq_len, "step_s": t_full, "tokens_per_s": n / t_full,
+           "target_forward_s": t_forward, "target_forward_fraction": t_forward / t_full,
+           "cached_hidden_step_s": t_cached, "cached_hidden_tokens_per_s": n / t_cached}
+    table = "\n".join([
+        "| backend | method | batch x len | train tok/s | step ms | target forward share | tok/s with cached hidden |",
+        "|---|---|---|---|---|---|---|",
+        f"| {row['backend']} | {args.method} | {args.batch_size}x{args.seq_len} | {row['tokens_per_s']:.0f} | "
+        f"{t_full * 1e3:.1f} | {row['target_forward_fraction']:.0%} | {row['cached_hidden_tokens_per_s']:.0f} |"])
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_throughput.json").write_text(json.dumps(row, indent=2) + "\n")
+    (out / "train_throughput.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
