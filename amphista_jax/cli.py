@@ -101,6 +101,24 @@ def _pretrain_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """Re-save a checkpoint (dtype change, re-sharding into files of at most --max-shard-mb)."""
+    import shutil
+    from pathlib import Path
+
+    from amphista_jax.models.hf import load_params, save_params
+
+    params, config = load_params(args.model, dtype=args.dtype)
+    out = save_params(params, config, args.out, dtype=args.dtype if args.dtype != "checkpoint" else "bfloat16",
+                      max_shard_bytes=args.max_shard_mb * 2**20 if args.max_shard_mb else None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                 "tokenizer.model", "chat_template.jinja"):
+        if (Path(args.model) / name).is_file():
+            shutil.copy(Path(args.model) / name, out / name)
+    print(f"saved {config.num_params:,} parameters to {out}")
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from amphista_jax.config_io import load_config
     from train.heads import TrainConfig, train_heads
@@ -139,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
     g.add_argument("--show-drafts", action="store_true", help="colour the tokens that came from the draft heads")
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("convert", help="re-save a HF checkpoint in another dtype or shard size")
+    c.add_argument("--model", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    c.add_argument("--max-shard-mb", type=int, default=0, help="0 = one file")
+    c.set_defaults(func=_convert)
 
     t = sub.add_parser("train", help="train draft heads on a frozen target")
     t.add_argument("--config", required=True, help="YAML, e.g. configs/medusa/tiny-code.yaml")

@@ -68,3 +68,23 @@ def test_heads_for_another_target_are_refused(smoke_model, tmp_path):
     save_draft(tmp_path / "heads", "medusa", medusa, medusa.init(jax.random.key(0), config, params), other)
     with pytest.raises(DraftCheckpointError, match="were trained for another target"):
         main(["generate", "--model", str(run_dir / "export"), "--prompt", "x", "--heads", str(tmp_path / "heads")])
+
+
+def test_convert_reshards_and_keeps_the_tokenizer(smoke_model, tmp_path):
+    import json
+
+    import jax
+    import numpy as np
+
+    from amphista_jax.models.hf import load_params
+
+    run_dir, _ = smoke_model
+    out = tmp_path / "f32"
+    assert main(["convert", "--model", str(run_dir / "export"), "--out", str(out), "--dtype", "float32",
+                 "--max-shard-mb", "0"]) == 0
+    assert (out / "tokenizer.json").is_file()
+    a, _ = load_params(run_dir / "export", dtype="float32")
+    b, _ = load_params(out)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
