@@ -48,7 +48,7 @@ def write(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 def compact(cache: KVCache, accepted_slots: jax.Array, n_accepted: jax.Array) -> KVCache:
     """Move accepted scratch entries to the committed region and commit them.
 
-    `accepted_slots [B, D]` holds, per row, the scratch offsets (relative to `lengths`) of the accepted
+    `accepted_slots [B, D + 1]` holds, per row, the scratch offsets (relative to `lengths`) of the accepted
     tokens in order; entries past `n_accepted [B]` are ignored. Afterwards the accepted tokens occupy slots
     `[lengths, lengths + n_accepted)` and `lengths` grows by `n_accepted`.
     """

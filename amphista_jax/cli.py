@@ -7,6 +7,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from amphista_jax.drafters import DRAFTERS
+from amphista_jax.verify import ACCEPTANCE_RULES
+
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")
 
 
@@ -108,6 +111,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     from amphista_jax.models.hf import load_params, save_params
 
+    if Path(args.out).resolve() == Path(args.model).resolve():
+        raise SystemExit("--out must differ from --model: convert writes a new checkpoint and never overwrites its "
+                         "source")
     params, config = load_params(args.model, dtype=args.dtype)
     out = save_params(params, config, args.out, dtype=args.dtype if args.dtype != "checkpoint" else "bfloat16",
                       max_shard_bytes=args.max_shard_mb * 2**20 if args.max_shard_mb else None)
@@ -150,10 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
-    g.add_argument("--draft", choices=("medusa",), default=None, help="speculative decoding with this draft method")
+    g.add_argument("--draft", choices=sorted(DRAFTERS), default=None, help="speculative decoding with this method")
     g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
     g.add_argument("--tree", default="mc_sim_7b_63", help="tree preset name or JSON file of top-k paths")
-    g.add_argument("--acceptance", choices=("greedy", "typical", "rejection"), default=None,
+    g.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=None,
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
     g.add_argument("--show-drafts", action="store_true", help="colour the tokens that came from the draft heads")
     g.set_defaults(func=_generate)

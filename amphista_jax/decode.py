@@ -23,7 +23,7 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
 from amphista_jax.trees import TreeSpec, tree_arrays
-from amphista_jax.verify import AcceptanceConfig, Verdict, verify
+from amphista_jax.verify import AcceptanceConfig, verify
 
 GREEDY = SamplingConfig()
 DEFAULT_ACCEPTANCE = AcceptanceConfig()
@@ -82,11 +82,11 @@ def check_fits(prompt_lengths: np.ndarray, max_new_tokens: int, cache_size: int)
 
 def prefill(
     model: Transformer, params: dict, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache
-) -> tuple[Output, KVCache, jax.Array]:
+) -> tuple[Output, KVCache, jax.Array, jax.Array]:
     """Run the padded prompts `[B, T]` through the model; commit each row's own length.
 
-    Returns (output over all prompt slots, committed cache, fp32 logits at each row's last prompt token
-    `[B, V]`).
+    Returns (output over all prompt slots, committed cache, hidden state `[B, D]` and fp32 logits `[B, V]`
+    at each row's last prompt token).
     """
     b, t = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -94,7 +94,19 @@ def prefill(
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = model.apply({"params": params}, last_hidden, method=Transformer.logits)
     cache = out.cache.replace(lengths=prompt_lengths.astype(jnp.int32))
-    return out, cache, logits
+    return out, cache, last_hidden, logits
+
+
+def _check_static_fit(prompt_len: int, max_new_tokens: int, tree_nodes: int, cache_size: int) -> None:
+    """Trace-time guard: every cache write must land inside the cache (XLA would otherwise clamp the write
+    onto committed slots). Sized on the padded prompt length, which bounds every row's length."""
+    if max_new_tokens < 1:
+        raise ValueError(f"{max_new_tokens=} must be >= 1")
+    need = prompt_len + max_new_tokens + tree_nodes
+    if need > cache_size:
+        raise PromptTooLongError(
+            f"padded prompt length {prompt_len} + max_new_tokens={max_new_tokens} + {tree_nodes} tree nodes = {need} "
+            f"cache slots, but {cache_size=}: raise the cache size (--max-len) or lower --max-new-tokens")
 
 
 def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -121,15 +133,13 @@ def generate(
 ) -> GenerateOutput:
     """Autoregressive generation of up to `max_new_tokens` per row; a row stops after an EOS token.
 
-    The caller checks `check_fits(prompt_lengths, max_new_tokens, cache_size)` first (`generate` runs
-    on device and cannot raise on traced lengths); `cache_size >= prompt.shape[1]` is checked here.
+    Needs `cache_size >= prompt.shape[1] + max_new_tokens` (checked at trace time).
     """
     b, t = prompt.shape
-    if t > cache_size:
-        raise PromptTooLongError(f"padded prompt length {t} exceeds {cache_size=}")
+    _check_static_fit(t, max_new_tokens, 0, cache_size)
     model = Transformer(config)
     dtype = jax.tree.leaves(params)[0].dtype
-    _, cache, logits = prefill(model, params, prompt, prompt_lengths, new_cache(config, b, cache_size, dtype))
+    _, cache, _, logits = prefill(model, params, prompt, prompt_lengths, new_cache(config, b, cache_size, dtype))
     first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
     state = _LoopState(
         cache=cache,
@@ -198,19 +208,18 @@ def speculative_generate(
 
     Each step: the drafter proposes the tree's tokens, one target forward verifies all of them with the tree
     mask (positions = length + depth), the acceptance rule picks a path, the accepted keys/values are
-    compacted into the committed cache, and the path's tokens plus the bonus token are emitted. The caller
-    checks `check_fits(prompt_lengths, max_new_tokens + tree.num_nodes, cache_size)` first.
+    compacted into the committed cache, and the path's tokens plus the bonus token are emitted. Needs
+    `cache_size >= prompt.shape[1] + max_new_tokens + tree.num_nodes` (checked at trace time).
     """
     b, t = prompt.shape
     arrays = tree_arrays(tree)
     n, depth = tree.num_nodes, tree.depth
-    if t + n > cache_size:
-        raise PromptTooLongError(f"padded prompt length {t} + {n} tree nodes exceeds {cache_size=}")
+    _check_static_fit(t, max_new_tokens, n, cache_size)
     model = Transformer(config)
     dtype = jax.tree.leaves(params)[0].dtype
-    out, cache, logits = prefill(model, params, prompt, prompt_lengths, new_cache(config, b, cache_size, dtype))
+    out, cache, hidden, logits = prefill(model, params, prompt, prompt_lengths,
+                                         new_cache(config, b, cache_size, dtype))
     first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
-    hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     draft_state = drafter.prefill(draft_params, params, out, prompt_lengths, drafter.init_state(b, cache_size))
     state = _SpecState(
         cache=cache, draft_state=draft_state, root=first, hidden=hidden,
@@ -233,7 +242,7 @@ def speculative_generate(
         n_acc = jnp.where(s.done, 0, verdict.n_accepted)
         verdict = verdict.replace(n_accepted=jnp.maximum(n_acc, 1))
         cache = compact(verified.cache, verdict.accepted_nodes, n_acc)
-        draft_state = drafter.commit(draft_params, params, verdict, verified, s.draft_state)
+        draft_state, hidden = drafter.commit(draft_params, params, verdict, verified, s.draft_state)
         # Emitted this step: the accepted draft tokens (path nodes 1..n-1), then the bonus token.
         path_tokens = jnp.take_along_axis(proposal.tokens, jnp.maximum(verdict.accepted_nodes, 0), 1)  # [B, D+1]
         idx = jnp.arange(depth + 1)[None]
@@ -249,15 +258,9 @@ def speculative_generate(
         drafted = scatter(s.drafted, dest, idx < n_acc[:, None] - 1)
         num_tokens = s.num_tokens + count
         done = s.done | (hit & (first_stop <= count)) | (num_tokens >= max_new_tokens)
-        last = _last_accepted(verdict)
-        hidden = jnp.take_along_axis(verified.hidden, last[:, None, None], axis=1)[:, 0]
         accept_lengths = s.accept_lengths.at[:, s.steps].set(count, mode="drop")
         return _SpecState(cache, draft_state, verdict.bonus, hidden, tokens, drafted, num_tokens, done,
                           accept_lengths, s.steps + 1, s.rng)
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths, final.drafted)
-
-
-def _last_accepted(verdict: Verdict) -> jax.Array:
-    return jnp.take_along_axis(verdict.accepted_nodes, (verdict.n_accepted - 1)[:, None], 1)[:, 0]

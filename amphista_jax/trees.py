@@ -64,9 +64,6 @@ class TreeSpec:
     def num_paths(self) -> int:
         return max(len(self.leaves), 1)
 
-    def max_topk(self) -> tuple[int, ...]:
-        """Per depth (head), the largest rank used + 1: how many top-k candidates that head must give."""
-        return tuple(max(p[d] for p in self.choices if len(p) > d) + 1 for d in range(self.depth))
 
 
 @struct.dataclass

@@ -16,7 +16,10 @@ target at the last accepted node.
   residual `normalize(max(p - q, 0))`. When no child is accepted the bonus is drawn from the residual.
   `q` is the drafter's distribution for each node (`[B, N, V]`), or None for deterministic (top-k)
   proposals, where q is a point mass on the node's token: then a rejected token's probability is zeroed
-  and the rest renormalised. Either way the committed tokens follow the target distribution exactly.
+  and the rest renormalised. Either way the committed tokens follow the target distribution exactly,
+  under one contract for drafters that pass `q`: the siblings under a node must be drawn independently
+  from that same `q` (SpecInfer's multi-step speculative sampling). Top-k or without-replacement
+  candidates are deterministic given the context and must use `q = None` instead.
 """
 
 from __future__ import annotations
@@ -85,15 +88,17 @@ def _longest_path(node_ok: jax.Array, tree: TreeArrays) -> tuple[jax.Array, jax.
     return nodes, n_accepted
 
 
-def _last_node(accepted_nodes: jax.Array, n_accepted: jax.Array) -> jax.Array:
-    return jnp.take_along_axis(accepted_nodes, (n_accepted - 1)[:, None], 1)[:, 0]
+def last_accepted_node(verdict: Verdict) -> jax.Array:
+    """`[B]` the deepest accepted node (whose logits gave the bonus token)."""
+    return jnp.take_along_axis(verdict.accepted_nodes, (verdict.n_accepted - 1)[:, None], 1)[:, 0]
 
 
 def verify_greedy(tokens: jax.Array, logits: jax.Array, tree: TreeArrays) -> Verdict:
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N] target's choice after each node
     node_ok = tokens == jnp.take_along_axis(best, jnp.asarray(tree.parent)[None].repeat(tokens.shape[0], 0), 1)
     nodes, n = _longest_path(node_ok, tree)
-    return Verdict(nodes, n, jnp.take_along_axis(best, _last_node(nodes, n)[:, None], 1)[:, 0])
+    last = last_accepted_node(Verdict(nodes, n, n))
+    return Verdict(nodes, n, jnp.take_along_axis(best, last[:, None], 1)[:, 0])
 
 
 def verify_typical(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampling: SamplingConfig,
@@ -105,7 +110,7 @@ def verify_typical(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampl
     token_p = jnp.exp(jnp.take_along_axis(logp[:, parent], tokens[:, :, None], -1)[..., 0])  # [B, N]
     limit = jnp.minimum(cfg.posterior_threshold, cfg.posterior_alpha * jnp.exp(-entropy[:, parent]))
     nodes, n = _longest_path(token_p > limit, tree)
-    last = _last_node(nodes, n)
+    last = last_accepted_node(Verdict(nodes, n, n))
     bonus_logits = jnp.take_along_axis(warped, last[:, None, None], 1)[:, 0]
     return Verdict(nodes, n, jax.random.categorical(rng, bonus_logits).astype(jnp.int32))
 
@@ -115,7 +120,6 @@ def verify_rejection(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sam
     probs = jax.nn.softmax(warp_logits(logits, sampling), axis=-1)  # [B, N, V]
     kids = jnp.asarray(children_table(tree))  # [N, C]
     depth = int(np.asarray(tree.paths).shape[1]) - 1
-    vocab = logits.shape[-1]
 
     def one(tok: jax.Array, p_all: jax.Array, q_all: jax.Array | None, key: jax.Array):
         cur, p, alive = jnp.int32(0), p_all[0], jnp.bool_(True)
@@ -127,12 +131,15 @@ def verify_rejection(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sam
                 child = kids[cur, c]
                 trying = alive & (child >= 0) & (chosen < 0)
                 x = tok[jnp.maximum(child, 0)]
-                qd = jax.nn.one_hot(x, vocab) if q_all is None else q_all[jnp.maximum(child, 0)]
-                ratio = p[x] / jnp.maximum(qd[x], 1e-20)
                 u = jax.random.uniform(jax.random.fold_in(key, d * kids.shape[1] + c))
-                accept = trying & (u < ratio)
-                residual = jnp.maximum(p - qd, 0.0)
-                residual = residual / jnp.maximum(residual.sum(), 1e-20)
+                if q_all is None:  # point mass on x: accept with p(x); residual = p without x
+                    accept = trying & (u < p[x])
+                    residual = p.at[x].set(0.0) / jnp.maximum(1.0 - p[x], 1e-20)
+                else:
+                    qd = q_all[jnp.maximum(child, 0)]
+                    accept = trying & (u < p[x] / jnp.maximum(qd[x], 1e-20))
+                    residual = jnp.maximum(p - qd, 0.0)
+                    residual = residual / jnp.maximum(residual.sum(), 1e-20)
                 p = jnp.where(trying & ~accept, residual, p)
                 chosen = jnp.where(accept, child, chosen)
             moved = chosen >= 0

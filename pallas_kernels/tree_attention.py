@@ -9,17 +9,17 @@ into the result (they may hold garbage, even NaN).
 Example, lengths[b] = 3, S = 8, T = 3 nodes: n0 is the root, n1 and n2 are its two children
 (q_positions = [3, 4, 4]).
 
-    slot:            0 1 2 | 3  4  5  | 6 7
-    kind:            committed | n0 n1 n2 | unused
-    query n0 (t=0):  1 1 1 | 1  .  .  | . .
-    query n1 (t=1):  1 1 1 | 1  1  .  | . .
-    query n2 (t=2):  1 1 1 | 1  .  1  | . .
+                     committed   new: n0 n1 n2   unused
+    slot:             0  1  2  |     3  4  5   |  6  7
+    query n0 (t=0):   1  1  1  |     1  .  .   |  .  .
+    query n1 (t=1):   1  1  1  |     1  1  .   |  .  .
+    query n2 (t=2):   1  1  1  |     1  .  1   |  .  .
 
 With a sliding window (HF semantics, `window > 0`), a key is also required to satisfy
 q_positions[b, t] - key_pos < window, where key_pos is the slot index for committed slots and the node's
 q_position for new-token slots. With window = 3 the row of n1 (position 4) keeps key positions 2, 3, 4:
 
-    query n1 (t=1):  . . 1 | 1  1  .  | . .
+    query n1 (t=1):   .  .  1  |     1  1  .   |  .  .
 
 Shapes: q [B, T, Hq, Dh]; k_cache, v_cache [B, S, Hkv, Dh]; lengths [B]; tree_mask [B, T, T];
 q_positions [B, T]; window a scalar (may be traced, 0 = no window). Query head h reads kv head h // (Hq // Hkv).
@@ -29,7 +29,9 @@ no key at all (never in valid use: a node always sees itself) gets a zero output
 The kernel runs one program per (batch row, kv head) over the T * G query rows of that head's group
 (G = Hq // Hkv): an online softmax over `block_k`-slot blocks of the committed prefix, looping only up to
 cdiv(lengths[b], block_k) (and, with a window, starting past the blocks no query can reach), then one last
-step over the T new-token slots, whose visibility is a plain [T*G, T] mask with no gather.
+step over the T new tokens. The wrapper slices those T slots out of the cache (cheap: T is small), so their
+visibility is a plain [T*G, T] mask with no gather inside the kernel. Query rows and new tokens are zero-padded
+to a power of two >= 16 (Triton tile sizes); S needs no padding: the last block overlaps its neighbour.
 """
 
 from __future__ import annotations
@@ -218,20 +220,21 @@ def _online_softmax_step(
 
 
 def _tree_attention_kernel(
-    lengths_ref,  # [B] int32
+    length_ref,  # [1] int32: lengths[b]
     window_ref,  # [1] int32
-    q_ref,  # [R, Dh], R = T * G query rows of one kv head, row t * G + g
-    k_ref,  # [S, Dh]
+    q_ref,  # [R, Dh]: the T * G query rows of one kv head (row t * G + g), zero-padded to R
+    k_ref,  # [S, Dh]: the whole cache of one (row, kv head)
     v_ref,  # [S, Dh]
-    new_mask_ref,  # [R, T] int32: tree & window visibility among the new tokens
+    k_new_ref,  # [Tp, Dh]: the T new tokens' keys (cache slots [lengths[b], lengths[b] + T)), zero-padded to Tp
+    v_new_ref,  # [Tp, Dh]
+    new_mask_ref,  # [R, Tp] int32: tree & window visibility among the new tokens, 0 in padding
     q_pos_ref,  # [R, 1] int32
     o_ref,  # [R, Dh]
     *,
     sm_scale: float,
     block_k: int,
-    num_new: int,
 ) -> None:
-    length = lengths_ref[pl.program_id(0)]
+    length = length_ref[0]
     window = window_ref[0]
     q = q_ref[...]
     q_pos = q_pos_ref[...]  # [R, 1]
@@ -240,8 +243,8 @@ def _tree_attention_kernel(
 
     def committed_block(i, carry):
         nominal = i * block_k
-        start = jnp.minimum(nominal, num_slots - block_k)  # the tail block overlaps its neighbour instead of
-        # reading past S; slots below `nominal` were already counted and are masked out here.
+        # The tail block is read as [S - bk, S) instead of past S; slots below `nominal` were counted already.
+        start = jnp.minimum(nominal, num_slots - block_k)
         cols = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
         rows = start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [bk, 1]
         k = k_ref[pl.ds(start, block_k), :]
@@ -253,7 +256,7 @@ def _tree_attention_kernel(
 
     first_visible = jnp.maximum(jnp.min(q_pos) - window + 1, 0)  # oldest committed slot any row may see
     lo = jnp.where(window > 0, first_visible // block_k, 0)
-    hi = pl.cdiv(length, block_k)
+    hi = pl.cdiv(length, block_k)  # blocks past the committed prefix are never loaded
     carry = (
         jnp.full((num_rows, 1), _NEG_INF, jnp.float32),
         jnp.zeros((num_rows, 1), jnp.float32),
@@ -261,8 +264,7 @@ def _tree_attention_kernel(
     )
     carry = lax.fori_loop(lo, hi, committed_block, carry)
 
-    k_new = k_ref[pl.ds(length, num_new), :]  # [T, Dh]
-    v_new = v_ref[pl.ds(length, num_new), :]
+    k_new, v_new = k_new_ref[...], v_new_ref[...]
     carry = _online_softmax_step(carry, _dot_nt(q, k_new) * sm_scale, new_mask_ref[...] != 0, v_new)
 
     _, l_final, acc = carry
@@ -277,6 +279,22 @@ def _new_token_mask(
     """Visibility among the new tokens: the tree, cut by the sliding window."""
     distance = q_positions[:, :, None] - q_positions[:, None, :]
     return tree_mask & ((window <= 0) | (distance < window))
+
+
+def _new_token_slots(cache: jax.Array, lengths: jax.Array, num_new: int) -> jax.Array:
+    """The new tokens' entries of a cache: [B, S, K, Dh] -> [B, T, K, Dh], slots [lengths[b], lengths[b] + T)."""
+    return jax.vmap(lambda c, n: lax.dynamic_slice_in_dim(c, n, num_new, axis=0))(cache, lengths)
+
+
+def _tile_size(n: int) -> int:
+    """Rows and new tokens are padded to a power of two >= 16, the smallest tile a Triton dot takes."""
+    return max(16, pl.next_power_of_2(n))
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax.Array:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, mode=mode)
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "interpret"))
@@ -295,7 +313,7 @@ def _tree_attention_pallas(
     batch, num_new, num_q_heads, head_dim = q.shape
     num_slots, num_kv_heads = k_cache.shape[1:3]
     group = num_q_heads // num_kv_heads
-    rows = num_new * group
+    rows, padded_rows, padded_new = num_new * group, _tile_size(num_new * group), _tile_size(num_new)
     block_k = min(block_k, num_slots)
     lengths = lengths.astype(jnp.int32)
     q_positions = q_positions.astype(jnp.int32)
@@ -303,32 +321,39 @@ def _tree_attention_pallas(
 
     # Query rows of one kv head side by side: [B, T, K, G, Dh] -> [B, K, T * G, Dh], row t * G + g.
     q_rows = q.reshape(batch, num_new, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    q_rows = q_rows.reshape(batch, num_kv_heads, rows, head_dim)
-    new_mask = _new_token_mask(tree_mask, q_positions, window[0])
-    new_mask = jnp.repeat(new_mask, group, axis=1).astype(jnp.int32)  # [B, R, T]
-    q_pos_rows = jnp.repeat(q_positions, group, axis=1)[:, :, None]  # [B, R, 1]
+    q_rows = _pad_axis(q_rows.reshape(batch, num_kv_heads, rows, head_dim), 2, padded_rows)
+    new_mask = jnp.repeat(_new_token_mask(tree_mask, q_positions, window[0]), group, axis=1)  # [B, T * G, T]
+    new_mask = _pad_axis(_pad_axis(new_mask.astype(jnp.int32), 1, padded_rows), 2, padded_new)  # [B, R, Tp]
+    # Padded rows repeat the last position so they do not move the window's first block.
+    q_pos_rows = _pad_axis(jnp.repeat(q_positions, group, axis=1), 1, padded_rows, mode="edge")[:, :, None]
+    k_new = _pad_axis(_new_token_slots(k_cache, lengths, num_new), 1, padded_new)  # [B, Tp, K, Dh]
+    v_new = _pad_axis(_new_token_slots(v_cache, lengths, num_new), 1, padded_new)
 
-    kernel = functools.partial(
-        _tree_attention_kernel, sm_scale=1.0 / math.sqrt(head_dim), block_k=block_k, num_new=num_new
-    )
+    per_row = pl.BlockSpec((1,), lambda b, h: (b,))
+    scalar = pl.BlockSpec((1,), lambda b, h: (0,))
+    rows_of_head = pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h: (b, h, 0, 0))
+    cache = pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h: (b, 0, h, 0))
+    new_slots = pl.BlockSpec((None, padded_new, None, head_dim), lambda b, h: (b, 0, h, 0))
     out = pl.pallas_call(
-        kernel,
+        functools.partial(_tree_attention_kernel, sm_scale=1.0 / math.sqrt(head_dim), block_k=block_k),
         grid=(batch, num_kv_heads),
         in_specs=[
-            pl.BlockSpec((batch,), lambda b, h: (0,)),  # lengths
-            pl.BlockSpec((1,), lambda b, h: (0,)),  # window
-            pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0)),  # q rows
-            pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h: (b, 0, h, 0)),  # k_cache
-            pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h: (b, 0, h, 0)),  # v_cache
-            pl.BlockSpec((None, rows, num_new), lambda b, h: (b, 0, 0)),  # new-token mask
-            pl.BlockSpec((None, rows, 1), lambda b, h: (b, 0, 0)),  # query positions
+            per_row,  # lengths
+            scalar,  # window
+            rows_of_head,  # q rows
+            cache,  # k_cache
+            cache,  # v_cache
+            new_slots,  # k_new
+            new_slots,  # v_new
+            pl.BlockSpec((None, padded_rows, padded_new), lambda b, h: (b, 0, 0)),  # new-token mask
+            pl.BlockSpec((None, padded_rows, 1), lambda b, h: (b, 0, 0)),  # query positions
         ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype),
+        out_specs=rows_of_head,
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, window, q_rows, k_cache, v_cache, new_mask, q_pos_rows)
-    out = out.reshape(batch, num_kv_heads, num_new, group, head_dim).transpose(0, 2, 1, 3, 4)
+    )(lengths, window, q_rows, k_cache, v_cache, k_new, v_new, new_mask, q_pos_rows)
+    out = out[:, :, :rows].reshape(batch, num_kv_heads, num_new, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(q.shape)
 
 

@@ -9,7 +9,7 @@ import optax
 
 from amphista_jax.drafters import Medusa
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.models.llama import Output, Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.trees import TreeSpec, tree_arrays
 from amphista_jax.verify import AcceptanceConfig, verify_typical
@@ -38,8 +38,25 @@ def test_typical_acceptance_literal():
     good = verify_typical(jnp.array([[0, 1, 3]]), logits, tree, SamplingConfig(1.0), cfg, jax.random.key(0))
     assert good.n_accepted.tolist() == [2] and good.accepted_nodes.tolist() == [[0, 1]]
     bad = verify_typical(jnp.array([[0, 3, 3]]), logits, tree, SamplingConfig(1.0), cfg, jax.random.key(0))
-    assert bad.n_accepted.tolist() == [1]
-    assert 0 <= int(bad.bonus[0]) < vocab
+    assert bad.n_accepted.tolist() == [1] and bad.accepted_nodes.tolist() == [[0, -1]]
+    assert logits.shape[-1] == vocab
+
+
+def test_head_k_at_position_t_is_trained_on_token_t_plus_2_plus_k():
+    """Only label position j is a target: head k's loss must depend on the hidden state at j - 2 - k alone."""
+    params = init_params(CONFIG, jax.random.key(0))
+    medusa = Medusa(num_heads=3, loss_decay=1.0)
+    heads = medusa.init(jax.random.key(1), CONFIG, params)
+    tokens = jax.random.randint(jax.random.key(3), (1, 12), 0, CONFIG.vocab_size)
+    j = 9
+    batch = {"tokens": tokens, "loss_mask": jnp.zeros_like(tokens).at[0, j].set(1)}
+    hidden = jax.random.normal(jax.random.key(4), (1, 12, CONFIG.hidden_size))
+    for k in range(3):
+        def head_loss(h, k=k):
+            return medusa.loss(heads, params, batch, Output(h, None, None))[1][f"head{k}/loss"]
+
+        grad = jnp.abs(jax.grad(head_loss)(hidden)).sum(-1)[0]  # [T]
+        assert np.flatnonzero(np.asarray(grad)).tolist() == [j - 2 - k]
 
 
 def test_loss_trains_heads_toward_shifted_labels():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from amphista_jax.cache import compact
-from amphista_jax.models.attention import key_visibility
+from amphista_jax.models.attention import apply_window, key_visibility
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params, new_cache
 
@@ -38,13 +38,16 @@ def test_key_visibility_literal():
     """One committed token, then a 3-node tree: root 0 with children 1 and 2 (siblings)."""
     tree = jnp.array([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], bool)
     positions = jnp.array([[1, 2, 2]])
-    visible = key_visibility(positions, tree, jnp.array([1]), num_keys=6)
+    visible, distance = key_visibility(positions, tree, jnp.array([1]), num_keys=6)
     expected = np.array([
         [1, 1, 0, 0, 0, 0],
         [1, 1, 1, 0, 0, 0],
         [1, 1, 0, 1, 0, 0],
     ], bool)
     np.testing.assert_array_equal(np.asarray(visible[0]), expected)
+    np.testing.assert_array_equal(np.asarray(distance[0, :, :2]), [[1, 0], [2, 1], [2, 1]])
+    window_2 = apply_window(visible, distance, 2)[0]  # keys less than 2 positions back
+    np.testing.assert_array_equal(np.asarray(window_2[1]), [0, 1, 1, 0, 0, 0])
 
 
 def test_compact_moves_accepted_tree_path():

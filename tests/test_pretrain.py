@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,7 +57,9 @@ def test_export_is_a_hf_checkpoint_that_transformers_loads(smoke_model):
 
 
 def test_rerun_resumes_from_the_last_checkpoint(smoke_model, tmp_path, capsys):
-    run_dir, first = smoke_model
+    shared_run, first = smoke_model
+    run_dir = tmp_path / "run"  # a copy: other tests use the shared run's export
+    shutil.copytree(shared_run, run_dir)
     resumed = run(smoke_pretrain_config(run_dir, steps=5))
     assert "resumed from step 3" in capsys.readouterr().out
     assert resumed["steps"] == 5 and resumed["tokens_seen"] == 5 * 4 * 32

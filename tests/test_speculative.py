@@ -11,7 +11,7 @@ import pytest
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters import Medusa
-from amphista_jax.drafters.base import DraftContext, Proposal
+from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
@@ -39,7 +39,28 @@ class Oracle:
         return Proposal(tokens.at[:, 0].set(ctx.root))
 
     def commit(self, params, target_params, verdict, verify_out, state):
-        return state
+        return state, accepted_hidden(verdict, verify_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoisyOracle(Oracle):
+    """The oracle's tokens, each node corrupted with probability `p`: paths are accepted partway, and often
+    through a sibling that is not the first-ranked one."""
+
+    p: float = 0.35
+
+    def propose(self, params, target_params, ctx: DraftContext, tree, rng):
+        good = super().propose(params, target_params, ctx, tree, rng).tokens
+        corrupt = jax.random.bernoulli(rng, self.p, good.shape).at[:, 0].set(False)
+        return Proposal(jnp.where(corrupt, (good + 1) % CONFIG.vocab_size, good))
+
+
+def _reference_rows(ar, prompts, width):
+    ref = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        ref[row, : len(prompt)] = prompt
+        ref[row, len(prompt): len(prompt) + NEW] = np.asarray(ar.tokens[row])
+    return jnp.asarray(ref)
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +109,31 @@ def test_oracle_drafter_accepts_whole_depth_every_step(target, tree):
         ref[row, len(prompt): len(prompt) + NEW] = np.asarray(ar.tokens[row])
     spec = _run(target, Oracle(), jnp.asarray(ref), PROMPTS, PRESETS[tree])
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    assert _reference_rows(ar, PROMPTS, ref.shape[1]).tolist() == ref.tolist()
     depth = PRESETS[tree].depth
     steps = int(spec.steps)
     full = (NEW - 1) // (depth + 1)
     accepted = np.asarray(spec.accept_lengths)[:, :steps]
     assert (accepted[:, :full] == depth + 1).all()  # every step but the one cut by max_new_tokens
     assert steps == -(-(NEW - 1) // (depth + 1))
+
+
+@pytest.mark.parametrize("tree", ["mc_sim_7b_63", "small-16"])
+@pytest.mark.parametrize("windows", [(0, 0), (5, 0)])
+def test_partial_paths_through_later_siblings_stay_lossless(tree, windows):
+    """Accepted paths that stop partway and run through non-first siblings, with and without a sliding
+    window: still exactly the AR output, and the drafted tokens really are used."""
+    config = tiny_llama_config(sliding_windows=windows)
+    params = init_params(config, jax.random.key(0))
+    tokens, lengths = pad_prompts(PROMPTS)
+    ar = generate(params, tokens, lengths, jax.random.key(0), config=config, max_new_tokens=NEW, cache_size=64)
+    ref = _reference_rows(ar, PROMPTS, tokens.shape[1] + NEW + 8)
+    spec = speculative_generate(params, ref, tokens, lengths, jax.random.key(0), config=config, drafter=NoisyOracle(),
+                                tree=PRESETS[tree], max_new_tokens=NEW, cache_size=128)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    accepted = np.asarray(spec.accept_lengths)[:, : int(spec.steps)]
+    assert np.asarray(spec.drafted).sum() > 30
+    assert len(set(accepted[accepted > 0].tolist())) >= 3  # a spread of partial accept lengths
 
 
 def test_eos_stops_rows_inside_an_accepted_path(target):
@@ -109,6 +149,12 @@ def test_eos_stops_rows_inside_an_accepted_path(target):
                      eos_ids=(eos,), pad_id=-1)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
     np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(plain.num_tokens))
+
+
+def test_medusa_refuses_a_tree_deeper_than_its_heads(target):
+    medusa = Medusa(num_heads=2)
+    with pytest.raises(ValueError, match="tree depth 4 needs 4 heads"):
+        _run(target, medusa, medusa.init(jax.random.key(0), CONFIG, target), PROMPTS, PRESETS["chain-4"])
 
 
 def test_speculative_generation_compiles_once(target, medusa_heads):
@@ -165,13 +211,36 @@ def test_tree_rejection_sampling_keeps_the_target_distribution(proposal):
     assert _chi_square(np.bincount(second, minlength=vocab), probs[1]) < CHI2_999[7]
 
 
-def test_speculative_sampling_matches_the_target_end_to_end(target, medusa_heads):
+def test_rejection_sampling_with_iid_draft_distribution_q():
+    """Drafts drawn i.i.d. from a draft distribution q (siblings share q): the first committed token still
+    follows the target's root distribution."""
+    vocab = 8
+    spec = TreeSpec(((0,), (1,), (2,)))
+    arrays = tree_arrays(spec)
+    rng = np.random.RandomState(1)
+    logits = jnp.asarray(rng.normal(size=(1, spec.num_nodes, vocab)) * 1.5, jnp.float32)
+    probs = np.asarray(jax.nn.softmax(logits[0], -1))
+    q_root = np.asarray(jax.nn.softmax(jnp.asarray(rng.normal(size=vocab) * 2.0)))  # a mediocre drafter
+    n = 20000
+
+    def one(key):
+        draws = jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(jnp.asarray(q_root)), shape=(3,))
+        tokens = jnp.concatenate([jnp.zeros((1,), jnp.int32), draws.astype(jnp.int32)])[None]
+        q = jnp.broadcast_to(jnp.asarray(q_root), (1, spec.num_nodes, vocab))
+        v = verify_rejection(tokens, logits, arrays, SamplingConfig(1.0), jax.random.fold_in(key, 2), q)
+        return jnp.where(v.n_accepted[0] >= 2, tokens[0, jnp.maximum(v.accepted_nodes[0, 1], 0)], v.bonus[0])
+
+    first = np.asarray(jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(3), n)))
+    assert _chi_square(np.bincount(first, minlength=vocab), probs[0]) < CHI2_999[7]
+
+
+def test_speculative_sampling_matches_the_target_end_to_end():
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""
     config = tiny_llama_config(vocab_size=16)
     params = init_params(config, jax.random.key(5))
     params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, params)  # sharper distributions
-    medusa = Medusa(num_heads=2)
+    medusa = Medusa(num_heads=3)
     heads = medusa.init(jax.random.key(6), config, params)
     prompt = [3, 7, 1]
     rows = 4000

@@ -50,9 +50,6 @@ class Checkpointer:
                 "belongs to another model or config, point the run at a fresh directory") from e
         return out.state, dict(out.extra)
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()

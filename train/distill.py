@@ -57,15 +57,30 @@ def _prompt_text(record: Any) -> str | None:
         return None
 
 
+def _answered_ids(out: Path) -> set[str]:
+    """Ids already answered in `out`. A torn last line (a run killed mid-write) is dropped from the file."""
+    if not out.is_file():
+        return set()
+    lines = out.read_text().splitlines()
+    ids = set()
+    for i, line in enumerate(lines):
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError):
+            if i != len(lines) - 1:
+                raise DataError(f"{out}:{i + 1} is not a distilled record; fix or remove that line") from None
+            print(f"warning: dropping the incomplete last line of {out} (an interrupted run); it is redone")
+            out.write_text("".join(line + "\n" for line in lines[:-1]))
+    return ids
+
+
 def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 8, max_new_tokens: int = 256,
             prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0) -> int:
     """Answer every prompt not yet in `out_file`; returns how many were answered in this run."""
     prompts, report = read_prompts(prompts_file)
     print(report.summary())
     out = Path(out_file)
-    done = set()
-    if out.is_file():
-        done = {str(json.loads(line)["id"]) for line in out.read_text().splitlines() if line.strip()}
+    done = _answered_ids(out)
     todo = [(k, p) for k, p in prompts if k not in done]
     print(f"{len(done)} prompts already answered in {out}; {len(todo)} to go")
     if not todo:

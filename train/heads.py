@@ -136,9 +136,13 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
         params = drafter.init(jax.random.key(cfg.data.seed), target_config, target_params)
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    heldout_batches = [
-        {k: np.stack([e[k] for e in heldout_examples[i: i + cfg.data.batch_size]]) for k in heldout_examples[0]}
-        for i in range(0, min(len(heldout_examples), cfg.eval_batches * cfg.data.batch_size), cfg.data.batch_size)]
+    bs = cfg.data.batch_size
+    n_eval = min(len(heldout_examples) // bs, cfg.eval_batches)  # full batches only (fixed, shardable shapes)
+    if n_eval == 0:
+        raise DataError(f"{len(heldout_examples)} held-out examples are fewer than one batch of {bs}: add held-out "
+                        "data, raise data.heldout_fraction or lower data.batch_size")
+    heldout_batches = [{k: np.stack([e[k] for e in heldout_examples[i * bs: (i + 1) * bs]])
+                        for k in heldout_examples[0]} for i in range(n_eval)]
 
     def evaluate(state: dict[str, Any]) -> dict[str, float]:
         return mean_metrics([eval_step(state["params"], target_params, b) for b in heldout_batches])
@@ -157,8 +161,8 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
         "steps": extra["steps"], "tokens_seen": extra["tokens_seen"], "train_seconds": round(extra["train_seconds"], 1),
         "heldout_before": before, "heldout_after": extra["eval"],
     }
+    save_draft(out_dir / "heads", cfg.method, drafter, state["params"], target_config)  # collective in orbax
     if jax.process_index() == 0:
-        save_draft(out_dir / "heads", cfg.method, drafter, jax.device_get(state["params"]), target_config)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_curve(out_dir)
     print(json.dumps({"heldout_before": before, "heldout_after": extra["eval"]}, indent=2))

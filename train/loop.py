@@ -84,8 +84,9 @@ def run_loop(
     if ckpt.latest_step() is not None:
         state, extra = ckpt.restore(jax.eval_shape(init_state))
         data.set_state(extra.pop("data"))
-        print(f"resumed from step {ckpt.latest_step()} in {ckpt.directory}")
         step = ckpt.latest_step()
+        print(f"resumed from step {step} in {ckpt.directory}")
+        _truncate_metrics(run_dir, step)
     else:
         state, step = init_state(), 0
     log = (run_dir / "metrics.jsonl").open("a") if jax.process_index() == 0 else None
@@ -140,6 +141,13 @@ def run_loop(
             with (run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps({"step": step} | {f"eval/{k}": v for k, v in last_eval.items()}) + "\n")
     return state, extra | {"steps": step, "last_metrics": last, "eval": last_eval}
+
+
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metric rows past the restored step: they are recomputed (a crash between checkpoints)."""
+    rows = read_metrics(run_dir)
+    if jax.process_index() == 0 and any(r["step"] > step for r in rows):
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

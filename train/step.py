@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -64,9 +65,12 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
     evaluate = jax.jit(eval_step, in_shardings=(replicated, target_shardings, batch_spec), out_shardings=replicated)
 
     def in_mesh(fn):
-        def run(*args):
+        def run(state_or_params, target_params, local_batch):
+            # Each process holds its own slice of the global batch (grain shards by process).
+            batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_spec, np.asarray(x)),
+                                 local_batch)
             with jax.set_mesh(mesh):
-                return fn(*args)
+                return fn(state_or_params, target_params, batch)
         return run
 
     return in_mesh(train), in_mesh(evaluate)

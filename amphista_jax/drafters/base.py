@@ -7,8 +7,9 @@ A drafter is a frozen (hashable) dataclass of its static settings, with these me
 * `init_state(batch, cache_size) -> state`: the method's own caches (zeros) or `()`.
 * `prefill(params, target_params, target_out, prompt_lengths, state) -> state`
 * `propose(params, target_params, ctx, tree, rng) -> Proposal`: fill the tree's `N` node tokens.
-* `commit(params, target_params, verdict, verify_out, state) -> state`: catch the method's caches up with
-  the accepted tokens.
+* `commit(params, target_params, verdict, verify_out, state) -> (state, next_hidden)`: catch the method's
+  caches up with the accepted tokens and choose the hidden state `[B, D]` the next proposal starts from
+  (usually the target's at the last accepted node: `accepted_hidden`).
 * `loss(params, target_params, batch, target_out) -> (loss, metrics)`: the training objective.
 """
 
@@ -22,7 +23,7 @@ from flax import struct
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
 from amphista_jax.trees import TreeArrays
-from amphista_jax.verify import Verdict
+from amphista_jax.verify import Verdict, last_accepted_node
 
 
 @struct.dataclass
@@ -36,7 +37,9 @@ class DraftContext:
 @struct.dataclass
 class Proposal:
     tokens: jax.Array  # [B, N] node tokens; node 0 is the root
-    q: jax.Array | None = None  # [B, N, V] draft distribution per node, None = deterministic (top-k) drafts
+    # [B, N, V] the distribution each node's token was drawn from; siblings must be i.i.d. draws from their
+    # shared q. None = deterministic (top-k) drafts (see verify.py).
+    q: jax.Array | None = None
 
 
 class Drafter(Protocol):
@@ -50,9 +53,15 @@ class Drafter(Protocol):
     def propose(self, params: Any, target_params: dict, ctx: DraftContext, tree: TreeArrays,
                 rng: jax.Array) -> Proposal: ...
 
-    def commit(self, params: Any, target_params: dict, verdict: Verdict, verify_out: Output, state: Any) -> Any: ...
+    def commit(self, params: Any, target_params: dict, verdict: Verdict, verify_out: Output,
+               state: Any) -> tuple[Any, jax.Array]: ...
 
     def loss(self, params: Any, target_params: dict, batch: dict, target_out: Output) -> tuple[jax.Array, dict]: ...
+
+
+def accepted_hidden(verdict: Verdict, verify_out: Output) -> jax.Array:
+    """`[B, D]` the target's hidden state at the deepest accepted node (the one that produced the bonus)."""
+    return jax.numpy.take_along_axis(verify_out.hidden, last_accepted_node(verdict)[:, None, None], axis=1)[:, 0]
 
 
 def fill_tree_from_topk(root: jax.Array, topk: jax.Array, tree: TreeArrays) -> jax.Array:

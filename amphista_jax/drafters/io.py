@@ -33,9 +33,10 @@ def save_draft(path: str | Path, method: str, drafter: Any, params: Any, target_
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     meta = {"method": method, "settings": dataclasses.asdict(drafter), "target": target_fingerprint(target_config)}
-    with ocp.StandardCheckpointer() as ckpt:
+    with ocp.StandardCheckpointer() as ckpt:  # every process takes part; orbax writes once
         ckpt.save(path / "params", params, force=True)
-    (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    if jax.process_index() == 0:
+        (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return path
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from amphista_jax.drafters.base import DraftContext, Proposal, fill_tree_from_topk
+from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden, fill_tree_from_topk
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
 from amphista_jax.trees import TreeArrays
@@ -61,13 +61,18 @@ class Medusa:
 
     def propose(self, params: dict, target_params: dict, ctx: DraftContext, tree: TreeArrays,
                 rng: jax.Array) -> Proposal:
+        depth = int(np.asarray(tree.depth).max())
+        if depth > self.num_heads:
+            raise ValueError(f"tree depth {depth} needs {depth} heads but these Medusa heads have "
+                             f"{self.num_heads=}: pick a tree of depth <= {self.num_heads} (e.g. --tree chain-"
+                             f"{self.num_heads}) or train more heads")
         logits = self.head_logits(params, ctx.hidden)  # [B, K, V]
-        k = int(np.asarray(tree.topk_index).max()) + 1
+        k = int(np.asarray(tree.topk_index).max()) + 1  # widest rank any head must supply
         topk = jax.lax.top_k(logits, k)[1].astype(jnp.int32)  # [B, K, k]
         return Proposal(fill_tree_from_topk(ctx.root, topk, tree))
 
     def commit(self, params, target_params, verdict: Verdict, verify_out: Output, state) -> tuple:
-        return state
+        return state, accepted_hidden(verdict, verify_out)
 
     def loss(self, params: dict, target_params: dict, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Per-head CE against the ground truth, weighted `loss_decay ** k`.

@@ -23,13 +23,13 @@ def key_visibility(
     new_mask: jax.Array,  # [B, T, T] visibility among the new tokens
     lengths: jax.Array | None,  # [B] committed tokens in the cache, or None when there is no cache
     num_keys: int,  # S: cache slots (or T without a cache)
-    window: jax.Array | int = 0,  # sliding window (0 = full attention)
-) -> jax.Array:
-    """`[B, T, S]` bool: which key slot each new token may attend to.
+) -> tuple[jax.Array, jax.Array]:
+    """(`visible [B, T, S]` bool, `distance [B, T, S]` query position - key position) for each key slot.
 
-    With a cache, slot `s < lengths` is a committed token at position `s` (always visible, subject to the
-    window); slot `lengths + j` is new token `j` (visible where `new_mask[:, :, j]`); later slots are
-    never visible. Without a cache the keys are the new tokens themselves.
+    With a cache, slot `s < lengths` is a committed token at position `s` (always visible); slot
+    `lengths + j` is new token `j` (visible where `new_mask[:, :, j]`); later slots are never visible.
+    Without a cache the keys are the new tokens themselves. A sliding window then keeps
+    `distance < window` (`apply_window`), per layer.
     """
     if lengths is None:
         visible, key_pos = new_mask, positions
@@ -42,9 +42,12 @@ def key_visibility(
                                                                       (num_keys,)), axis=2)
         visible = (rel < 0)[:, None, :] | (is_new[:, None, :] & new_visible)
         key_pos = jnp.where(rel < 0, slots, jnp.take_along_axis(positions, rel_c, axis=1))  # [B, S]
-    distance = positions[:, :, None] - key_pos[:, None, :]  # [B, T, S]
-    in_window = (window == 0) | (distance < window)
-    return visible & in_window
+    return visible, positions[:, :, None] - key_pos[:, None, :]
+
+
+def apply_window(visible: jax.Array, distance: jax.Array, window: jax.Array | int) -> jax.Array:
+    """Restrict `visible [B, T, S]` to keys less than `window` positions back (0 = full attention)."""
+    return visible & ((window == 0) | (distance < window))
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from amphista_jax.cache import KVCache, write
-from amphista_jax.models.attention import causal_mask, dot_product_attention, key_visibility
+from amphista_jax.models.attention import apply_window, causal_mask, dot_product_attention, key_visibility
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -109,10 +109,9 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, scanned, shared):
         layer_k, layer_v, window = scanned
-        positions, new_mask, lengths = shared
+        positions, visible, distance, lengths = shared
         c = self.config
-        num_keys = new_mask.shape[-1] if layer_k is None else layer_k.shape[1]
-        visible = key_visibility(positions, new_mask, lengths, num_keys, window)
+        visible = apply_window(visible, distance, window)
         h, layer_k, layer_v = Attention(c, self.param_dtype, name="attn")(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x), positions, visible, layer_k,
             layer_v, lengths)
@@ -157,11 +156,14 @@ class Transformer(nn.Module):
             new_mask = causal_mask(b, t)
         x = self.embed_tokens(tokens)
         windows = jnp.asarray(self.config.sliding_windows, jnp.int32)
+        lengths = None if cache is None else cache.lengths
+        visible, distance = key_visibility(positions, new_mask, lengths, t if cache is None else cache.size)
+        shared = (positions, visible, distance, lengths)
         if cache is None:
-            x, _ = self.layers(x, (None, None, windows), (positions, new_mask, None))
+            x, _ = self.layers(x, (None, None, windows), shared)
             new_cache = None
         else:
-            x, (k, v) = self.layers(x, (cache.k, cache.v, windows), (positions, new_mask, cache.lengths))
+            x, (k, v) = self.layers(x, (cache.k, cache.v, windows), shared)
             new_cache = cache.replace(k=k, v=v)
         hidden = self.final_norm(x)
         return Output(hidden, self.logits(hidden) if return_logits else None, new_cache)

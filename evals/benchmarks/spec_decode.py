@@ -55,7 +55,7 @@ def end_to_end(params, config, tok, drafter, draft_params, trees, new_tokens: in
     rows = []
     for prompt in PROMPTS:
         tokens, lengths = pad_prompts([encode_prompt(tok, prompt)], pad_id=config.pad_token_id or 0)
-        cache = tokens.shape[1] + new_tokens + 80
+        cache = tokens.shape[1] + new_tokens + max(get_tree(name).num_nodes for name in trees)
         ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), config=config,
                                max_new_tokens=new_tokens, cache_size=cache)
         ar_out = ar()
