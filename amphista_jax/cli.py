@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 
 from amphista_jax.drafters import DRAFTERS
+from amphista_jax.models.llama import ATTENTION_IMPLS
 from amphista_jax.verify import ACCEPTANCE_RULES
 
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")
@@ -23,7 +24,6 @@ def _load_drafter(args: argparse.Namespace, config, params):
     """(drafter, draft params) from --heads, or untrained heads of --draft initialised from the target."""
     import jax
 
-    from amphista_jax.drafters import DRAFTERS
     from amphista_jax.drafters.io import load_draft
 
     if args.heads:
@@ -64,7 +64,7 @@ def _generate(args: argparse.Namespace) -> int:
     ids = encode_prompt(tok, args.prompt, chat=args.chat)
     pad_id = config.pad_token_id or 0
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)
-    kwargs = dict(config=config, max_new_tokens=args.max_new_tokens,
+    kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, attention=args.attention,
                   sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
                   eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
     reserve = 0
@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", default="mc_sim_7b_63", help="tree preset name or JSON file of top-k paths")
     g.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=None,
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
+    g.add_argument("--attention", choices=ATTENTION_IMPLS, default="xla",
+                   help="cached attention: dense XLA, or the Pallas tree-attention kernel (interpreted on CPU)")
     g.add_argument("--show-drafts", action="store_true", help="colour the tokens that came from the draft heads")
     g.set_defaults(func=_generate)
 

@@ -117,7 +117,7 @@ def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "max_new_tokens", "cache_size", "sampling", "eos_ids", "pad_id"))
+    jax.jit, static_argnames=("config", "max_new_tokens", "cache_size", "sampling", "eos_ids", "pad_id", "attention"))
 def generate(
     params: dict,
     prompt: jax.Array,  # [B, T] right-padded prompts
@@ -130,6 +130,7 @@ def generate(
     sampling: SamplingConfig = GREEDY,
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
+    attention: str = "xla",
 ) -> GenerateOutput:
     """Autoregressive generation of up to `max_new_tokens` per row; a row stops after an EOS token.
 
@@ -137,7 +138,7 @@ def generate(
     """
     b, t = prompt.shape
     _check_static_fit(t, max_new_tokens, 0, cache_size)
-    model = Transformer(config)
+    model = Transformer(config, attention=attention)
     dtype = jax.tree.leaves(params)[0].dtype
     _, cache, _, logits = prefill(model, params, prompt, prompt_lengths, new_cache(config, b, cache_size, dtype))
     first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
@@ -186,7 +187,8 @@ class _SpecState:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "config", "drafter", "tree", "max_new_tokens", "cache_size", "sampling", "acceptance", "eos_ids", "pad_id"))
+    "config", "drafter", "tree", "max_new_tokens", "cache_size", "sampling", "acceptance", "eos_ids", "pad_id",
+    "attention"))
 def speculative_generate(
     params: dict,
     draft_params: Any,
@@ -203,6 +205,7 @@ def speculative_generate(
     acceptance: AcceptanceConfig = DEFAULT_ACCEPTANCE,
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
+    attention: str = "xla",
 ) -> GenerateOutput:
     """Draft-tree / verify generation; greedy output equals `generate`'s token for token.
 
@@ -215,7 +218,7 @@ def speculative_generate(
     arrays = tree_arrays(tree)
     n, depth = tree.num_nodes, tree.depth
     _check_static_fit(t, max_new_tokens, n, cache_size)
-    model = Transformer(config)
+    model = Transformer(config, attention=attention)
     dtype = jax.tree.leaves(params)[0].dtype
     out, cache, hidden, logits = prefill(model, params, prompt, prompt_lengths,
                                          new_cache(config, b, cache_size, dtype))

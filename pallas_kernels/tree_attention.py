@@ -46,6 +46,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from amphista_jax.models.attention import apply_window, dot_product_attention, key_visibility
+
 Backend = Literal["auto", "pallas", "xla"]
 BACKENDS: tuple[str, ...] = ("auto", "pallas", "xla")
 _NEG_INF = -jnp.inf
@@ -131,30 +133,6 @@ def _validate_window(window: int | jax.Array) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def visibility_mask(
-    lengths: jax.Array,  # [B]
-    tree_mask: jax.Array,  # [B, T, T] bool
-    q_positions: jax.Array,  # [B, T]
-    window: int | jax.Array,  # []
-    num_slots: int,
-) -> jax.Array:  # [B, T, S] bool
-    """Which cache slot each new token's query sees (the drawing in the module docstring)."""
-    num_new = tree_mask.shape[-1]
-    slots = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    length = lengths.astype(jnp.int32)[:, None, None]  # [B, 1, 1]
-    node = jnp.clip(slots - length, 0, num_new - 1)  # [B, 1, S]: the new token a slot would hold
-    node = jnp.broadcast_to(node, tree_mask.shape[:2] + (num_slots,))  # [B, T, S]
-    committed = slots < length
-    is_new = (slots >= length) & (slots < length + num_new)
-    tree_visible = jnp.take_along_axis(tree_mask, node, axis=2)  # [B, T, S]
-    q_pos = q_positions.astype(jnp.int32)
-    new_key_pos = jnp.take_along_axis(jnp.broadcast_to(q_pos[:, None, :], tree_mask.shape), node, axis=2)
-    key_pos = jnp.where(committed, slots, new_key_pos)  # [B, T, S]
-    window = jnp.asarray(window, jnp.int32)
-    in_window = (window <= 0) | (q_pos[:, :, None] - key_pos < window)
-    return (committed | (is_new & tree_visible)) & in_window
-
-
 def tree_attention_reference(
     q: jax.Array,  # [B, T, Hq, Dh]
     k_cache: jax.Array,  # [B, S, Hkv, Dh]
@@ -164,26 +142,12 @@ def tree_attention_reference(
     q_positions: jax.Array,  # [B, T]
     window: int | jax.Array = 0,  # []
 ) -> jax.Array:  # [B, T, Hq, Dh]
-    """Dense tree attention in plain jnp with fp32 scores, softmax and accumulation."""
+    """Dense tree attention with fp32 scores, softmax and accumulation: the model's own XLA path (the same
+    mask and attention functions), so kernel-vs-reference tests compare the kernel with what the model runs."""
     validate_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window)
-    batch, num_new, num_q_heads, head_dim = q.shape
-    num_slots, num_kv_heads = k_cache.shape[1:3]
-    group = num_q_heads // num_kv_heads
-    visible = visibility_mask(lengths, tree_mask, q_positions, window, num_slots)  # [B, T, S]
-    # Zero slots no query may read so garbage (NaN) there cannot reach the output through 0 * NaN.
-    used = jnp.any(visible, axis=1)[:, :, None, None]  # [B, S, 1, 1]
-    k = jnp.where(used, k_cache.astype(jnp.float32), 0.0)
-    v = jnp.where(used, v_cache.astype(jnp.float32), 0.0)
-    qg = q.astype(jnp.float32).reshape(batch, num_new, num_kv_heads, group, head_dim)  # [B, T, K, G, Dh]
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k) / math.sqrt(head_dim)
-    scores = jnp.where(visible[:, None, None], scores, _NEG_INF)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(visible[:, None, None], jnp.exp(scores - row_max), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", p, v)
-    return out.reshape(q.shape).astype(q.dtype)
+    visible, distance = key_visibility(q_positions.astype(jnp.int32), tree_mask, lengths.astype(jnp.int32),
+                                       k_cache.shape[1])
+    return dot_product_attention(q, k_cache, v_cache, apply_window(visible, distance, jnp.asarray(window, jnp.int32)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

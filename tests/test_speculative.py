@@ -59,7 +59,8 @@ def _reference_rows(ar, prompts, width):
     ref = np.zeros((len(prompts), width), np.int32)
     for row, prompt in enumerate(prompts):
         ref[row, : len(prompt)] = prompt
-        ref[row, len(prompt): len(prompt) + NEW] = np.asarray(ar.tokens[row])
+        generated = np.asarray(ar.tokens[row])
+        ref[row, len(prompt): len(prompt) + len(generated)] = generated
     return jnp.asarray(ref)
 
 
@@ -134,6 +135,23 @@ def test_partial_paths_through_later_siblings_stay_lossless(tree, windows):
     accepted = np.asarray(spec.accept_lengths)[:, : int(spec.steps)]
     assert np.asarray(spec.drafted).sum() > 30
     assert len(set(accepted[accepted > 0].tolist())) >= 3  # a spread of partial accept lengths
+
+
+@pytest.mark.parametrize("windows", [(0, 0), (4, 0)])
+def test_pallas_tree_attention_in_the_decode_loop_stays_lossless(windows):
+    """The same generation with the Pallas kernel (interpret mode on CPU) in every cached forward."""
+    config = tiny_llama_config(sliding_windows=windows)
+    params = init_params(config, jax.random.key(0))
+    tokens, lengths = pad_prompts(PROMPTS)
+    ar = generate(params, tokens, lengths, jax.random.key(0), config=config, max_new_tokens=16, cache_size=48)
+    ar_kernel = generate(params, tokens, lengths, jax.random.key(0), config=config, max_new_tokens=16, cache_size=48,
+                         attention="pallas")
+    np.testing.assert_array_equal(np.asarray(ar_kernel.tokens), np.asarray(ar.tokens))
+    ref = _reference_rows(ar, PROMPTS, tokens.shape[1] + NEW + 8)
+    spec = speculative_generate(params, ref, tokens, lengths, jax.random.key(0), config=config, drafter=NoisyOracle(),
+                                tree=PRESETS["small-8"], max_new_tokens=16, cache_size=48, attention="pallas")
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    assert np.asarray(spec.drafted).sum() > 0
 
 
 def test_eos_stops_rows_inside_an_accepted_path(target):

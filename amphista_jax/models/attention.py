@@ -51,16 +51,25 @@ def apply_window(visible: jax.Array, distance: jax.Array, window: jax.Array | in
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-    """Grouped-query attention, softmax in fp32.
+    """Grouped-query attention, fp32 scores and softmax.
 
-    q: [B, T, Hq, Dh]; k, v: [B, S, Hkv, Dh]; visible: [B, T, S] bool -> [B, T, Hq, Dh].
+    q: [B, T, Hq, Dh]; k, v: [B, S, Hkv, Dh]; visible: [B, T, S] bool -> [B, T, Hq, Dh]. Slots no query sees
+    are zeroed first, so garbage (even NaN) in unused cache slots cannot reach the output; a query that sees
+    nothing gets zeros.
     """
     b, t, hq, dh = q.shape
     hkv = k.shape[2]
+    used = jnp.any(visible, axis=1)[:, :, None, None]  # [B, S, 1, 1]
+    k = jnp.where(used, k, jnp.zeros((), k.dtype))
+    v = jnp.where(used, v, jnp.zeros((), v.dtype))
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
     scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(
         jnp.float32(dh))
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
+    mask = visible[:, None, None]  # [B, 1, 1, T, S]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom == 0.0, 1.0, denom)
     out = jnp.einsum("BKGTS,BSKD->BTKGD", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, dh).astype(q.dtype)

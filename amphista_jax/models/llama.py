@@ -28,8 +28,10 @@ from amphista_jax.cache import KVCache, write
 from amphista_jax.models.attention import apply_window, causal_mask, dot_product_attention, key_visibility
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
+from pallas_kernels.tree_attention import tree_attention
 
 Dtype = Any
+ATTENTION_IMPLS = ("xla", "pallas")
 
 
 @struct.dataclass
@@ -66,9 +68,10 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"
 
     @nn.compact
-    def __call__(self, x, positions, visible, layer_k, layer_v, lengths):
+    def __call__(self, x, positions, new_mask, visible, layer_k, layer_v, lengths, window):
         c = self.config
         b, t, _ = x.shape
         q = _dense(c.num_heads * c.head_dim, ("embed", "heads"), c.qkv_bias, "q_proj", self.param_dtype)(x)
@@ -81,7 +84,10 @@ class Attention(nn.Module):
         if layer_k is not None:
             layer_k, layer_v = write(layer_k, k, lengths), write(layer_v, v, lengths)
             k, v = layer_k.astype(q.dtype), layer_v.astype(q.dtype)
-        out = dot_product_attention(q, k, v, visible)  # [B, T, Hq, Dh]
+        if layer_k is not None and self.attention == "pallas":
+            out = tree_attention(q, k, v, lengths, new_mask, positions, window, backend="pallas")
+        else:
+            out = dot_product_attention(q, k, v, visible)  # [B, T, Hq, Dh]
         out = _dense(c.hidden_size, ("heads", "embed"), c.o_bias, "o_proj", self.param_dtype)(
             out.reshape(b, t, c.num_heads * c.head_dim))
         return out, layer_k, layer_v
@@ -105,16 +111,17 @@ class DecoderLayer(nn.Module):
 
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, x, scanned, shared):
         layer_k, layer_v, window = scanned
-        positions, visible, distance, lengths = shared
+        positions, new_mask, visible, distance, lengths = shared
         c = self.config
         visible = apply_window(visible, distance, window)
-        h, layer_k, layer_v = Attention(c, self.param_dtype, name="attn")(
-            RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x), positions, visible, layer_k,
-            layer_v, lengths)
+        h, layer_k, layer_v = Attention(c, self.param_dtype, self.attention, name="attn")(
+            RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x), positions, new_mask, visible, layer_k,
+            layer_v, lengths, window)
         x = x + h
         x = x + MLP(c, self.param_dtype, name="mlp")(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="post_attn_norm")(x))
@@ -123,10 +130,16 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
+    """`attention`: "xla" (dense masked attention) or "pallas" (the tree-attention kernel, for the cached
+    decode/verify path; `interpret` mode on CPU). Training (no cache) always uses the dense path."""
+
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"
 
     def setup(self) -> None:
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention {self.attention!r} must be one of {', '.join(ATTENTION_IMPLS)}")
         c = self.config
         self.embed = nn.Embed(
             c.vocab_size, c.hidden_size, param_dtype=self.param_dtype,
@@ -138,7 +151,7 @@ class Transformer(nn.Module):
             in_axes=(0, nn.broadcast),
             length=c.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.param_dtype, name="layers")
+        )(c, self.param_dtype, self.attention, name="layers")
         self.final_norm = RMSNorm(c.rms_norm_eps, self.param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, ("embed", "vocab"), False, "lm_head", self.param_dtype)
@@ -158,7 +171,7 @@ class Transformer(nn.Module):
         windows = jnp.asarray(self.config.sliding_windows, jnp.int32)
         lengths = None if cache is None else cache.lengths
         visible, distance = key_visibility(positions, new_mask, lengths, t if cache is None else cache.size)
-        shared = (positions, visible, distance, lengths)
+        shared = (positions, new_mask, visible, distance, lengths)
         if cache is None:
             x, _ = self.layers(x, (None, None, windows), shared)
             new_cache = None
