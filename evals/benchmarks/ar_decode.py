@@ -11,17 +11,15 @@ Prints medians over `--runs` and the ratio; writes `ar_decode.json` and `ar_deco
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from amphista_jax.decode import generate, pad_prompts
 from amphista_jax.models.hf import load_params
+from evals.benchmarks.common import median_seconds, write_report
 
 SIZES = {  # name -> transformers LlamaConfig kwargs
     "20m": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -30,15 +28,6 @@ SIZES = {  # name -> transformers LlamaConfig kwargs
                  num_attention_heads=12, num_key_value_heads=4),
 }
 
-
-def _median_seconds(fn, runs: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench(size: str, new_tokens: int, runs: int, prompt_len: int) -> dict:
@@ -57,7 +46,7 @@ def bench(size: str, new_tokens: int, runs: int, prompt_len: int) -> dict:
     t0 = time.perf_counter()
     ours_out = jax.block_until_ready(generate(params, tokens, lengths, jax.random.key(0), **kw))
     compile_s = time.perf_counter() - t0
-    ours_s = _median_seconds(
+    ours_s = median_seconds(
         lambda: jax.block_until_ready(generate(params, tokens, lengths, jax.random.key(0), **kw)), runs)
 
     pt_prompt = torch.tensor(prompt)
@@ -68,7 +57,7 @@ def bench(size: str, new_tokens: int, runs: int, prompt_len: int) -> dict:
             return hf.generate(pt_prompt, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, pad_token_id=0)
 
-    torch_s = _median_seconds(run_torch, runs)
+    torch_s = median_seconds(run_torch, runs)
     same = bool((run_torch().numpy()[0, prompt_len:] == np.asarray(ours_out.tokens[0])).all())
     return {"size": size, "parameters": n_params, "new_tokens": new_tokens, "runs": runs,
             "ours_tokens_per_s": new_tokens / ours_s, "torch_tokens_per_s": new_tokens / torch_s,
@@ -91,12 +80,7 @@ def main() -> None:
         lines.append(f"| llama-{r['size']} | {r['parameters'] / 1e6:.1f}M | {r['ours_tokens_per_s']:.1f} | "
                      f"{r['torch_tokens_per_s']:.1f} | {r['speedup_vs_torch']:.2f}x | {r['ours_compile_s']:.1f} | "
                      f"{r['same_tokens']} |")
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ar_decode.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "ar_decode.md").write_text(table + "\n")
+    write_report(args.out, "ar_decode", rows, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +30,7 @@ from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer, new_cache
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.trees import TreeSpec, get_tree, tree_arrays
+from evals.benchmarks.common import median_seconds, write_report
 
 PROMPTS = (
     "def binary_search(items, target):\n",
@@ -40,15 +38,6 @@ PROMPTS = (
     "import json\n\n\ndef load_config(path):\n",
 )
 
-
-def _median_seconds(fn, runs: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def end_to_end(params, config, tok, drafter, draft_params, trees, new_tokens: int, runs: int) -> list[dict]:
@@ -59,7 +48,7 @@ def end_to_end(params, config, tok, drafter, draft_params, trees, new_tokens: in
         ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), config=config,
                                max_new_tokens=new_tokens, cache_size=cache)
         ar_out = ar()
-        ar_s = _median_seconds(ar, runs)
+        ar_s = median_seconds(ar, runs)
         rows.append({"prompt": prompt, "method": "ar", "tree": "-", "tokens_per_s": new_tokens / ar_s, "tau": 1.0,
                      "speedup": 1.0, "same_as_ar": True})
         for name in trees:
@@ -67,7 +56,7 @@ def end_to_end(params, config, tok, drafter, draft_params, trees, new_tokens: in
                                      config=config, drafter=drafter, tree=get_tree(name),
                                      max_new_tokens=new_tokens, cache_size=cache)
             out = spec()
-            seconds = _median_seconds(spec, runs)
+            seconds = median_seconds(spec, runs)
             rows.append({"prompt": prompt, "method": "medusa", "tree": name, "tokens_per_s": new_tokens / seconds,
                          "tau": (new_tokens - 1) / int(out.steps), "speedup": ar_s / seconds,
                          "same_as_ar": bool((np.asarray(out.tokens) == np.asarray(ar_out.tokens)).all())})
@@ -85,7 +74,7 @@ def verify_cost(params, config, sizes: tuple[int, ...], committed: int, runs: in
         tokens = jnp.zeros((1, t), jnp.int32)
         positions = committed + jnp.asarray(arrays.depth)[None]
         mask = jnp.asarray(arrays.mask)[None]
-        seconds = _median_seconds(functools.partial(step, params, cache, tokens, positions, mask), max(runs, 10))
+        seconds = median_seconds(functools.partial(step, params, cache, tokens, positions, mask), max(runs, 10))
         rows.append({"tree_nodes": t, "verify_ms": seconds * 1e3})
     base = rows[0]["verify_ms"]
     for r in rows:
@@ -122,12 +111,7 @@ def main() -> None:
                      f"{mean('speedup'):.2f}x | {all(r['same_as_ar'] for r in sel)} |")
     lines += ["", "| tree nodes | verify ms | cost vs 1 node |", "|---|---|---|"]
     lines += [f"| {r['tree_nodes']} | {r['verify_ms']:.2f} | {r['cost_vs_1']:.2f}x |" for r in cost]
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec_decode.json").write_text(json.dumps({"end_to_end": e2e, "verify_cost": cost}, indent=2) + "\n")
-    (out / "spec_decode.md").write_text(table + "\n")
+    write_report(args.out, "spec_decode", {"end_to_end": e2e, "verify_cost": cost}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,6 @@ backward + AdamW), the target forward alone, and the step on precomputed target 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,18 +20,9 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
+from evals.benchmarks.common import median_seconds, write_report
 from train.optim import OptimConfig, make_optimizer
 from train.step import make_steps, target_forward
-
-
-def _median(fn, steps: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -73,9 +60,9 @@ def main() -> None:
         state, metrics = train_step(state, params, cached_batch)
         return metrics["loss"]
 
-    t_full = _median(full, args.steps)
-    t_forward = _median(lambda: forward(params, batch), args.steps)
-    t_cached = _median(cached, args.steps)
+    t_full = median_seconds(full, args.steps)
+    t_forward = median_seconds(lambda: forward(params, batch), args.steps)
+    t_cached = median_seconds(cached, args.steps)
     n = args.batch_size * args.seq_len
     row = {"model": model_dir, "parameters": config.num_params, "method": args.method, "backend": jax.default_backend(),
            "batch_size": args.batch_size, "seq_len": args.seq_len, "step_s": t_full, "tokens_per_s": n / t_full,
@@ -86,11 +73,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
         f"| {row['backend']} | {args.method} | {args.batch_size}x{args.seq_len} | {row['tokens_per_s']:.0f} | "
         f"{t_full * 1e3:.1f} | {row['target_forward_fraction']:.0%} | {row['cached_hidden_tokens_per_s']:.0f} |"])
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_throughput.json").write_text(json.dumps(row, indent=2) + "\n")
-    (out / "train_throughput.md").write_text(table + "\n")
+    write_report(args.out, "train_throughput", row, table)
 
 
 if __name__ == "__main__":
