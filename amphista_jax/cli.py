@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 
 from amphista_jax.drafters import DRAFTERS
+from amphista_jax.drafters.base import Target
 from amphista_jax.models.llama import ATTENTION_IMPLS
 from amphista_jax.verify import ACCEPTANCE_RULES
 
@@ -33,7 +34,7 @@ def _load_drafter(args: argparse.Namespace, config, params):
         return drafter, draft_params
     print(f"note: no --heads given, using untrained {args.draft} heads (expect accept length ~1)", file=sys.stderr)
     drafter = DRAFTERS[args.draft]()
-    return drafter, drafter.init(jax.random.key(args.seed), config, params)
+    return drafter, drafter.init(jax.random.key(args.seed), Target(config, params))
 
 
 def _colour_drafts(tok, tokens, drafted) -> str:

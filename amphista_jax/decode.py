@@ -18,7 +18,7 @@ import numpy as np
 from flax import struct
 
 from amphista_jax.cache import KVCache, compact
-from amphista_jax.drafters.base import DraftContext
+from amphista_jax.drafters.base import DraftContext, PrefillContext, Target, accepted_tokens
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
@@ -223,7 +223,9 @@ def speculative_generate(
     out, cache, hidden, logits = prefill(model, params, prompt, prompt_lengths,
                                          new_cache(config, b, cache_size, dtype))
     first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
-    draft_state = drafter.prefill(draft_params, params, out, prompt_lengths, drafter.init_state(b, cache_size))
+    frozen = Target(config, params)
+    draft_state = drafter.prefill(draft_params, frozen, PrefillContext(out, prompt, prompt_lengths, first),
+                                  drafter.init_state(config, b, cache_size))
     state = _SpecState(
         cache=cache, draft_state=draft_state, root=first, hidden=hidden,
         tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
@@ -237,7 +239,7 @@ def speculative_generate(
     def body(s: _SpecState) -> _SpecState:
         key = jax.random.fold_in(s.rng, s.steps + 1)
         ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)
-        proposal = drafter.propose(draft_params, params, ctx, arrays, jax.random.fold_in(key, 0))
+        proposal = drafter.propose(draft_params, frozen, ctx, arrays, jax.random.fold_in(key, 0))
         positions = s.cache.lengths[:, None] + jnp.asarray(arrays.depth)[None]
         verified = model.apply({"params": params}, proposal.tokens, positions, s.cache, tree_mask)
         verdict = verify(proposal.tokens, verified.logits, arrays, sampling, acceptance, jax.random.fold_in(key, 1),
@@ -245,11 +247,10 @@ def speculative_generate(
         n_acc = jnp.where(s.done, 0, verdict.n_accepted)
         verdict = verdict.replace(n_accepted=jnp.maximum(n_acc, 1))
         cache = compact(verified.cache, verdict.accepted_nodes, n_acc)
-        draft_state, hidden = drafter.commit(draft_params, params, verdict, verified, s.draft_state)
+        draft_state, hidden = drafter.commit(draft_params, frozen, proposal, verdict, verified, s.draft_state)
         # Emitted this step: the accepted draft tokens (path nodes 1..n-1), then the bonus token.
-        path_tokens = jnp.take_along_axis(proposal.tokens, jnp.maximum(verdict.accepted_nodes, 0), 1)  # [B, D+1]
+        emit = accepted_tokens(proposal, verdict.replace(n_accepted=n_acc))  # [B, D+1]
         idx = jnp.arange(depth + 1)[None]
-        emit = jnp.where(idx < n_acc[:, None] - 1, jnp.roll(path_tokens, -1, axis=1), verdict.bonus[:, None])
         stop = is_stop(emit, eos_ids) & (idx < n_acc[:, None])
         hit = stop.any(1)
         first_stop = jnp.where(hit, jnp.argmax(stop, 1) + 1, depth + 1)  # tokens up to and including an EOS

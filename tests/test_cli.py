@@ -33,7 +33,7 @@ def test_prompt_longer_than_max_len_is_a_clear_error(smoke_model):
 def test_speculative_generate_equals_ar_and_reports_tau(smoke_model, capsys, tmp_path):
     import jax
 
-    from amphista_jax.drafters import Medusa
+    from amphista_jax.drafters import Medusa, Target
     from amphista_jax.drafters.io import save_draft
     from amphista_jax.models.hf import load_params
 
@@ -44,7 +44,7 @@ def test_speculative_generate_equals_ar_and_reports_tau(smoke_model, capsys, tmp
     ar_text = capsys.readouterr().out
     params, config = load_params(model, dtype="float32")
     medusa = Medusa(num_heads=3)
-    save_draft(tmp_path / "heads", "medusa", medusa, medusa.init(jax.random.key(0), config, params), config)
+    save_draft(tmp_path / "heads", "medusa", medusa, medusa.init(jax.random.key(0), Target(config, params)), config)
     main(args + ["--heads", str(tmp_path / "heads"), "--tree", "small-8"])
     out, err = capsys.readouterr()
     assert out == ar_text and "tau = " in err
@@ -57,7 +57,7 @@ def test_heads_for_another_target_are_refused(smoke_model, tmp_path):
 
     import jax
 
-    from amphista_jax.drafters import Medusa
+    from amphista_jax.drafters import Medusa, Target
     from amphista_jax.drafters.io import DraftCheckpointError, save_draft
     from amphista_jax.models.hf import load_params
 
@@ -65,7 +65,7 @@ def test_heads_for_another_target_are_refused(smoke_model, tmp_path):
     params, config = load_params(run_dir / "export", dtype="float32")
     medusa = Medusa(num_heads=2)
     other = dataclasses.replace(config, hidden_size=config.hidden_size * 2)
-    save_draft(tmp_path / "heads", "medusa", medusa, medusa.init(jax.random.key(0), config, params), other)
+    save_draft(tmp_path / "heads", "medusa", medusa, medusa.init(jax.random.key(0), Target(config, params)), other)
     with pytest.raises(DraftCheckpointError, match="were trained for another target"):
         main(["generate", "--model", str(run_dir / "export"), "--prompt", "x", "--heads", str(tmp_path / "heads")])
 

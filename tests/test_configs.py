@@ -7,18 +7,21 @@ from pathlib import Path
 import pytest
 
 from amphista_jax.config_io import ConfigFileError, load_config
+from amphista_jax.drafters import DRAFTERS
 from train.heads import TrainConfig
 from train.pretrain_target import PretrainConfig
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-KINDS = {"target": PretrainConfig, "medusa": TrainConfig}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_config_file_parses(path):
-    cls = KINDS[path.relative_to(CONFIGS).parts[0]]
+    kind = path.relative_to(CONFIGS).parts[0]  # "target", or a method's directory
+    cls = PretrainConfig if kind == "target" else TrainConfig
     cfg = load_config(cls, path)
     assert isinstance(cfg, cls)
+    if cls is TrainConfig:
+        assert cfg.method == kind and kind in DRAFTERS
     assert f"--config configs/{path.relative_to(CONFIGS)}" in path.read_text()  # header shows its run command
 
 
@@ -34,3 +37,13 @@ def test_overrides_and_errors():
         load_config(PretrainConfig, path, ["steps"])
     with pytest.raises(ConfigFileError, match="does not exist"):
         load_config(PretrainConfig, "configs/nope.yaml")
+
+
+def test_method_settings_are_checked_against_the_method():
+    path = CONFIGS / "amphista" / "tiny-code.yaml"
+    cfg = load_config(TrainConfig, path, ["method_settings.auto_embedding=false"])
+    assert cfg.method_settings["auto_embedding"] is False
+    with pytest.raises(ValueError, match=r"\['auto_embeding'\] are not amphista settings"):
+        load_config(TrainConfig, path, ["method_settings.auto_embeding=false"])
+    with pytest.raises(ValueError, match="adaptation_stages"):
+        load_config(TrainConfig, path, ["method_settings.adaptation_stages=9"])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from amphista_jax.drafters import Medusa
+from amphista_jax.drafters import Medusa, Target
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
@@ -20,7 +20,7 @@ CONFIG = tiny_llama_config()
 def test_fresh_heads_equal_the_target_lm_head():
     params = init_params(CONFIG, jax.random.key(0))
     medusa = Medusa(num_heads=3, num_layers=2)
-    heads = medusa.init(jax.random.key(1), CONFIG, params)
+    heads = medusa.init(jax.random.key(1), Target(CONFIG, params))
     hidden = jax.random.normal(jax.random.key(2), (4, CONFIG.hidden_size))
     logits = medusa.head_logits(heads, hidden)  # zero ResBlocks: x + silu(0) = x
     target = Transformer(CONFIG).apply({"params": params}, hidden, method=Transformer.logits)
@@ -46,14 +46,14 @@ def test_head_k_at_position_t_is_trained_on_token_t_plus_2_plus_k():
     """Only label position j is a target: head k's loss must depend on the hidden state at j - 2 - k alone."""
     params = init_params(CONFIG, jax.random.key(0))
     medusa = Medusa(num_heads=3, loss_decay=1.0)
-    heads = medusa.init(jax.random.key(1), CONFIG, params)
+    heads = medusa.init(jax.random.key(1), Target(CONFIG, params))
     tokens = jax.random.randint(jax.random.key(3), (1, 12), 0, CONFIG.vocab_size)
     j = 9
     batch = {"tokens": tokens, "loss_mask": jnp.zeros_like(tokens).at[0, j].set(1)}
     hidden = jax.random.normal(jax.random.key(4), (1, 12, CONFIG.hidden_size))
     for k in range(3):
         def head_loss(h, k=k):
-            return medusa.loss(heads, params, batch, Output(h, None, None))[1][f"head{k}/loss"]
+            return medusa.loss(heads, Target(CONFIG, params), batch, Output(h, None, None))[1][f"head{k}/loss"]
 
         grad = jnp.abs(jax.grad(head_loss)(hidden)).sum(-1)[0]  # [T]
         assert np.flatnonzero(np.asarray(grad)).tolist() == [j - 2 - k]
@@ -62,7 +62,7 @@ def test_head_k_at_position_t_is_trained_on_token_t_plus_2_plus_k():
 def test_loss_trains_heads_toward_shifted_labels():
     params = init_params(CONFIG, jax.random.key(0))
     medusa = Medusa(num_heads=2)
-    heads = medusa.init(jax.random.key(1), CONFIG, params)
+    heads = medusa.init(jax.random.key(1), Target(CONFIG, params))
     tokens = jax.random.randint(jax.random.key(3), (4, 24), 0, CONFIG.vocab_size)
     batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}
     target_out = Transformer(CONFIG).apply({"params": params}, tokens, jnp.broadcast_to(jnp.arange(24), (4, 24)))
@@ -71,7 +71,7 @@ def test_loss_trains_heads_toward_shifted_labels():
 
     @jax.jit
     def step(h, s):
-        (loss, metrics), grads = jax.value_and_grad(lambda p: medusa.loss(p, params, batch, target_out),
+        (loss, metrics), grads = jax.value_and_grad(lambda p: medusa.loss(p, Target(CONFIG, params), batch, target_out),
                                                     has_aux=True)(h)
         updates, s = opt.update(grads, s)
         return optax.apply_updates(h, updates), s, loss, metrics

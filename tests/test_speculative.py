@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.drafters import Medusa
+from amphista_jax.drafters import Amphista, Medusa, Target
 from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
@@ -27,18 +27,18 @@ NEW = 40
 class Oracle:
     """Proposes the target's own greedy continuation at every node (`params` = the full reference rows)."""
 
-    def init_state(self, batch, cache_size):
+    def init_state(self, target_config, batch, cache_size):
         return ()
 
-    def prefill(self, params, target_params, target_out, prompt_lengths, state):
+    def prefill(self, params, target, prompt, state):
         return state
 
-    def propose(self, params, target_params, ctx: DraftContext, tree, rng):
+    def propose(self, params, target, ctx: DraftContext, tree, rng):
         pos = ctx.lengths[:, None] + jnp.asarray(tree.depth)[None]  # [B, N] position of each node's token
         tokens = jnp.take_along_axis(params, jnp.minimum(pos, params.shape[1] - 1), axis=1)
         return Proposal(tokens.at[:, 0].set(ctx.root))
 
-    def commit(self, params, target_params, verdict, verify_out, state):
+    def commit(self, params, target, proposal, verdict, verify_out, state):
         return state, accepted_hidden(verdict, verify_out)
 
 
@@ -49,8 +49,8 @@ class NoisyOracle(Oracle):
 
     p: float = 0.35
 
-    def propose(self, params, target_params, ctx: DraftContext, tree, rng):
-        good = super().propose(params, target_params, ctx, tree, rng).tokens
+    def propose(self, params, target, ctx: DraftContext, tree, rng):
+        good = super().propose(params, target, ctx, tree, rng).tokens
         corrupt = jax.random.bernoulli(rng, self.p, good.shape).at[:, 0].set(False)
         return Proposal(jnp.where(corrupt, (good + 1) % CONFIG.vocab_size, good))
 
@@ -72,7 +72,7 @@ def target():
 @pytest.fixture(scope="module")
 def medusa_heads(target):
     medusa = Medusa(num_heads=4, num_layers=1)
-    params = medusa.init(jax.random.key(1), CONFIG, target)
+    params = medusa.init(jax.random.key(1), Target(CONFIG, target))
     noise = jax.random.normal(jax.random.key(2), params["w"].shape) * 0.3
     return medusa, params | {"w": noise}
 
@@ -172,7 +172,7 @@ def test_eos_stops_rows_inside_an_accepted_path(target):
 def test_medusa_refuses_a_tree_deeper_than_its_heads(target):
     medusa = Medusa(num_heads=2)
     with pytest.raises(ValueError, match="tree depth 4 needs 4 heads"):
-        _run(target, medusa, medusa.init(jax.random.key(0), CONFIG, target), PROMPTS, PRESETS["chain-4"])
+        _run(target, medusa, medusa.init(jax.random.key(0), Target(CONFIG, target)), PROMPTS, PRESETS["chain-4"])
 
 
 def test_speculative_generation_compiles_once(target, medusa_heads):
@@ -252,18 +252,18 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     assert _chi_square(np.bincount(first, minlength=vocab), probs[0]) < CHI2_999[7]
 
 
-def test_speculative_sampling_matches_the_target_end_to_end():
+@pytest.mark.parametrize("drafter", [Medusa(num_heads=3), Amphista(num_heads=3)], ids=["medusa", "amphista"])
+def test_speculative_sampling_matches_the_target_end_to_end(drafter):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""
     config = tiny_llama_config(vocab_size=16)
     params = init_params(config, jax.random.key(5))
     params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, params)  # sharper distributions
-    medusa = Medusa(num_heads=3)
-    heads = medusa.init(jax.random.key(6), config, params)
+    heads = drafter.init(jax.random.key(6), Target(config, params))
     prompt = [3, 7, 1]
     rows = 4000
     tokens, lengths = pad_prompts([prompt] * rows, length=4)
-    out = speculative_generate(params, heads, tokens, lengths, jax.random.key(9), config=config, drafter=medusa,
+    out = speculative_generate(params, heads, tokens, lengths, jax.random.key(9), config=config, drafter=drafter,
                                tree=PRESETS["small-8"], max_new_tokens=3, cache_size=16,
                                sampling=SamplingConfig(temperature=1.0))
     second = np.asarray(out.tokens[:, 1])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from amphista_jax.cli import main
-from amphista_jax.drafters import Medusa
+from amphista_jax.drafters import Medusa, Target
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.hf import load_params
@@ -36,7 +36,7 @@ def _setup(seed: int = 0):
     examples = [{"tokens": t, "loss_mask": np.ones_like(t)} for t in tokens]
 
     def init_state():
-        heads = medusa.init(jax.random.key(1), CONFIG, params)
+        heads = medusa.init(jax.random.key(1), Target(CONFIG, params))
         heads = heads | {"w": jax.random.normal(jax.random.key(2), heads["w"].shape) * 0.1}
         return {"params": heads, "opt_state": optimizer.init(heads), "step": jnp.zeros((), jnp.int32)}
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.assets import default_model_dir
-from amphista_jax.drafters import DRAFTERS
+from amphista_jax.drafters import DRAFTERS, Target
 from amphista_jax.drafters.io import save_draft
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.models.llama import Transformer
@@ -80,6 +80,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in DRAFTERS:
             raise ValueError(f"method {self.method!r} is not one of {', '.join(DRAFTERS)}")
+        known = {f.name for f in dataclasses.fields(DRAFTERS[self.method])}
+        if unknown := set(self.method_settings) - known:
+            raise ValueError(f"method_settings {sorted(unknown)} are not {self.method} settings; "
+                             f"known: {', '.join(sorted(known))}")
+        DRAFTERS[self.method](**self.method_settings)  # the method validates its own values
 
 
 def _examples(cfg: DataConfig, tok: Any) -> tuple[list, list]:
@@ -133,7 +138,7 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     train_step, eval_step = make_steps(model, drafter, optimizer, mesh, shardings)
 
     def init_state() -> dict[str, Any]:
-        params = drafter.init(jax.random.key(cfg.data.seed), target_config, target_params)
+        params = drafter.init(jax.random.key(cfg.data.seed), Target(target_config, target_params))
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
     bs = cfg.data.batch_size

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from amphista_jax.drafters.base import Target
 from amphista_jax.models.llama import Output, Transformer
 from amphista_jax.sharding import BATCH_AXES, LOGICAL_RULES
 
@@ -43,7 +44,7 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
     def loss_fn(params, target_params, batch):
         with nn.logical_axis_rules(LOGICAL_RULES):
             target_out = target_forward(model, target_params, batch)
-        return drafter.loss(params, target_params, batch, target_out)
+        return drafter.loss(params, Target(model.config, target_params), batch, target_out)
 
     def train_step(state, target_params, batch):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)

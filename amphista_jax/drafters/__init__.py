@@ -1,8 +1,9 @@
 """Draft methods. Each module implements the `Drafter` contract of `base.py`."""
 
-from amphista_jax.drafters.base import DraftContext, Drafter, Proposal
+from amphista_jax.drafters.amphista import Amphista
+from amphista_jax.drafters.base import DraftContext, Drafter, Proposal, Target
 from amphista_jax.drafters.medusa import Medusa
 
-DRAFTERS: dict[str, type] = {"medusa": Medusa}
+DRAFTERS: dict[str, type] = {"amphista": Amphista, "medusa": Medusa}
 
-__all__ = ["DRAFTERS", "DraftContext", "Drafter", "Medusa", "Proposal"]
+__all__ = ["DRAFTERS", "Amphista", "DraftContext", "Drafter", "Medusa", "Proposal", "Target"]

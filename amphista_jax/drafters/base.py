@@ -1,16 +1,19 @@
 """The draft-method contract (DESIGN section 3): pure functions over pytrees, so that the decode loop and
 the trainer never branch on a method's name.
 
-A drafter is a frozen (hashable) dataclass of its static settings, with these methods:
+A drafter is a frozen (hashable) dataclass of its static settings, with these methods (`target` is the
+frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
 
-* `init(rng, target_config, target_params) -> params`
-* `init_state(batch, cache_size) -> state`: the method's own caches (zeros) or `()`.
-* `prefill(params, target_params, target_out, prompt_lengths, state) -> state`
-* `propose(params, target_params, ctx, tree, rng) -> Proposal`: fill the tree's `N` node tokens.
-* `commit(params, target_params, verdict, verify_out, state) -> (state, next_hidden)`: catch the method's
-  caches up with the accepted tokens and choose the hidden state `[B, D]` the next proposal starts from
-  (usually the target's at the last accepted node: `accepted_hidden`).
-* `loss(params, target_params, batch, target_out) -> (loss, metrics)`: the training objective.
+* `init(rng, target) -> params`
+* `init_state(target_config, batch, cache_size) -> state`: the method's own caches (zeros) or `()`.
+* `prefill(params, target, prompt: PrefillContext, state) -> state`: run the method's own layers
+  over the prompt (Amphista's staged adaptation layers fill their caches here).
+* `propose(params, target, ctx, tree, rng) -> Proposal`: fill the tree's `N` node tokens.
+* `commit(params, target, proposal, verdict, verify_out, state) -> (state, next_hidden)`: catch the
+  method's caches up with the accepted tokens (the path `verdict.accepted_nodes` of `proposal.tokens`, then
+  `verdict.bonus`) and choose the hidden state `[B, D]` the next proposal starts from (usually the
+  target's at the last accepted node: `accepted_hidden`).
+* `loss(params, target, batch, target_out) -> (loss, metrics)`: the training objective.
 """
 
 from __future__ import annotations
@@ -18,12 +21,22 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import jax
+import numpy as np
+import optax
 from flax import struct
 
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
 from amphista_jax.trees import TreeArrays
 from amphista_jax.verify import Verdict, last_accepted_node
+
+
+@struct.dataclass
+class Target:
+    """The frozen target model a drafter works on: its (static) config and its params."""
+
+    config: ModelConfig = struct.field(pytree_node=False)
+    params: dict
 
 
 @struct.dataclass
@@ -35,6 +48,14 @@ class DraftContext:
 
 
 @struct.dataclass
+class PrefillContext:
+    out: Output  # the target over the padded prompt slots: hidden [B, T, D]
+    prompt: jax.Array  # [B, T] right-padded prompt tokens
+    lengths: jax.Array  # [B] prompt lengths
+    root: jax.Array  # [B] the target's first generated token (at position `lengths`)
+
+
+@struct.dataclass
 class Proposal:
     tokens: jax.Array  # [B, N] node tokens; node 0 is the root
     # [B, N, V] the distribution each node's token was drawn from; siblings must be i.i.d. draws from their
@@ -43,20 +64,19 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    def init(self, rng: jax.Array, target_config: ModelConfig, target_params: dict) -> Any: ...
+    def init(self, rng: jax.Array, target: Target) -> Any: ...
 
-    def init_state(self, batch: int, cache_size: int) -> Any: ...
+    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> Any: ...
 
-    def prefill(self, params: Any, target_params: dict, target_out: Output, prompt_lengths: jax.Array,
-                state: Any) -> Any: ...
+    def prefill(self, params: Any, target: Target, prompt: PrefillContext, state: Any) -> Any: ...
 
-    def propose(self, params: Any, target_params: dict, ctx: DraftContext, tree: TreeArrays,
+    def propose(self, params: Any, target: Target, ctx: DraftContext, tree: TreeArrays,
                 rng: jax.Array) -> Proposal: ...
 
-    def commit(self, params: Any, target_params: dict, verdict: Verdict, verify_out: Output,
+    def commit(self, params: Any, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: Any) -> tuple[Any, jax.Array]: ...
 
-    def loss(self, params: Any, target_params: dict, batch: dict, target_out: Output) -> tuple[jax.Array, dict]: ...
+    def loss(self, params: Any, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]: ...
 
 
 def accepted_hidden(verdict: Verdict, verify_out: Output) -> jax.Array:
@@ -70,3 +90,37 @@ def fill_tree_from_topk(root: jax.Array, topk: jax.Array, tree: TreeArrays) -> j
     head = jax.numpy.maximum(jax.numpy.asarray(tree.head_index), 0)
     tokens = topk[:, head, jax.numpy.asarray(tree.topk_index)]  # [B, N]
     return tokens.at[:, 0].set(root)
+
+
+def accepted_tokens(proposal: Proposal, verdict: Verdict) -> jax.Array:
+    """`[B, D + 1]` the tokens that follow each accepted node: the next accepted node's token, and the bonus
+    after the last one (entries past `n_accepted` are the bonus too; callers mask them)."""
+    path = jax.numpy.take_along_axis(proposal.tokens, jax.numpy.maximum(verdict.accepted_nodes, 0), 1)  # [B, D+1]
+    idx = jax.numpy.arange(path.shape[1])[None]
+    return jax.numpy.where(idx < verdict.n_accepted[:, None] - 1, jax.numpy.roll(path, -1, axis=1),
+                           verdict.bonus[:, None])
+
+
+def check_tree_depth(tree: TreeArrays, num_heads: int, method: str) -> None:
+    """Trace-time: a static tree of depth D needs D heads (head k drafts depth k + 1)."""
+    depth = int(np.asarray(tree.depth).max())
+    if depth > num_heads:
+        raise ValueError(f"tree depth {depth} needs {depth} heads but these {method} heads have {num_heads=}: "
+                         f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads}) or train more heads")
+
+
+def topk_proposal(logits: jax.Array, root: jax.Array, tree: TreeArrays) -> Proposal:
+    """Deterministic top-k drafts (`q = None`) from per-head logits `[B, K, V]`."""
+    k = int(np.asarray(tree.topk_index).max()) + 1  # widest rank any head must supply
+    topk = jax.lax.top_k(logits, k)[1].astype(jax.numpy.int32)  # [B, K, k]
+    return Proposal(fill_tree_from_topk(root, topk, tree))
+
+
+def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked mean CE and top-1 / top-5 accuracy of one head: `logits [B, T, V]`, `labels, mask [B, T]`."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    denom = jax.numpy.maximum(mask.sum(), 1.0)
+    top5 = jax.lax.top_k(logits, 5)[1]
+    loss = (ce * mask).sum() / denom
+    return loss, {"loss": loss, "top1": ((top5[..., 0] == labels) * mask).sum() / denom,
+                  "top5": ((top5 == labels[..., None]).any(-1) * mask).sum() / denom}

@@ -15,6 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from amphista_jax.drafters import DRAFTERS
+from amphista_jax.drafters.base import Target
 from amphista_jax.models.config import ModelConfig
 
 META_FILE = "draft.json"
@@ -57,7 +58,7 @@ def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict
             f"the {method} heads in {path} were trained for another target (trained for / this target: {diff}); "
             "train heads for this target, or pass the --model they were trained on")
     drafter = DRAFTERS[method](**meta["settings"])
-    abstract = jax.eval_shape(lambda: drafter.init(jax.random.key(0), target_config, target_params))
+    abstract = jax.eval_shape(lambda: drafter.init(jax.random.key(0), Target(target_config, target_params)))
     try:
         with ocp.StandardCheckpointer() as ckpt:
             params = ckpt.restore(path / "params", abstract)

@@ -129,6 +129,49 @@ class DecoderLayer(nn.Module):
         return x, (layer_k, layer_v)
 
 
+def decoder_stack(config: ModelConfig, param_dtype: Dtype, attention: str, name: str) -> nn.Module:
+    """`config.num_layers` decoder layers stacked on a leading `layers` axis (`nn.scan`: one compiled body).
+
+    Draft methods build their own stacks from the target's block type (Amphista's adaptation layers and
+    auto-embedding block, Hydra++'s prefix layer) and run them with `run_stack`.
+    """
+    return nn.scan(
+        DecoderLayer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast),
+        length=config.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(config, param_dtype, attention, name=name)
+
+
+def run_stack(
+    layers: nn.Module,
+    config: ModelConfig,
+    x: jax.Array,  # [B, T, D] inputs of the new tokens
+    positions: jax.Array,  # [B, T]
+    cache: KVCache | None,
+    new_mask: jax.Array | None,  # [B, T, T] bool; None = causal
+) -> tuple[jax.Array, KVCache | None]:
+    """Run a `decoder_stack` over T new tokens (see the module docstring for `cache` and `new_mask`).
+
+    Returns the last layer's output `[B, T, D]` (before any final norm) and the cache with the new tokens'
+    keys/values in its scratch slots (`None` without a cache).
+    """
+    b, t = x.shape[:2]
+    if new_mask is None:
+        new_mask = causal_mask(b, t)
+    windows = jnp.asarray(config.sliding_windows, jnp.int32)
+    lengths = None if cache is None else cache.lengths
+    visible, distance = key_visibility(positions, new_mask, lengths, t if cache is None else cache.size)
+    shared = (positions, new_mask, visible, distance, lengths)
+    if cache is None:
+        x, _ = layers(x, (None, None, windows), shared)
+        return x, None
+    x, (k, v) = layers(x, (cache.k, cache.v, windows), shared)
+    return x, cache.replace(k=k, v=v)
+
+
 class Transformer(nn.Module):
     """`attention`: "xla" (dense masked attention) or "pallas" (the tree-attention kernel, for the cached
     decode/verify path; `interpret` mode on CPU). Training (no cache) always uses the dense path."""
@@ -144,14 +187,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embed(
             c.vocab_size, c.hidden_size, param_dtype=self.param_dtype,
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
-        self.layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast),
-            length=c.num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.param_dtype, self.attention, name="layers")
+        self.layers = decoder_stack(c, self.param_dtype, self.attention, name="layers")
         self.final_norm = RMSNorm(c.rms_norm_eps, self.param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, ("embed", "vocab"), False, "lm_head", self.param_dtype)
@@ -164,22 +200,9 @@ class Transformer(nn.Module):
         new_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal
         return_logits: bool = True,
     ) -> Output:
-        b, t = tokens.shape
-        if new_mask is None:
-            new_mask = causal_mask(b, t)
-        x = self.embed_tokens(tokens)
-        windows = jnp.asarray(self.config.sliding_windows, jnp.int32)
-        lengths = None if cache is None else cache.lengths
-        visible, distance = key_visibility(positions, new_mask, lengths, t if cache is None else cache.size)
-        shared = (positions, new_mask, visible, distance, lengths)
-        if cache is None:
-            x, _ = self.layers(x, (None, None, windows), shared)
-            new_cache = None
-        else:
-            x, (k, v) = self.layers(x, (cache.k, cache.v, windows), shared)
-            new_cache = cache.replace(k=k, v=v)
+        x, cache = run_stack(self.layers, self.config, self.embed_tokens(tokens), positions, cache, new_mask)
         hidden = self.final_norm(x)
-        return Output(hidden, self.logits(hidden) if return_logits else None, new_cache)
+        return Output(hidden, self.logits(hidden) if return_logits else None, cache)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """Input embeddings `[..., D]` of `tokens [...]` (Amphista/Hydra consume these)."""

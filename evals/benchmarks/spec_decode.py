@@ -1,9 +1,10 @@
 """AR vs speculative decoding on one target, and the cost of one verify step vs tree size.
 
-    python -m evals.benchmarks.spec_decode [--model DIR] [--heads DIR] [--trees mc_sim_7b_63 small-8 chain-4]
+    python -m evals.benchmarks.spec_decode [--model DIR] [--heads DIR [DIR ...]] [--trees mc_sim_7b_63 small-8 chain-4]
                                            [--new-tokens 128] [--runs 3] [--out runs/benchmarks]
 
-Part 1 runs the AR baseline and Medusa with each tree on the same prompts and settings (greedy, batch 1),
+Part 1 runs the AR baseline and each set of heads (any method: Medusa, Amphista, ...) with each tree on the
+same prompts and settings (greedy, batch 1),
 checks the outputs are identical, and prints tokens/s, tau (tokens per decoding forward; the prefill's
 token is not counted) and speed-up over AR, medians of `--runs` timed runs after a warm-up. Without
 `--heads` the heads are untrained (tau near 1): the numbers then show the engine's overhead, not a method.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 
 import jax
@@ -24,7 +26,7 @@ import numpy as np
 
 from amphista_jax.assets import default_model_dir
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.drafters import Medusa
+from amphista_jax.drafters import Medusa, Target
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer, new_cache
@@ -40,7 +42,9 @@ PROMPTS = (
 
 
 
-def end_to_end(params, config, tok, drafter, draft_params, trees, new_tokens: int, runs: int) -> list[dict]:
+def end_to_end(params, config, tok, drafters: list[tuple[str, object, object]], trees, new_tokens: int,
+               runs: int) -> list[dict]:
+    """`drafters`: (label, drafter, draft params) triples, all timed against one AR run per prompt."""
     rows = []
     for prompt in PROMPTS:
         tokens, lengths = pad_prompts([encode_prompt(tok, prompt)], pad_id=config.pad_token_id or 0)
@@ -51,13 +55,13 @@ def end_to_end(params, config, tok, drafter, draft_params, trees, new_tokens: in
         ar_s = median_seconds(ar, runs)
         rows.append({"prompt": prompt, "method": "ar", "tree": "-", "tokens_per_s": new_tokens / ar_s, "tau": 1.0,
                      "speedup": 1.0, "same_as_ar": True})
-        for name in trees:
+        for (label, drafter, draft_params), name in itertools.product(drafters, trees):
             spec = functools.partial(speculative_generate, params, draft_params, tokens, lengths, jax.random.key(0),
                                      config=config, drafter=drafter, tree=get_tree(name),
                                      max_new_tokens=new_tokens, cache_size=cache)
             out = spec()
             seconds = median_seconds(spec, runs)
-            rows.append({"prompt": prompt, "method": "medusa", "tree": name, "tokens_per_s": new_tokens / seconds,
+            rows.append({"prompt": prompt, "method": label, "tree": name, "tokens_per_s": new_tokens / seconds,
                          "tau": (new_tokens - 1) / int(out.steps), "speedup": ar_s / seconds,
                          "same_as_ar": bool((np.asarray(out.tokens) == np.asarray(ar_out.tokens)).all())})
     return rows
@@ -85,7 +89,7 @@ def verify_cost(params, config, sizes: tuple[int, ...], committed: int, runs: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--heads", default=None)
+    parser.add_argument("--heads", nargs="+", default=[], help="draft-head checkpoints (default: untrained Medusa)")
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "small-8", "chain-4"])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
@@ -94,15 +98,17 @@ def main() -> None:
     model = args.model or str(default_model_dir())
     params, config = load_params(model, dtype="float32")
     tok = load_tokenizer(model)
-    if args.heads:
-        _, drafter, draft_params = load_draft(args.heads, config, params)
-    else:
-        drafter = Medusa()
-        draft_params = drafter.init(jax.random.key(0), config, params)
-    e2e = end_to_end(params, config, tok, drafter, draft_params, args.trees, args.new_tokens, args.runs)
+    drafters = []
+    for path in args.heads:
+        method, drafter, draft_params = load_draft(path, config, params)
+        drafters.append((method if len(args.heads) == 1 else f"{method} ({path})", drafter, draft_params))
+    if not drafters:
+        drafters = [("untrained medusa", Medusa(), Medusa().init(jax.random.key(0), Target(config, params)))]
+    e2e = end_to_end(params, config, tok, drafters, args.trees, args.new_tokens, args.runs)
     cost = verify_cost(params, config, (1, 8, 16, 32, 64), committed=256, runs=args.runs)
 
-    lines = [f"model: {model}; heads: {args.heads or 'untrained medusa'}; backend: {jax.default_backend()}", "",
+    lines = [f"model: {model}; heads: {', '.join(args.heads) or 'untrained medusa'}; backend: {jax.default_backend()}",
+             "",
              "| method | tree | tokens/s | tau | speed-up | same as AR |", "|---|---|---|---|---|---|"]
     for method, tree in dict.fromkeys((r["method"], r["tree"]) for r in e2e):
         sel = [r for r in e2e if r["method"] == method and r["tree"] == tree]

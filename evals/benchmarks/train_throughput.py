@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.assets import default_model_dir
-from amphista_jax.drafters import DRAFTERS
+from amphista_jax.drafters import DRAFTERS, Target
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
 from evals.benchmarks.common import median_seconds, write_report
@@ -39,7 +39,7 @@ def main() -> None:
     model = Transformer(config)
     drafter = DRAFTERS[args.method]()
     optimizer = make_optimizer(OptimConfig(), 1000)
-    heads = drafter.init(jax.random.key(0), config, params)
+    heads = drafter.init(jax.random.key(0), Target(config, params))
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, config.vocab_size, (args.batch_size, args.seq_len)),
                          jnp.int32)
     batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}

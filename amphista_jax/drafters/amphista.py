@@ -1,0 +1,246 @@
+"""Amphista (Li et al., 2024): staged adaptation layers + a bi-directional auto-embedding block.
+
+From the target's last hidden state `h_t` and the embedding `e_{t+1}` of the token the target sampled from
+it, drafting runs in one parallel pass (`../shared/papers/amphista.txt`, section 3):
+
+* staged adaptation (Eq. 1): `h^s_t = SAL^s(fc^s([h^{s-1}_t ; e_{t+1}]), kv^s_{1:t-1})`, `h^0 = h`. Each
+  stage is one causal decoder layer of the target's block type with its own KV cache over every committed
+  position; head k reads stage `k * S // K` (with two stages: the first half of the heads reads `h^1`, the
+  second half `h^2`).
+* auto-embedding (Eq. 2-6): head MLPs (`x + SiLU(W x + b)`, W zero-initialised) give K position-aware
+  states `[K, D]`; a learnable positional embedding `PE [K, D]` is added and one or more bi-directional
+  (unmasked) self-attention layers mix the heads; per-head LM heads (full `[D, V]` initialised from the
+  target's `lm_head`, or low-rank `[D, r] x [r, V]` initialised from its truncated SVD, appendix A.2.5)
+  give the logits. Head k (0-based) at position t drafts the token at t + 2 + k.
+* loss (Eq. 7-9): `lambda_alignment * CE(draft, softmax(target logits))` + `lambda_lm * CE(draft, truth)`.
+
+Ablations (paper Tables 4-5, appendix A.2.3-A.2.5) are settings: `staged_adaptation=False` (heads read
+`h_t`; the sampled token is then unused), `adaptation_stages=1` (one adaptation layer for all heads; 1-4),
+`sampled_token=False` (`fc^s` sees `h^{s-1}` only), `auto_embedding=False` (no PE, no attention: each head
+maps its own state to logits), `positional_encoding=False`, `auto_embedding_layers=2` (Amphista-alpha),
+`lm_head_rank=r`.
+
+Decoding keeps the invariant: the adaptation caches hold the pairs `(h_t, e_{t+1})` of every committed
+position `t < lengths - 1` plus the pair of the last one, whose adapted states (`adapted [B, S, D]`) the
+next proposal reads. `prefill` runs the prompt; `commit` runs the accepted path's pairs (fixed `D + 1`
+slots, masked by the accepted count), so `propose` only runs the heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from amphista_jax.cache import KVCache
+from amphista_jax.drafters.base import (
+    DraftContext,
+    PrefillContext,
+    Proposal,
+    Target,
+    accepted_hidden,
+    accepted_tokens,
+    check_tree_depth,
+    head_metrics,
+    topk_proposal,
+)
+from amphista_jax.drafters.medusa import target_lm_head
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.llama import Output, decoder_stack, run_stack
+from amphista_jax.trees import TreeArrays
+from amphista_jax.verify import Verdict
+
+MAX_STAGES = 4
+
+
+def _block_config(target: ModelConfig, num_layers: int) -> ModelConfig:
+    """The target's decoder-block type with `num_layers` layers of full attention."""
+    return dataclasses.replace(target, num_layers=num_layers, sliding_windows=(0,) * num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Amphista:
+    num_heads: int = 4
+    adaptation_stages: int = 2  # 1 = "one adaptation layer for all heads"; up to 4 (appendix A.2.3)
+    staged_adaptation: bool = True  # False = "w/o staged adaptation"
+    sampled_token: bool = True  # False = "w/o sampled token"
+    auto_embedding: bool = True  # False = "w/o auto-embedding"
+    positional_encoding: bool = True  # False = "w/o position encoding"
+    auto_embedding_layers: int = 1  # 2 = Amphista-alpha
+    lm_head_rank: int = 0  # 0 = full-rank LM heads
+    lambda_alignment: float = 1.0  # lambda_1, Eq. 7
+    lambda_lm: float = 1.0  # lambda_2, Eq. 7
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1:
+            raise ValueError(f"{self.num_heads=} must be >= 1")
+        if not 1 <= self.adaptation_stages <= min(MAX_STAGES, self.num_heads):
+            raise ValueError(f"{self.adaptation_stages=} must be in [1, min({MAX_STAGES}, num_heads)]")
+        if self.auto_embedding_layers < 1:
+            raise ValueError(f"{self.auto_embedding_layers=} must be >= 1 (auto_embedding=False removes the block)")
+        if self.lm_head_rank < 0:
+            raise ValueError(f"{self.lm_head_rank=} must be >= 0 (0 = full rank)")
+        if self.lambda_alignment < 0 or self.lambda_lm < 0 or self.lambda_alignment + self.lambda_lm == 0:
+            raise ValueError(f"loss weights {self.lambda_alignment=}, {self.lambda_lm=} must be >= 0, not both 0")
+
+    @property
+    def stages(self) -> int:
+        """Adapted states the heads read: the adaptation stages, or the target's hidden state alone."""
+        return self.adaptation_stages if self.staged_adaptation else 1
+
+    def _net(self, target: ModelConfig) -> _AmphistaNet:
+        return _AmphistaNet(self, target)
+
+    def init(self, rng: jax.Array, target: Target) -> dict:
+        d, v = target.config.hidden_size, target.config.vocab_size
+        zeros = jnp.zeros((1, 1, d), jnp.float32)
+        params = nn.unbox(self._net(target.config).init(rng, zeros, zeros, jnp.zeros((1, 1), jnp.int32))["params"])
+        lm_head = target_lm_head(target.params).astype(jnp.float32)  # [D, V]
+        k = self.num_heads
+        if self.lm_head_rank:
+            u, s, vt = jnp.linalg.svd(lm_head, full_matrices=False)
+            r = self.lm_head_rank
+            root = jnp.sqrt(s[:r])
+            return params | {"lm_a": jnp.broadcast_to(u[:, :r] * root, (k, d, r)).copy(),
+                             "lm_b": jnp.broadcast_to(root[:, None] * vt[:r], (k, r, v)).copy()}
+        return params | {"lm_head": jnp.broadcast_to(lm_head, (k, d, v)).copy()}
+
+    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
+        d = target_config.hidden_size
+        state: dict[str, Any] = {"adapted": jnp.zeros((batch, self.stages, d), jnp.float32)}
+        if self.staged_adaptation:
+            one = KVCache.zeros(1, batch, cache_size, target_config.num_kv_heads, target_config.head_dim)
+            state["caches"] = (one,) * self.adaptation_stages
+        return state
+
+    def _adapt_and_cache(self, params: dict, target: Target, hidden: jax.Array, next_tokens: jax.Array,
+                         count: jax.Array, state: dict) -> dict:
+        """Run the pairs `(hidden [B, T, D], e(next_tokens [B, T]))` at the caches' next positions; commit
+        the first `count [B]` and keep the adapted states of pair `count - 1` for the next proposal."""
+        last = (count - 1)[:, None, None, None]
+        if not self.staged_adaptation:
+            return {"adapted": jnp.take_along_axis(hidden[:, :, None], last, axis=1)[:, 0]}
+        caches = state["caches"]
+        positions = caches[0].lengths[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None]
+        embed = target.params["embed"]["embedding"][next_tokens].astype(jnp.float32)
+        adapted, caches = self._net(target.config).apply(
+            {"params": params}, hidden.astype(jnp.float32), embed, positions, caches, method=_AmphistaNet.adapt)
+        return {"adapted": jnp.take_along_axis(adapted, last, axis=1)[:, 0],  # [B, S, D]
+                "caches": tuple(c.advance(count) for c in caches)}
+
+    def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: dict) -> dict:
+        # Pair t sees the prompt's token t + 1; the last prompt position sees the root.
+        nxt = jnp.roll(prompt.prompt, -1, axis=1)
+        t = jnp.arange(nxt.shape[1])[None]
+        nxt = jnp.where(t == (prompt.lengths - 1)[:, None], prompt.root[:, None], nxt)
+        return self._adapt_and_cache(params, target, prompt.out.hidden, nxt, prompt.lengths, state)
+
+    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: TreeArrays,
+                rng: jax.Array) -> Proposal:
+        check_tree_depth(tree, self.num_heads, "Amphista")
+        return topk_proposal(self.head_logits(params, target, ctx.state["adapted"]), ctx.root, tree)
+
+    def head_logits(self, params: dict, target: Target, adapted: jax.Array) -> jax.Array:
+        """Adapted states `[..., S, D]` -> fp32 draft logits `[..., K, V]` (Eq. 2-6)."""
+        return self._net(target.config).apply({"params": params}, adapted, method=_AmphistaNet.heads)
+
+    def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
+               state: dict) -> tuple[dict, jax.Array]:
+        path = jnp.maximum(verdict.accepted_nodes, 0)  # [B, D+1]
+        hidden = jnp.take_along_axis(verify_out.hidden, path[:, :, None], axis=1)  # [B, D+1, D]
+        state = self._adapt_and_cache(params, target, hidden, accepted_tokens(proposal, verdict),
+                                      verdict.n_accepted, state)
+        return state, accepted_hidden(verdict, verify_out)
+
+    def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
+        """Training-time drafts over whole sequences: `tokens [B, T]`, target hidden `[B, T, D]` ->
+        `[B, T, K, V]` (pair t uses the true token t + 1: teacher forcing; the last position's is a pad)."""
+        embed = target.params["embed"]["embedding"][jnp.roll(tokens, -1, axis=1)].astype(jnp.float32)
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        return self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32), embed, positions)
+
+    def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
+        """Eq. 7-9 summed over heads. batch: `tokens [B, T]`, `loss_mask [B, T]`; `target_out` needs logits."""
+        tokens, mask = batch["tokens"], batch["loss_mask"].astype(jnp.float32)
+        logits = self.draft_logits(params, target, tokens, target_out.hidden)  # [B, T, K, V]
+        t = tokens.shape[1]
+        total, metrics = 0.0, {}
+        for k in range(self.num_heads):
+            shift = k + 2  # head k at position t drafts token t + 2 + k; the target predicts it at t + 1 + k
+            lk, m = logits[:, : t - shift, k], mask[:, shift:]
+            lm, head = head_metrics(lk, tokens[:, shift:], m)
+            teacher = jax.nn.softmax(target_out.logits[:, shift - 1: t - 1], axis=-1)
+            align = (optax.softmax_cross_entropy(lk, teacher) * m).sum() / jnp.maximum(m.sum(), 1.0)
+            total = total + self.lambda_alignment * align + self.lambda_lm * lm
+            metrics |= {f"head{k}/{name}": v for name, v in head.items()} | {f"head{k}/alignment": align}
+        return total, metrics
+
+
+class _AmphistaNet(nn.Module):
+    spec: Amphista
+    target: ModelConfig
+
+    def setup(self) -> None:
+        s, d, k = self.spec, self.target.hidden_size, self.spec.num_heads
+        if s.staged_adaptation:
+            self.fc = [nn.Dense(d, name=f"fc{i}") for i in range(s.adaptation_stages)]
+            self.sal = [decoder_stack(_block_config(self.target, 1), jnp.float32, "xla", name=f"sal{i}")
+                        for i in range(s.adaptation_stages)]
+        self.head_w = self.param("head_w", nn.initializers.zeros_init(), (k, d, d))
+        self.head_b = self.param("head_b", nn.initializers.zeros_init(), (k, d))
+        if s.auto_embedding:
+            if s.positional_encoding:
+                self.pe = self.param("pe", nn.initializers.normal(0.02), (k, d))
+            self.encoder = decoder_stack(_block_config(self.target, s.auto_embedding_layers), jnp.float32, "xla",
+                                         name="auto_embedding")
+        # LM heads start as zeros here; `Amphista.init` sets them from the target's lm_head.
+        v = self.target.vocab_size
+        if s.lm_head_rank:
+            self.lm_a = self.param("lm_a", nn.initializers.zeros_init(), (k, d, s.lm_head_rank))
+            self.lm_b = self.param("lm_b", nn.initializers.zeros_init(), (k, s.lm_head_rank, v))
+        else:
+            self.lm_head = self.param("lm_head", nn.initializers.zeros_init(), (k, d, v))
+
+    def __call__(self, hidden: jax.Array, next_embed: jax.Array, positions: jax.Array) -> jax.Array:
+        """Whole sequences without caches (training, init): `[B, T, D]` x2, `[B, T]` -> `[B, T, K, V]`."""
+        adapted, _ = self.adapt(hidden, next_embed, positions, None)
+        return self.heads(adapted)
+
+    def adapt(self, hidden: jax.Array, next_embed: jax.Array, positions: jax.Array,
+              caches: tuple[KVCache, ...] | None) -> tuple[jax.Array, tuple[KVCache, ...] | None]:
+        """Eq. 1, causal over the T pairs after each cache's committed prefix: -> (`[B, T, S, D]`, caches)."""
+        if not self.spec.staged_adaptation:
+            return hidden[:, :, None], caches
+        x, outs, written = hidden, [], []
+        for i in range(self.spec.adaptation_stages):
+            inp = jnp.concatenate([x, next_embed], axis=-1) if self.spec.sampled_token else x
+            x, cache = run_stack(self.sal[i], _block_config(self.target, 1), self.fc[i](inp), positions,
+                                 None if caches is None else caches[i], None)
+            outs.append(x)
+            written.append(cache)
+        return jnp.stack(outs, axis=-2), None if caches is None else tuple(written)
+
+    def heads(self, adapted: jax.Array) -> jax.Array:
+        """Eq. 2-6: adapted states `[..., S, D]` -> fp32 draft logits `[..., K, V]`."""
+        s, k = self.spec, self.spec.num_heads
+        x = adapted[..., jnp.asarray([i * s.stages // k for i in range(k)]), :]  # [..., K, D] head -> its stage
+        x = x + nn.silu(jnp.einsum("...KD,KDE->...KE", x, self.head_w) + self.head_b)
+        if s.auto_embedding:
+            if s.positional_encoding:
+                x = x + self.pe
+            flat = x.reshape((-1, k, x.shape[-1]))  # [n, K, D]
+            n = flat.shape[0]
+            # Bi-directional: every head sees every head; position 0 everywhere makes RoPE the identity, so
+            # head order reaches the block only through PE.
+            flat, _ = run_stack(self.encoder, _block_config(self.target, s.auto_embedding_layers), flat,
+                                jnp.zeros((n, k), jnp.int32), None, jnp.ones((n, k, k), bool))
+            x = flat.reshape(x.shape)
+        if s.lm_head_rank:
+            x = jnp.einsum("...KD,KDR->...KR", x, self.lm_a)
+            return jnp.einsum("...KR,KRV->...KV", x, self.lm_b).astype(jnp.float32)
+        return jnp.einsum("...KD,KDV->...KV", x, self.lm_head).astype(jnp.float32)

@@ -1,0 +1,247 @@
+"""Amphista: adaptation caches match the whole-sequence pass, heads see each other, every ablation is its
+own code path and trains, and trained heads decode losslessly with long accepted paths."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.drafters import Amphista, Target
+from amphista_jax.drafters.base import PrefillContext, Proposal
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.models.llama import Output, Transformer, init_params
+from amphista_jax.trees import PRESETS
+from amphista_jax.verify import Verdict
+from train.step import make_steps, target_forward
+
+CONFIG = tiny_llama_config()
+PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target(CONFIG, init_params(CONFIG, jax.random.key(0)))
+
+
+def _random_heads(amphista: Amphista, target: Target, seed: int = 1) -> dict:
+    """Initialised params with the zero-initialised head MLPs made random (so every path is exercised)."""
+    params = amphista.init(jax.random.key(seed), target)
+    w = jax.random.normal(jax.random.key(seed + 1), params["head_w"].shape) * 0.2
+    return params | {"head_w": w}
+
+
+def _sequence(target: Target, batch: int, length: int, seed: int = 3) -> tuple[jax.Array, jax.Array]:
+    tokens = jax.random.randint(jax.random.key(seed), (batch, length), 0, CONFIG.vocab_size)
+    return tokens, target_forward(Transformer(CONFIG), target.params, {"tokens": tokens}).hidden
+
+
+def test_adaptation_caches_match_the_whole_sequence(target):
+    """Prefill, then commits of different accepted counts per row: the drafts read from the incremental
+    caches equal the drafts of the whole-sequence (training) pass at the same positions."""
+    amphista = Amphista(num_heads=4)
+    params = _random_heads(amphista, target)
+    tokens, hidden = _sequence(target, batch=2, length=40)
+    full = amphista.draft_logits(params, target, tokens, hidden)  # [B, T, K, V]
+    lengths = jnp.asarray([7, 4])
+    pad = 16
+    prompt = jnp.where(jnp.arange(pad)[None] < lengths[:, None], tokens[:, :pad], 0)
+    out = Output(jnp.where(jnp.arange(pad)[None, :, None] < lengths[:, None, None], hidden[:, :pad], 9.0), None, None)
+    root = jnp.take_along_axis(tokens, lengths[:, None], 1)[:, 0]
+    state = amphista.prefill(params, target, PrefillContext(out, prompt, lengths, root),
+                             amphista.init_state(CONFIG, 2, 64))
+
+    def check(state, lengths):  # drafts from the pair at position lengths - 1
+        got = amphista.head_logits(params, target, state["adapted"])
+        want = jnp.take_along_axis(full, (lengths - 1)[:, None, None, None], 1)[:, 0]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
+
+    check(state, lengths)
+    depth = 4
+    for counts in ([1, 3], [5, 1], [2, 5], [4, 2]):
+        a = jnp.asarray(counts)
+        # A chain tree whose node i holds the sequence's token at lengths + i, verified hidden states likewise.
+        node_pos = lengths[:, None] + jnp.arange(depth + 1)[None]  # [B, D+1]
+        proposal = Proposal(jnp.take_along_axis(tokens, node_pos, 1))
+        verify_out = Output(jnp.take_along_axis(hidden, node_pos[:, :, None], 1), None, None)
+        nodes = jnp.where(jnp.arange(depth + 1)[None] < a[:, None], jnp.arange(depth + 1)[None], -1)
+        bonus = jnp.take_along_axis(tokens, (lengths + a)[:, None], 1)[:, 0]
+        state, next_hidden = amphista.commit(params, target, proposal, Verdict(nodes, a, bonus), verify_out, state)
+        lengths = lengths + a
+        np.testing.assert_array_equal(np.asarray(state["caches"][0].lengths), np.asarray(lengths))
+        np.testing.assert_allclose(np.asarray(next_hidden),
+                                   np.asarray(jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], 1)[:, 0]))
+        check(state, lengths)
+
+
+@pytest.mark.parametrize("auto_embedding", [True, False])
+def test_heads_see_each_other_only_through_the_auto_embedding_block(target, auto_embedding):
+    amphista = Amphista(num_heads=4, auto_embedding=auto_embedding)
+    params = _random_heads(amphista, target)
+    adapted = jax.random.normal(jax.random.key(5), (3, amphista.stages, CONFIG.hidden_size))
+    base = amphista.head_logits(params, target, adapted)
+    nudged = params | {"head_b": params["head_b"].at[1].add(0.5)}  # only head 1's own MLP changes
+    moved = np.abs(np.asarray(amphista.head_logits(params=nudged, target=target, adapted=adapted) - base)).max((0, 2))
+    assert moved[1] > 1e-3
+    others = moved[[0, 2, 3]]
+    assert (others > 1e-4).all() if auto_embedding else (others == 0).all()
+
+
+def test_each_stage_feeds_its_own_half_of_the_heads(target):
+    """With two stages, heads 0-1 read stage 1 and heads 2-3 stage 2 (before the auto-embedding block)."""
+    amphista = Amphista(num_heads=4, auto_embedding=False)
+    params = _random_heads(amphista, target)
+    adapted = jax.random.normal(jax.random.key(6), (2, 2, CONFIG.hidden_size))
+    base = amphista.head_logits(params, target, adapted)
+    moved = amphista.head_logits(params, target, adapted.at[:, 1].add(1.0)) - base
+    change = np.abs(np.asarray(moved)).max((0, 2))
+    assert (change[:2] == 0).all() and (change[2:] > 1e-3).all()
+
+
+def test_fresh_full_rank_heads_start_from_the_target_lm_head(target):
+    amphista = Amphista(num_heads=2, staged_adaptation=False, auto_embedding=False)
+    params = amphista.init(jax.random.key(0), target)
+    hidden = jax.random.normal(jax.random.key(1), (3, 1, CONFIG.hidden_size))
+    logits = amphista.head_logits(params, target, hidden)  # zero head MLPs: identity
+    want = Transformer(CONFIG).apply({"params": target.params}, hidden[:, 0], method=Transformer.logits)
+    for k in range(2):
+        np.testing.assert_allclose(np.asarray(logits[:, k]), np.asarray(want), atol=1e-4)
+    low = Amphista(num_heads=2, staged_adaptation=False, auto_embedding=False, lm_head_rank=CONFIG.hidden_size)
+    np.testing.assert_allclose(np.asarray(low.head_logits(low.init(jax.random.key(0), target), target, hidden)),
+                               np.asarray(logits), atol=1e-3)  # full-rank SVD factors reproduce it
+
+
+ABLATIONS = {
+    "amphista": {},
+    "w/o auto-embedding": {"auto_embedding": False},
+    "w/o position-encoding": {"positional_encoding": False},
+    "w/o staged-adaptation": {"staged_adaptation": False},
+    "one adaptation layer": {"adaptation_stages": 1},
+    "w/o sampled-token": {"sampled_token": False},
+    "three stages": {"adaptation_stages": 3},
+    "amphista-alpha": {"auto_embedding_layers": 2},
+    "low-rank lm heads": {"lm_head_rank": 16},
+}
+
+
+def _param_summary(params: dict) -> dict[str, tuple[int, ...]]:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in flat}
+
+
+def test_ablations_change_the_parameter_tree_as_the_paper_describes(target):
+    shapes = {name: _param_summary(Amphista(**kw).init(jax.random.key(0), target)) for name, kw in ABLATIONS.items()}
+    full = shapes["amphista"]
+    d, v = CONFIG.hidden_size, CONFIG.vocab_size
+    assert {"['fc0']['kernel']", "['fc1']['kernel']", "['pe']", "['lm_head']"} <= set(full)
+    assert full["['fc0']['kernel']"] == (2 * d, d) and full["['pe']"] == (4, d) and full["['lm_head']"] == (4, d, v)
+    assert not any(k.startswith(("['auto_embedding']", "['pe']")) for k in shapes["w/o auto-embedding"])
+    assert "['pe']" not in shapes["w/o position-encoding"] and any(
+        k.startswith("['auto_embedding']") for k in shapes["w/o position-encoding"])
+    assert not any(k.startswith(("['fc", "['sal")) for k in shapes["w/o staged-adaptation"])
+    one = shapes["one adaptation layer"]
+    assert "['fc1']['kernel']" not in one and any(k.startswith("['sal0']") for k in one)
+    assert shapes["w/o sampled-token"]["['fc0']['kernel']"] == (d, d)
+    assert "['fc2']['kernel']" in shapes["three stages"]
+    layers = {k: s[0] for k, s in shapes["amphista-alpha"].items() if k.startswith("['auto_embedding']")}
+    assert set(layers.values()) == {2}
+    assert shapes["low-rank lm heads"]["['lm_a']"] == (4, d, 16) and "['lm_head']" not in shapes["low-rank lm heads"]
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_every_ablation_trains(target, name):
+    amphista = Amphista(**ABLATIONS[name])
+    optimizer = optax.adamw(3e-3)
+    params = amphista.init(jax.random.key(0), target)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    step, evaluate = make_steps(Transformer(CONFIG), amphista, optimizer)
+    tokens, _ = _sequence(target, batch=4, length=24)
+    batch = {"tokens": np.asarray(tokens), "loss_mask": np.ones(tokens.shape, np.int32)}
+    before = float(evaluate(state["params"], target.params, batch)["loss"])
+    for _ in range(8):
+        state, metrics = step(state, target.params, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert float(evaluate(state["params"], target.params, batch)["loss"]) < before - 0.05
+
+
+def test_alignment_term_reads_the_target_logits_one_position_before_the_label(target):
+    """With only label position j in the mask, head k's alignment loss depends on the target's logits at
+    j - 1 (the target's own prediction of token j) and nowhere else."""
+    amphista = Amphista(num_heads=3, lambda_lm=0.0)
+    params = _random_heads(amphista, target)
+    tokens, hidden = _sequence(target, batch=1, length=12)
+    j = 9
+    batch = {"tokens": tokens, "loss_mask": jnp.zeros_like(tokens).at[0, j].set(1)}
+    logits = jax.random.normal(jax.random.key(8), (1, 12, CONFIG.vocab_size))
+    for k in range(3):
+        def align(lg, k=k):
+            return amphista.loss(params, target, batch, Output(hidden, lg, None))[1][f"head{k}/alignment"]
+
+        grad = np.abs(np.asarray(jax.grad(align)(logits))).sum(-1)[0]
+        assert np.flatnonzero(grad).tolist() == [j - 1]
+
+
+def _fitted_heads(amphista: Amphista, target: Target, steps: int = 150) -> dict:
+    """Heads fitted to the target's own greedy continuations of PROMPTS (self-distillation, as the papers
+    train): a random target's continuations cannot be learned in general, but fitted ones make the drafts
+    right often, so decoding runs long accepted paths through the adaptation-cache commits."""
+    tokens, lengths = pad_prompts(PROMPTS)
+    ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=40, cache_size=64)
+    seqs, mask = np.zeros((len(PROMPTS), 56), np.int32), np.zeros((len(PROMPTS), 56), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        seq = list(prompt) + np.asarray(ar.tokens[row]).tolist()
+        seqs[row, : len(seq)], mask[row, : len(seq)] = seq, 1
+    optimizer = optax.adamw(1e-2)
+    params = amphista.init(jax.random.key(0), target)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    step, _ = make_steps(Transformer(CONFIG), amphista, optimizer)
+    for _ in range(steps):
+        state, metrics = step(state, target.params, {"tokens": seqs, "loss_mask": mask})
+    assert float(metrics["head3/top1"]) > 0.9
+    return state["params"]
+
+
+@pytest.fixture(scope="module")
+def trained(target):
+    amphista = Amphista(num_heads=4)
+    return amphista, _fitted_heads(amphista, target)
+
+
+@pytest.mark.parametrize("tree", sorted(PRESETS))
+@pytest.mark.parametrize("heads", ["untrained", "trained"])
+def test_greedy_amphista_equals_ar(target, trained, tree, heads):
+    amphista, params = trained if heads == "trained" else (Amphista(num_heads=4), None)
+    params = params if params is not None else _random_heads(amphista, target)
+    for prompts in (PROMPTS, PROMPTS[1:2]):
+        tokens, lengths = pad_prompts(prompts)
+        ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=40,
+                      cache_size=64)
+        spec = speculative_generate(target.params, params, tokens, lengths, jax.random.key(0), config=CONFIG,
+                                    drafter=amphista, tree=PRESETS[tree], max_new_tokens=40, cache_size=128)
+        np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+        np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
+    if heads == "trained" and PRESETS[tree].depth > 1:
+        tau = 39 / int(spec.steps)
+        assert tau > 1.5, tau  # the drafts are used: accepted paths longer than the root alone
+
+
+def test_amphista_refuses_a_tree_deeper_than_its_heads(target):
+    amphista = Amphista(num_heads=2)
+    tokens, lengths = pad_prompts(PROMPTS)
+    with pytest.raises(ValueError, match="tree depth 4 needs 4 heads"):
+        speculative_generate(target.params, amphista.init(jax.random.key(0), target), tokens, lengths,
+                             jax.random.key(0), config=CONFIG, drafter=amphista, tree=PRESETS["chain-4"],
+                             max_new_tokens=8, cache_size=64)
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="adaptation_stages"):
+        Amphista(num_heads=4, adaptation_stages=5)
+    with pytest.raises(ValueError, match="not both 0"):
+        Amphista(lambda_alignment=0.0, lambda_lm=0.0)
+    assert dataclasses.asdict(Amphista())["adaptation_stages"] == 2
