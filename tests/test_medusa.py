@@ -82,3 +82,21 @@ def test_loss_trains_heads_toward_shifted_labels():
         first = float(loss) if first is None else first
     assert float(loss) < 0.5 * first
     assert float(metrics["head0/top5"]) >= float(metrics["head0/top1"]) > 0.5
+
+
+def test_head_metrics_match_top_k_definition():
+    """Top-1/top-5 by rank counting == membership in `lax.top_k` (masked positions ignored)."""
+    from amphista_jax.drafters.base import head_metrics
+
+    logits = jax.random.normal(jax.random.key(0), (3, 40, 50))
+    labels = jax.random.randint(jax.random.key(1), (3, 40), 0, 50)
+    labels = labels.at[:, ::3].set(jnp.argmax(logits, -1)[:, ::3])  # make some top-1 hits certain
+    mask = (jax.random.uniform(jax.random.key(2), (3, 40)) < 0.7).astype(jnp.float32)
+    _, metrics = head_metrics(logits, labels, mask)
+    top5 = np.asarray(jax.lax.top_k(logits, 5)[1])
+    m, lab = np.asarray(mask), np.asarray(labels)
+    np.testing.assert_allclose(float(metrics["top1"]), ((top5[..., 0] == lab) * m).sum() / m.sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["top5"]), ((top5 == lab[..., None]).any(-1) * m).sum() / m.sum(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["loss"]), float(
+        (optax.softmax_cross_entropy_with_integer_labels(logits, labels) * mask).sum() / mask.sum()), rtol=1e-6)
