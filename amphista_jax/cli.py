@@ -22,29 +22,30 @@ def default_model() -> str:
 
 
 def _load_drafter(args: argparse.Namespace, config, params):
-    """(drafter, draft params) from --heads, or untrained heads of --draft initialised from the target."""
+    """(drafter, draft params) from --heads; else the shipped --draft heads when the target is the embedded
+    model; else untrained --draft heads initialised from the target."""
+    from pathlib import Path
+
     import jax
 
+    from amphista_jax.assets import shipped_heads_dir
     from amphista_jax.drafters.io import load_draft
 
-    if args.heads:
-        method, drafter, draft_params = load_draft(args.heads, config, params)
+    heads = args.heads
+    if heads is None and Path(args.model).resolve() == Path(default_model()).resolve():
+        try:
+            heads = shipped_heads_dir(args.draft)
+            print(f"note: using the shipped {args.draft} heads ({heads})", file=sys.stderr)
+        except FileNotFoundError:
+            pass
+    if heads:
+        method, drafter, draft_params = load_draft(heads, config, params)
         if args.draft and args.draft != method:
-            raise SystemExit(f"--draft {args.draft} but {args.heads} holds {method} heads")
+            raise SystemExit(f"--draft {args.draft} but {heads} holds {method} heads")
         return drafter, draft_params
     print(f"note: no --heads given, using untrained {args.draft} heads (expect accept length ~1)", file=sys.stderr)
     drafter = DRAFTERS[args.draft]()
     return drafter, drafter.init(jax.random.key(args.seed), Target(config, params))
-
-
-def _colour_drafts(tok, tokens, drafted) -> str:
-    """Decoded text with drafted tokens in green (ANSI)."""
-    out, previous = [], ""
-    for i in range(len(tokens)):
-        text = tok.decode(tokens[: i + 1], skip_special_tokens=True)
-        piece, previous = text[len(previous):], text
-        out.append(f"\033[32m{piece}\033[0m" if drafted[i] else piece)
-    return "".join(out)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -56,7 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
     from amphista_jax.decode import check_fits, generate, pad_prompts, speculative_generate
     from amphista_jax.models.hf import load_params
     from amphista_jax.sampling import SamplingConfig
-    from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
     from amphista_jax.trees import get_tree
     from amphista_jax.verify import AcceptanceConfig
 
@@ -88,13 +89,24 @@ def _generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     n, steps = int(out.num_tokens[0]), int(out.steps)
     new = np.asarray(out.tokens[0, :n])
-    text = _colour_drafts(tok, new, np.asarray(out.drafted[0, :n])) if args.show_drafts else tok.decode(
+    text = colour_drafts(tok, new, np.asarray(out.drafted[0, :n])) if args.show_drafts else tok.decode(
         new, skip_special_tokens=True)
     print(text if args.chat else args.prompt + text)
     tau = (n - 1) / max(steps, 1)  # tokens per decoding forward; the prefill's token is not counted
     print(f"\n[{n} tokens in {seconds:.3f}s = {n / seconds:.1f} tokens/s; {steps} decoding forwards, "
           f"tau = {tau:.2f} tokens/forward; compile+first run {compile_s:.1f}s]", file=sys.stderr)
     return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from amphista_jax.assets import shipped_heads_dir
+    from amphista_jax.demo import format_result, humaneval_prompt, run_demo
+
+    heads = args.heads or shipped_heads_dir(args.method)
+    prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.task)
+    result = run_demo(args.model, heads, prompt, args.tree, args.max_new_tokens, args.runs)
+    print(format_result(result, args.tree))
+    return 0 if result.identical else 1
 
 
 def _pretrain_target(args: argparse.Namespace) -> int:
@@ -106,16 +118,29 @@ def _pretrain_target(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    """Re-save a checkpoint (dtype change, re-sharding into files of at most --max-shard-mb)."""
+    """Re-save a checkpoint (dtype change, re-sharding into files of at most --max-shard-mb), or with --heads
+    a draft-head checkpoint in another dtype (e.g. bf16 heads to ship)."""
     import shutil
     from pathlib import Path
 
+    import jax
+
     from amphista_jax.models.hf import load_params, save_params
 
-    if Path(args.out).resolve() == Path(args.model).resolve():
-        raise SystemExit("--out must differ from --model: convert writes a new checkpoint and never overwrites its "
-                         "source")
-    params, config = load_params(args.model, dtype=args.dtype)
+    source = args.heads or args.model
+    if Path(args.out).resolve() == Path(source).resolve():
+        raise SystemExit("--out must differ from the source checkpoint: convert writes a new checkpoint and never "
+                         "overwrites its source")
+    params, config = load_params(args.model, dtype="float32" if args.heads else args.dtype)
+    if args.heads:
+        from amphista_jax.drafters.io import load_draft, save_draft
+
+        method, drafter, draft_params = load_draft(args.heads, config, params)
+        dtype = None if args.dtype == "checkpoint" else args.dtype
+        save_draft(args.out, method, drafter, draft_params, config, dtype=dtype)
+        print(f"saved {method} heads ({sum(x.size for x in jax.tree.leaves(draft_params)):,} parameters, "
+              f"{dtype or 'float32'}) to {args.out}")
+        return 0
     out = save_params(params, config, args.out, dtype=args.dtype if args.dtype != "checkpoint" else "bfloat16",
                       max_shard_bytes=args.max_shard_mb * 2**20 if args.max_shard_mb else None)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -167,8 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--show-drafts", action="store_true", help="colour the tokens that came from the draft heads")
     g.set_defaults(func=_generate)
 
-    c = sub.add_parser("convert", help="re-save a HF checkpoint in another dtype or shard size")
-    c.add_argument("--model", required=True)
+    m = sub.add_parser("demo", help="speculative decoding with the shipped heads vs AR on a HumanEval prompt")
+    m.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny-code-llama)")
+    m.add_argument("--method", default="amphista", help="which shipped heads to use (amphista or medusa)")
+    m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
+    m.add_argument("--task", default="HumanEval/0", help="HumanEval task id whose prompt to complete")
+    m.add_argument("--prompt", default=None, help="complete this text instead of a HumanEval prompt")
+    m.add_argument("--tree", default="mc_sim_7b_63", help="tree preset name or JSON file of top-k paths")
+    m.add_argument("--max-new-tokens", type=int, default=128)
+    m.add_argument("--runs", type=int, default=3, help="timed runs per decoder (median), after a warm-up")
+    m.set_defaults(func=_demo)
+
+    c = sub.add_parser("convert", help="re-save a HF checkpoint (or, with --heads, draft heads) in another dtype "
+                       "or shard size")
+    c.add_argument("--model", default=None, help="HF checkpoint directory (with --heads: their target; default: "
+                   "the embedded tiny-code-llama)")
+    c.add_argument("--heads", default=None, help="convert this draft-head checkpoint instead of the model")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     c.add_argument("--max-shard-mb", type=int, default=0, help="0 = one file")

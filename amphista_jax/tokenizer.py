@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -44,3 +45,13 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool = Fa
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
     return list(ids)
+
+
+def colour_drafts(tokenizer: PreTrainedTokenizerBase, tokens: Sequence[int], drafted: Sequence[bool]) -> str:
+    """Decoded text with the tokens that came from the draft heads in green (ANSI)."""
+    out, previous = [], ""
+    for i in range(len(tokens)):
+        text = tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
+        piece, previous = text[len(previous):], text
+        out.append(f"\033[32m{piece}\033[0m" if drafted[i] else piece)
+    return "".join(out)

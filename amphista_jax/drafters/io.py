@@ -30,8 +30,14 @@ def target_fingerprint(config: ModelConfig) -> dict[str, Any]:
     return {k: getattr(config, k) for k in TARGET_KEYS}
 
 
-def save_draft(path: str | Path, method: str, drafter: Any, params: Any, target_config: ModelConfig) -> Path:
+def save_draft(path: str | Path, method: str, drafter: Any, params: Any, target_config: ModelConfig,
+               dtype: str | None = None) -> Path:
+    """Write `draft.json` and the params (floating leaves cast to `dtype` when given, e.g. "bfloat16" for
+    shipping; `load_draft` restores them in the drafter's own fp32)."""
     path = Path(path).absolute()
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x,
+                              params)
     path.mkdir(parents=True, exist_ok=True)
     meta = {"method": method, "settings": dataclasses.asdict(drafter), "target": target_fingerprint(target_config)}
     with ocp.StandardCheckpointer() as ckpt:  # every process takes part; orbax writes once

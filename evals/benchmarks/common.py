@@ -1,26 +1,14 @@
-"""What every benchmark script shares: median timing and writing its table + JSON."""
+"""What every benchmark script shares: median timing (`amphista_jax.timing`) and writing its table + JSON."""
 
 from __future__ import annotations
 
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
+from amphista_jax.timing import median_seconds
 
-
-def median_seconds(fn: Callable[[], Any], runs: int) -> float:
-    """Median wall time of `fn()` (blocked until ready) over `runs` calls, after one warm-up call."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+__all__ = ["median_seconds", "write_report"]
 
 
 def write_report(out_dir: str | Path, name: str, data: Any, table: str) -> None:

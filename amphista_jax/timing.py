@@ -1,0 +1,21 @@
+"""Wall-clock timing of jitted work, shared by the demo, the evaluation runner and the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+def median_seconds(fn: Callable[[], Any], runs: int) -> float:
+    """Median wall time of `fn()` (blocked until ready) over `runs` calls, after one warm-up call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
