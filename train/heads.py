@@ -87,11 +87,17 @@ class TrainConfig:
         DRAFTERS[self.method](**self.method_settings)  # the method validates its own values
 
 
-def _examples(cfg: DataConfig, tok: Any) -> tuple[list, list]:
+def _stdlib_texts(cfg: DataConfig) -> tuple[list[str], list[str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_texts, heldout_texts = split_corpus(stdlib_files(root), root, cfg.heldout_fraction)
+    print(f"stdlib corpus: {len(train_texts)} train / {len(heldout_texts)} held-out files")
+    return train_texts, heldout_texts
+
+
+def split_examples(cfg: DataConfig, tok: Any) -> tuple[list, list]:
+    """(train, held-out) examples of `cfg`: its held-out file, else a seeded `heldout_fraction` split."""
     if cfg.kind == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        train_texts, heldout_texts = split_corpus(stdlib_files(root), root, cfg.heldout_fraction)
-        print(f"stdlib corpus: {len(train_texts)} train / {len(heldout_texts)} held-out files")
+        train_texts, heldout_texts = _stdlib_texts(cfg)
         return packed_examples(train_texts, tok, cfg.max_len), packed_examples(heldout_texts, tok, cfg.max_len)
     load = (lambda src: conversation_examples(src, tok, cfg.max_len)) if cfg.kind == "sharegpt" else (
         lambda src: text_examples(src, tok, cfg.max_len))
@@ -107,6 +113,23 @@ def _examples(cfg: DataConfig, tok: Any) -> tuple[list, list]:
         raise DataError(f"{cfg.train} has {len(train)} examples: too few for a held-out split and a batch of "
                         f"{cfg.batch_size}; add data or set data.heldout")
     return [train[i] for i in order[n_held:]], [train[i] for i in order[:n_held]]
+
+
+def heldout_examples(cfg: DataConfig, tok: Any) -> list:
+    """The held-out examples of `split_examples` (for the stdlib corpus, without tokenising the train split)."""
+    if cfg.kind == "stdlib":
+        return packed_examples(_stdlib_texts(cfg)[1], tok, cfg.max_len)
+    return split_examples(cfg, tok)[1]
+
+
+def batch_examples(examples: list[dict], batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
+    """Up to `max_batches` full batches (fixed, shardable shapes) of `examples`, in order."""
+    n = min(len(examples) // batch_size, max_batches)
+    if n == 0:
+        raise DataError(f"{len(examples)} held-out examples are fewer than one batch of {batch_size}: add held-out "
+                        "data, raise data.heldout_fraction or lower data.batch_size")
+    return [{k: np.stack([e[k] for e in examples[i * batch_size: (i + 1) * batch_size]]) for k in examples[0]}
+            for i in range(n)]
 
 
 def _with_hidden(examples: list[dict], model: Transformer, target_params: dict, batch: int) -> list[dict]:
@@ -130,10 +153,10 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     tok = load_tokenizer(model_dir)
     model = Transformer(target_config)
     drafter = DRAFTERS[cfg.method](**cfg.method_settings)
-    train_examples, heldout_examples = _examples(cfg.data, tok)
+    train_examples, heldout = split_examples(cfg.data, tok)
     if cfg.data.cache_target_hidden:
         train_examples = _with_hidden(train_examples, model, target_params, cfg.data.batch_size)
-        heldout_examples = _with_hidden(heldout_examples, model, target_params, cfg.data.batch_size)
+        heldout = _with_hidden(heldout, model, target_params, cfg.data.batch_size)
     optimizer = make_optimizer(cfg.optim, cfg.loop.steps, cfg.part_lrs or None)
     train_step, eval_step = make_steps(model, drafter, optimizer, mesh, shardings)
 
@@ -141,19 +164,13 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
         params = drafter.init(jax.random.key(cfg.data.seed), Target(target_config, target_params))
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    bs = cfg.data.batch_size
-    n_eval = min(len(heldout_examples) // bs, cfg.eval_batches)  # full batches only (fixed, shardable shapes)
-    if n_eval == 0:
-        raise DataError(f"{len(heldout_examples)} held-out examples are fewer than one batch of {bs}: add held-out "
-                        "data, raise data.heldout_fraction or lower data.batch_size")
-    heldout_batches = [{k: np.stack([e[k] for e in heldout_examples[i * bs: (i + 1) * bs]])
-                        for k in heldout_examples[0]} for i in range(n_eval)]
+    heldout_batches = batch_examples(heldout, cfg.data.batch_size, cfg.eval_batches)
 
     def evaluate(state: dict[str, Any]) -> dict[str, float]:
         return mean_metrics([eval_step(state["params"], target_params, b) for b in heldout_batches])
 
     print(f"target {model_dir}: {target_config.num_params:,} parameters; method {cfg.method} "
-          f"{dataclasses.asdict(drafter)}; {len(train_examples)} train / {len(heldout_examples)} held-out examples")
+          f"{dataclasses.asdict(drafter)}; {len(train_examples)} train / {len(heldout)} held-out examples")
     out_dir = Path(cfg.out_dir)
     before = evaluate(init_state())
     state, extra = run_loop(

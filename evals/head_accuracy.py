@@ -1,0 +1,52 @@
+"""Per-head top-1 / top-5 accuracy of any drafter on held-out data, teacher-forced (Amphista, Figure 1).
+
+Head k (0-based) at position t is scored against the held-out text's own token at t + 2 + k, with the
+ground-truth prefix as input (teacher forcing): exactly the `head{k}/top1` / `head{k}/top5` metrics the
+drafter's `loss` reports, computed by the trainer's own eval step (`train.step.make_steps`). The numbers
+are means over full batches of `data_cfg.batch_size` examples (each batch's masked mean, then the mean
+over batches); with the default packed stdlib held-out split every position of every batch counts.
+
+    from evals.head_accuracy import head_accuracy, heldout_batches
+    batches = heldout_batches(tokenizer, DataConfig(kind="stdlib"), n_batches=4)
+    acc = head_accuracy(Target(config, params), drafter, draft_params, batches)  # {0: {"top1": .., "top5": ..}}
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import optax
+
+from amphista_jax.drafters.base import Target
+from amphista_jax.models.llama import Transformer
+from train.heads import DataConfig, batch_examples, heldout_examples
+from train.loop import mean_metrics
+from train.step import make_steps
+
+DEFAULT_HELDOUT = DataConfig(kind="stdlib")
+_HEAD_METRIC = re.compile(r"^head(\d+)/(top1|top5)$")
+
+
+def heldout_batches(tokenizer: Any, data_cfg: DataConfig = DEFAULT_HELDOUT, n_batches: int = 4
+                    ) -> list[dict[str, np.ndarray]]:
+    """Up to `n_batches` full held-out batches `{"tokens", "loss_mask": [B, T]}` of `data_cfg` (default: the
+    stdlib held-out split the heads and the embedded target never trained on)."""
+    return batch_examples(heldout_examples(data_cfg, tokenizer), data_cfg.batch_size, n_batches)
+
+
+def head_accuracy(target: Target, drafter: Any, draft_params: Any, batches: list[dict[str, np.ndarray]]
+                  ) -> dict[int, dict[str, float]]:
+    """`{head k: {"top1": float, "top5": float}}` of `drafter` on `batches` (see the module docstring)."""
+    if not batches:
+        raise ValueError("head_accuracy needs at least one held-out batch")
+    _, eval_step = make_steps(Transformer(target.config), drafter, optax.identity())  # the train step is unused
+    metrics = mean_metrics([eval_step(draft_params, target.params, b) for b in batches])
+    out: dict[int, dict[str, float]] = {}
+    for name, value in metrics.items():
+        if m := _HEAD_METRIC.match(name):
+            out.setdefault(int(m[1]), {})[m[2]] = value
+    if not out:
+        raise ValueError(f"{type(drafter).__name__}.loss reports no head{{k}}/top1 metrics (got {sorted(metrics)})")
+    return dict(sorted(out.items()))
