@@ -124,10 +124,11 @@ class Hydra:
         return ctx.state["prefix"] if self.prefix_layer else ctx.hidden
 
     def head_logits(self, params: dict, target: Target, head: int, base: jax.Array, path: jax.Array) -> jax.Array:
-        """Head `head` (0-based) on base states `[..., D]` and path tokens `[..., head + 1]` (the root first)
-        -> fp32 logits `[..., V]` for the next token."""
+        """Head `head` (0-based) on base states `[..., D]` (broadcast) and path tokens `[..., head + 1]` (the
+        root first) -> fp32 logits `[..., V]` for the next token."""
         embed = target.params["embed"]["embedding"][path].astype(jnp.float32)  # [..., head + 1, D]
-        x = jnp.concatenate([base.astype(jnp.float32), embed.reshape(embed.shape[:-2] + (-1,))], axis=-1)
+        base = jnp.broadcast_to(base.astype(jnp.float32), embed.shape[:-2] + base.shape[-1:])
+        x = jnp.concatenate([base, embed.reshape(embed.shape[:-2] + (-1,))], axis=-1)
         return self._net(target.config).apply({"params": params}, head, x, method=_HydraNet.head)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: TreeArrays,
