@@ -64,15 +64,16 @@ def sequence(target: Target, batch: int, length: int, seed: int = 3) -> tuple[ja
 def fitted_heads(drafter: Any, target: Target, steps: int = 150, lr: float = 1e-2,
                  metric: str = "head3/top1") -> Any:
     """Heads fitted to the target's own greedy continuations of PROMPTS (self-distillation, as the papers
-    train): a random target's continuations cannot be learned in general, but fitted ones make the drafts
-    right often, so decoding runs long accepted paths through the method's commits."""
+    train; only the continuation's tokens are labels, where the ground truth is the teacher's argmax): a
+    random target's continuations cannot be learned in general, but fitted ones make the drafts right often,
+    so decoding runs long accepted paths through the method's commits."""
     tokens, lengths = pad_prompts(PROMPTS)
     ar = generate(target.params, tokens, lengths, jax.random.key(0), config=target.config, max_new_tokens=40,
                   cache_size=64)
     seqs, mask = np.zeros((len(PROMPTS), 56), np.int32), np.zeros((len(PROMPTS), 56), np.int32)
     for row, prompt in enumerate(PROMPTS):
         seq = list(prompt) + np.asarray(ar.tokens[row]).tolist()
-        seqs[row, : len(seq)], mask[row, : len(seq)] = seq, 1
+        seqs[row, : len(seq)], mask[row, len(prompt): len(seq)] = seq, 1
     optimizer = optax.adamw(lr)
     params = drafter.init(jax.random.key(0), target)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}

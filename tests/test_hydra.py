@@ -203,7 +203,16 @@ def test_training_lowers_the_loss(target, variant):
 
 @pytest.fixture(scope="module")
 def trained(target):
-    return {name: fitted_heads(hydra, target) for name, hydra in VARIANTS.items()}
+    """variant -> fitted heads, fitted on first use. Hydra++'s teacher-only loss fits a random target's
+    near-flat distributions more slowly than the ground-truth loss (top-1 ~0.87 at 150 steps, ~0.95 at 250)."""
+    fitted = {}
+
+    def get(variant: str) -> dict:
+        if variant not in fitted:
+            fitted[variant] = fitted_heads(VARIANTS[variant], target, steps=250 if variant == "hydra++" else 150)
+        return fitted[variant]
+
+    return get
 
 
 # Every (variant, heads, tree preset) runs; the default run keeps a spread of trees, `-m slow` adds the rest.
@@ -215,7 +224,7 @@ FAST_GREEDY = {("trained", "mc_sim_7b_63"), ("trained", "chain-4"), ("untrained"
     for v in sorted(VARIANTS) for h in ("untrained", "trained") for t in sorted(PRESETS)])
 def test_greedy_hydra_equals_ar(target, trained, variant, heads, tree):
     hydra = VARIANTS[variant]
-    params = trained[variant] if heads == "trained" else _random_heads(hydra, target)
+    params = trained(variant) if heads == "trained" else _random_heads(hydra, target)
     for prompts in (PROMPTS, PROMPTS[1:2]):
         tokens, lengths = pad_prompts(prompts)
         ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=40,
