@@ -8,20 +8,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters import Amphista, Target
-from amphista_jax.drafters.base import PrefillContext, Proposal
-from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer, init_params
 from amphista_jax.trees import PRESETS
-from amphista_jax.verify import Verdict
-from train.step import make_steps, target_forward
-
-CONFIG = tiny_llama_config()
-PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]
+from tests.helpers import CONFIG, PROMPTS, assert_trains, fitted_heads, replay_commits, sequence
 
 
 @pytest.fixture(scope="module")
@@ -36,47 +29,20 @@ def _random_heads(amphista: Amphista, target: Target, seed: int = 1) -> dict:
     return params | {"head_w": w}
 
 
-def _sequence(target: Target, batch: int, length: int, seed: int = 3) -> tuple[jax.Array, jax.Array]:
-    tokens = jax.random.randint(jax.random.key(seed), (batch, length), 0, CONFIG.vocab_size)
-    return tokens, target_forward(Transformer(CONFIG), target.params, {"tokens": tokens}).hidden
-
-
 def test_adaptation_caches_match_the_whole_sequence(target):
     """Prefill, then commits of different accepted counts per row: the drafts read from the incremental
     caches equal the drafts of the whole-sequence (training) pass at the same positions."""
     amphista = Amphista(num_heads=4)
     params = _random_heads(amphista, target)
-    tokens, hidden = _sequence(target, batch=2, length=40)
+    tokens, hidden = sequence(target, batch=2, length=40)
     full = amphista.draft_logits(params, target, tokens, hidden)  # [B, T, K, V]
-    lengths = jnp.asarray([7, 4])
-    pad = 16
-    prompt = jnp.where(jnp.arange(pad)[None] < lengths[:, None], tokens[:, :pad], 0)
-    out = Output(jnp.where(jnp.arange(pad)[None, :, None] < lengths[:, None, None], hidden[:, :pad], 9.0), None, None)
-    root = jnp.take_along_axis(tokens, lengths[:, None], 1)[:, 0]
-    state = amphista.prefill(params, target, PrefillContext(out, prompt, lengths, root),
-                             amphista.init_state(CONFIG, 2, 64))
 
     def check(state, lengths):  # drafts from the pair at position lengths - 1
         got = amphista.head_logits(params, target, state["adapted"])
         want = jnp.take_along_axis(full, (lengths - 1)[:, None, None, None], 1)[:, 0]
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
 
-    check(state, lengths)
-    depth = 4
-    for counts in ([1, 3], [5, 1], [2, 5], [4, 2]):
-        a = jnp.asarray(counts)
-        # A chain tree whose node i holds the sequence's token at lengths + i, verified hidden states likewise.
-        node_pos = lengths[:, None] + jnp.arange(depth + 1)[None]  # [B, D+1]
-        proposal = Proposal(jnp.take_along_axis(tokens, node_pos, 1))
-        verify_out = Output(jnp.take_along_axis(hidden, node_pos[:, :, None], 1), None, None)
-        nodes = jnp.where(jnp.arange(depth + 1)[None] < a[:, None], jnp.arange(depth + 1)[None], -1)
-        bonus = jnp.take_along_axis(tokens, (lengths + a)[:, None], 1)[:, 0]
-        state, next_hidden = amphista.commit(params, target, proposal, Verdict(nodes, a, bonus), verify_out, state)
-        lengths = lengths + a
-        np.testing.assert_array_equal(np.asarray(state["caches"][0].lengths), np.asarray(lengths))
-        np.testing.assert_allclose(np.asarray(next_hidden),
-                                   np.asarray(jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], 1)[:, 0]))
-        check(state, lengths)
+    replay_commits(amphista, params, target, tokens, hidden, [7, 4], ([1, 3], [5, 1], [2, 5], [4, 2]), check)
 
 
 @pytest.mark.parametrize("auto_embedding", [True, False])
@@ -155,18 +121,7 @@ def test_ablations_change_the_parameter_tree_as_the_paper_describes(target):
 
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
 def test_every_ablation_trains(target, name):
-    amphista = Amphista(**ABLATIONS[name])
-    optimizer = optax.adamw(3e-3)
-    params = amphista.init(jax.random.key(0), target)
-    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
-    step, evaluate = make_steps(Transformer(CONFIG), amphista, optimizer)
-    tokens, _ = _sequence(target, batch=4, length=24)
-    batch = {"tokens": np.asarray(tokens), "loss_mask": np.ones(tokens.shape, np.int32)}
-    before = float(evaluate(state["params"], target.params, batch)["loss"])
-    for _ in range(8):
-        state, metrics = step(state, target.params, batch)
-    assert np.isfinite(float(metrics["loss"]))
-    assert float(evaluate(state["params"], target.params, batch)["loss"]) < before - 0.05
+    assert_trains(Amphista(**ABLATIONS[name]), target)
 
 
 def test_alignment_term_reads_the_target_logits_one_position_before_the_label(target):
@@ -174,7 +129,7 @@ def test_alignment_term_reads_the_target_logits_one_position_before_the_label(ta
     j - 1 (the target's own prediction of token j) and nowhere else."""
     amphista = Amphista(num_heads=3, lambda_lm=0.0)
     params = _random_heads(amphista, target)
-    tokens, hidden = _sequence(target, batch=1, length=12)
+    tokens, hidden = sequence(target, batch=1, length=12)
     j = 9
     batch = {"tokens": tokens, "loss_mask": jnp.zeros_like(tokens).at[0, j].set(1)}
     logits = jax.random.normal(jax.random.key(8), (1, 12, CONFIG.vocab_size))
@@ -186,30 +141,10 @@ def test_alignment_term_reads_the_target_logits_one_position_before_the_label(ta
         assert np.flatnonzero(grad).tolist() == [j - 1]
 
 
-def _fitted_heads(amphista: Amphista, target: Target, steps: int = 150) -> dict:
-    """Heads fitted to the target's own greedy continuations of PROMPTS (self-distillation, as the papers
-    train): a random target's continuations cannot be learned in general, but fitted ones make the drafts
-    right often, so decoding runs long accepted paths through the adaptation-cache commits."""
-    tokens, lengths = pad_prompts(PROMPTS)
-    ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=40, cache_size=64)
-    seqs, mask = np.zeros((len(PROMPTS), 56), np.int32), np.zeros((len(PROMPTS), 56), np.int32)
-    for row, prompt in enumerate(PROMPTS):
-        seq = list(prompt) + np.asarray(ar.tokens[row]).tolist()
-        seqs[row, : len(seq)], mask[row, : len(seq)] = seq, 1
-    optimizer = optax.adamw(1e-2)
-    params = amphista.init(jax.random.key(0), target)
-    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
-    step, _ = make_steps(Transformer(CONFIG), amphista, optimizer)
-    for _ in range(steps):
-        state, metrics = step(state, target.params, {"tokens": seqs, "loss_mask": mask})
-    assert float(metrics["head3/top1"]) > 0.9
-    return state["params"]
-
-
 @pytest.fixture(scope="module")
 def trained(target):
     amphista = Amphista(num_heads=4)
-    return amphista, _fitted_heads(amphista, target)
+    return amphista, fitted_heads(amphista, target)
 
 
 @pytest.mark.parametrize("tree", sorted(PRESETS))

@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.drafters import Amphista, Medusa, Target
+from amphista_jax.drafters import Amphista, Hydra, Medusa, Target
 from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.trees import PRESETS, TreeSpec, tree_arrays
 from amphista_jax.verify import verify_rejection
+from tests.helpers import CHI2_999, CONFIG, PROMPTS, chi_square, count_compiles, reference_rows
 
-CONFIG = tiny_llama_config()
-PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]
 NEW = 40
 
 
@@ -53,15 +52,6 @@ class NoisyOracle(Oracle):
         good = super().propose(params, target, ctx, tree, rng).tokens
         corrupt = jax.random.bernoulli(rng, self.p, good.shape).at[:, 0].set(False)
         return Proposal(jnp.where(corrupt, (good + 1) % CONFIG.vocab_size, good))
-
-
-def _reference_rows(ar, prompts, width):
-    ref = np.zeros((len(prompts), width), np.int32)
-    for row, prompt in enumerate(prompts):
-        ref[row, : len(prompt)] = prompt
-        generated = np.asarray(ar.tokens[row])
-        ref[row, len(prompt): len(prompt) + len(generated)] = generated
-    return jnp.asarray(ref)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +100,7 @@ def test_oracle_drafter_accepts_whole_depth_every_step(target, tree):
         ref[row, len(prompt): len(prompt) + NEW] = np.asarray(ar.tokens[row])
     spec = _run(target, Oracle(), jnp.asarray(ref), PROMPTS, PRESETS[tree])
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
-    assert _reference_rows(ar, PROMPTS, ref.shape[1]).tolist() == ref.tolist()
+    assert reference_rows(ar, PROMPTS, ref.shape[1]).tolist() == ref.tolist()
     depth = PRESETS[tree].depth
     steps = int(spec.steps)
     full = (NEW - 1) // (depth + 1)
@@ -128,7 +118,7 @@ def test_partial_paths_through_later_siblings_stay_lossless(tree, windows):
     params = init_params(config, jax.random.key(0))
     tokens, lengths = pad_prompts(PROMPTS)
     ar = generate(params, tokens, lengths, jax.random.key(0), config=config, max_new_tokens=NEW, cache_size=64)
-    ref = _reference_rows(ar, PROMPTS, tokens.shape[1] + NEW + 8)
+    ref = reference_rows(ar, PROMPTS, tokens.shape[1] + NEW + 8)
     spec = speculative_generate(params, ref, tokens, lengths, jax.random.key(0), config=config, drafter=NoisyOracle(),
                                 tree=PRESETS[tree], max_new_tokens=NEW, cache_size=128)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
@@ -147,7 +137,7 @@ def test_pallas_tree_attention_in_the_decode_loop_stays_lossless(windows):
     ar_kernel = generate(params, tokens, lengths, jax.random.key(0), config=config, max_new_tokens=16, cache_size=48,
                          attention="pallas")
     np.testing.assert_array_equal(np.asarray(ar_kernel.tokens), np.asarray(ar.tokens))
-    ref = _reference_rows(ar, PROMPTS, tokens.shape[1] + NEW + 8)
+    ref = reference_rows(ar, PROMPTS, tokens.shape[1] + NEW + 8)
     spec = speculative_generate(params, ref, tokens, lengths, jax.random.key(0), config=config, drafter=NoisyOracle(),
                                 tree=PRESETS["small-8"], max_new_tokens=16, cache_size=48, attention="pallas")
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
@@ -176,30 +166,13 @@ def test_medusa_refuses_a_tree_deeper_than_its_heads(target):
 
 
 def test_speculative_generation_compiles_once(target, medusa_heads):
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
-    try:
-        kw = dict(config=CONFIG, drafter=medusa_heads[0], tree=PRESETS["small-8"], max_new_tokens=NEW,
-                  cache_size=96)
+    kw = dict(config=CONFIG, drafter=medusa_heads[0], tree=PRESETS["small-8"], max_new_tokens=NEW, cache_size=96)
+    with count_compiles() as compiles:
         for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
             tokens, lengths = pad_prompts(prompts, length=16)
             jax.block_until_ready(speculative_generate(target, medusa_heads[1], tokens, lengths, jax.random.key(0),
                                                        **kw))
-        assert len(compiles) == 1
-    finally:
-        jax.monitoring.clear_event_listeners()
-
-
-def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
-    expected = probs * counts.sum()
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
-    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
-
-
-# chi-square critical values at p = 0.001 for the degrees of freedom used below
-CHI2_999 = {7: 24.32, 15: 37.70}
+    assert len(compiles) == 1
 
 
 @pytest.mark.parametrize("proposal", ["good", "poor"])
@@ -222,11 +195,11 @@ def test_tree_rejection_sampling_keeps_the_target_distribution(proposal):
     verdict = run(keys)
     nodes, count, bonus = (np.asarray(x)[:, 0] for x in (verdict.accepted_nodes, verdict.n_accepted, verdict.bonus))
     first = np.where(count >= 2, tokens[0, np.maximum(nodes[:, 1], 0)], bonus)
-    assert _chi_square(np.bincount(first, minlength=vocab), probs[0]) < CHI2_999[7]
+    assert chi_square(np.bincount(first, minlength=vocab), probs[0]) < CHI2_999[7]
     # Second token given that the first was the tree's top candidate (node 1).
     took_1 = (count >= 2) & (nodes[:, 1] == 1)
     second = np.where(count[took_1] >= 3, tokens[0, np.maximum(nodes[took_1, 2], 0)], bonus[took_1])
-    assert _chi_square(np.bincount(second, minlength=vocab), probs[1]) < CHI2_999[7]
+    assert chi_square(np.bincount(second, minlength=vocab), probs[1]) < CHI2_999[7]
 
 
 def test_rejection_sampling_with_iid_draft_distribution_q():
@@ -249,10 +222,11 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
         return jnp.where(v.n_accepted[0] >= 2, tokens[0, jnp.maximum(v.accepted_nodes[0, 1], 0)], v.bonus[0])
 
     first = np.asarray(jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(3), n)))
-    assert _chi_square(np.bincount(first, minlength=vocab), probs[0]) < CHI2_999[7]
+    assert chi_square(np.bincount(first, minlength=vocab), probs[0]) < CHI2_999[7]
 
 
-@pytest.mark.parametrize("drafter", [Medusa(num_heads=3), Amphista(num_heads=3)], ids=["medusa", "amphista"])
+@pytest.mark.parametrize("drafter", [Medusa(num_heads=3), Amphista(num_heads=3), Hydra(num_heads=3),
+                                     Hydra.plus_plus(num_heads=3)], ids=["medusa", "amphista", "hydra", "hydra++"])
 def test_speculative_sampling_matches_the_target_end_to_end(drafter):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""
@@ -273,4 +247,4 @@ def test_speculative_sampling_matches_the_target_end_to_end(drafter):
     cond_logits = model.apply({"params": params}, seqs, jnp.broadcast_to(jnp.arange(4), (16, 4))).logits[:, -1]
     first_dist, cond = jax.nn.softmax(first_logits), jax.nn.softmax(cond_logits)
     exact = np.asarray(first_dist @ cond)
-    assert _chi_square(np.bincount(second, minlength=16), exact / exact.sum()) < CHI2_999[15]
+    assert chi_square(np.bincount(second, minlength=16), exact / exact.sum()) < CHI2_999[15]

@@ -47,6 +47,8 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
         return drafter.loss(params, Target(model.config, target_params), batch, target_out)
 
     def train_step(state, target_params, batch):
+        # Training-time randomness for the losses that use it (Hydra's embedding noise); eval gets none.
+        batch = batch | {"rng": jax.random.fold_in(jax.random.key(0), state["step"])}
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)

@@ -2,8 +2,9 @@
 
 from amphista_jax.drafters.amphista import Amphista
 from amphista_jax.drafters.base import DraftContext, Drafter, Proposal, Target
+from amphista_jax.drafters.hydra import Hydra
 from amphista_jax.drafters.medusa import Medusa
 
-DRAFTERS: dict[str, type] = {"amphista": Amphista, "medusa": Medusa}
+DRAFTERS: dict[str, type] = {"amphista": Amphista, "hydra": Hydra, "medusa": Medusa}
 
-__all__ = ["DRAFTERS", "Amphista", "DraftContext", "Drafter", "Medusa", "Proposal", "Target"]
+__all__ = ["DRAFTERS", "Amphista", "DraftContext", "Drafter", "Hydra", "Medusa", "Proposal", "Target"]

@@ -34,7 +34,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
@@ -46,8 +45,10 @@ from amphista_jax.drafters.base import (
     accepted_tokens,
     check_tree_depth,
     head_metrics,
+    teacher_ce,
     topk_proposal,
 )
+from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.drafters.medusa import target_lm_head
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, decoder_stack, run_stack
@@ -55,11 +56,6 @@ from amphista_jax.trees import TreeArrays
 from amphista_jax.verify import Verdict
 
 MAX_STAGES = 4
-
-
-def _block_config(target: ModelConfig, num_layers: int) -> ModelConfig:
-    """The target's decoder-block type with `num_layers` layers of full attention."""
-    return dataclasses.replace(target, num_layers=num_layers, sliding_windows=(0,) * num_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,24 +109,23 @@ class Amphista:
         d = target_config.hidden_size
         state: dict[str, Any] = {"adapted": jnp.zeros((batch, self.stages, d), jnp.float32)}
         if self.staged_adaptation:
-            one = KVCache.zeros(1, batch, cache_size, target_config.num_kv_heads, target_config.head_dim)
-            state["caches"] = (one,) * self.adaptation_stages
+            state["caches"] = layer_caches(target_config, self.adaptation_stages, batch, cache_size)
         return state
 
     def _adapt_and_cache(self, params: dict, target: Target, hidden: jax.Array, next_tokens: jax.Array,
                          count: jax.Array, state: dict) -> dict:
         """Run the pairs `(hidden [B, T, D], e(next_tokens [B, T]))` at the caches' next positions; commit
         the first `count [B]` and keep the adapted states of pair `count - 1` for the next proposal."""
-        last = (count - 1)[:, None, None, None]
         if not self.staged_adaptation:
-            return {"adapted": jnp.take_along_axis(hidden[:, :, None], last, axis=1)[:, 0]}
-        caches = state["caches"]
-        positions = caches[0].lengths[:, None] + jnp.arange(hidden.shape[1], dtype=jnp.int32)[None]
+            return {"adapted": at_last(hidden[:, :, None], count)}
         embed = target.params["embed"]["embedding"][next_tokens].astype(jnp.float32)
-        adapted, caches = self._net(target.config).apply(
-            {"params": params}, hidden.astype(jnp.float32), embed, positions, caches, method=_AmphistaNet.adapt)
-        return {"adapted": jnp.take_along_axis(adapted, last, axis=1)[:, 0],  # [B, S, D]
-                "caches": tuple(c.advance(count) for c in caches)}
+
+        def run(positions: jax.Array, caches: tuple[KVCache, ...]) -> tuple[jax.Array, tuple[KVCache, ...]]:
+            return self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32), embed, positions,
+                                                  caches, method=_AmphistaNet.adapt)
+
+        adapted, caches = run_and_commit(run, state["caches"], hidden.shape[1], count)  # [B, S, D]
+        return {"adapted": adapted, "caches": caches}
 
     def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: dict) -> dict:
         # Pair t sees the prompt's token t + 1; the last prompt position sees the root.
@@ -150,10 +145,8 @@ class Amphista:
 
     def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: dict) -> tuple[dict, jax.Array]:
-        path = jnp.maximum(verdict.accepted_nodes, 0)  # [B, D+1]
-        hidden = jnp.take_along_axis(verify_out.hidden, path[:, :, None], axis=1)  # [B, D+1, D]
-        state = self._adapt_and_cache(params, target, hidden, accepted_tokens(proposal, verdict),
-                                      verdict.n_accepted, state)
+        state = self._adapt_and_cache(params, target, path_hidden(verdict, verify_out),
+                                      accepted_tokens(proposal, verdict), verdict.n_accepted, state)
         return state, accepted_hidden(verdict, verify_out)
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
@@ -174,8 +167,7 @@ class Amphista:
             shift = k + 2  # head k at position t drafts token t + 2 + k; the target predicts it at t + 1 + k
             lk, m = logits[:, : t - shift, k], mask[:, shift:]
             lm, head = head_metrics(lk, tokens[:, shift:], m)
-            teacher = jax.nn.softmax(target_out.logits[:, shift - 1: t - 1], axis=-1)
-            align = (optax.softmax_cross_entropy(lk, teacher) * m).sum() / jnp.maximum(m.sum(), 1.0)
+            align = teacher_ce(lk, target_out.logits[:, shift - 1: t - 1], m)
             total = total + self.lambda_alignment * align + self.lambda_lm * lm
             metrics |= {f"head{k}/{name}": v for name, v in head.items()} | {f"head{k}/alignment": align}
         return total, metrics
@@ -189,14 +181,14 @@ class _AmphistaNet(nn.Module):
         s, d, k = self.spec, self.target.hidden_size, self.spec.num_heads
         if s.staged_adaptation:
             self.fc = [nn.Dense(d, name=f"fc{i}") for i in range(s.adaptation_stages)]
-            self.sal = [decoder_stack(_block_config(self.target, 1), jnp.float32, "xla", name=f"sal{i}")
+            self.sal = [decoder_stack(block_config(self.target, 1), jnp.float32, "xla", name=f"sal{i}")
                         for i in range(s.adaptation_stages)]
         self.head_w = self.param("head_w", nn.initializers.zeros_init(), (k, d, d))
         self.head_b = self.param("head_b", nn.initializers.zeros_init(), (k, d))
         if s.auto_embedding:
             if s.positional_encoding:
                 self.pe = self.param("pe", nn.initializers.normal(0.02), (k, d))
-            self.encoder = decoder_stack(_block_config(self.target, s.auto_embedding_layers), jnp.float32, "xla",
+            self.encoder = decoder_stack(block_config(self.target, s.auto_embedding_layers), jnp.float32, "xla",
                                          name="auto_embedding")
         # LM heads start as zeros here; `Amphista.init` sets them from the target's lm_head.
         v = self.target.vocab_size
@@ -219,7 +211,7 @@ class _AmphistaNet(nn.Module):
         x, outs, written = hidden, [], []
         for i in range(self.spec.adaptation_stages):
             inp = jnp.concatenate([x, next_embed], axis=-1) if self.spec.sampled_token else x
-            x, cache = run_stack(self.sal[i], _block_config(self.target, 1), self.fc[i](inp), positions,
+            x, cache = run_stack(self.sal[i], block_config(self.target, 1), self.fc[i](inp), positions,
                                  None if caches is None else caches[i], None)
             outs.append(x)
             written.append(cache)
@@ -237,7 +229,7 @@ class _AmphistaNet(nn.Module):
             n = flat.shape[0]
             # Bi-directional: every head sees every head; position 0 everywhere makes RoPE the identity, so
             # head order reaches the block only through PE.
-            flat, _ = run_stack(self.encoder, _block_config(self.target, s.auto_embedding_layers), flat,
+            flat, _ = run_stack(self.encoder, block_config(self.target, s.auto_embedding_layers), flat,
                                 jnp.zeros((n, k), jnp.int32), None, jnp.ones((n, k, k), bool))
             x = flat.reshape(x.shape)
         if s.lm_head_rank:

@@ -13,7 +13,9 @@ frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
   method's caches up with the accepted tokens (the path `verdict.accepted_nodes` of `proposal.tokens`, then
   `verdict.bonus`) and choose the hidden state `[B, D]` the next proposal starts from (usually the
   target's at the last accepted node: `accepted_hidden`).
-* `loss(params, target, batch, target_out) -> (loss, metrics)`: the training objective.
+* `loss(params, target, batch, target_out) -> (loss, metrics)`: the training objective. `batch` holds
+  `tokens [B, T]` and `loss_mask [B, T]`; in a train step (never in evaluation) also `rng`, a key for
+  training-time randomness (Hydra's embedding noise).
 """
 
 from __future__ import annotations
@@ -126,3 +128,10 @@ def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> tuple
     loss = (ce * mask).sum() / denom
     return loss, {"loss": loss, "top1": ((rank == 0) * mask).sum() / denom,
                   "top5": ((rank < 5) * mask).sum() / denom}
+
+
+def teacher_ce(logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked mean CE of draft `logits [B, T, V]` against the target's softmax over `teacher_logits [B, T, V]`
+    (teacher distillation: Amphista's alignment term, Hydra++'s teacher loss); `mask [B, T]`."""
+    teacher = jax.nn.softmax(teacher_logits, axis=-1)
+    return (optax.softmax_cross_entropy(logits, teacher) * mask).sum() / jax.numpy.maximum(mask.sum(), 1.0)

@@ -1,0 +1,131 @@
+"""What the drafter and engine tests share: the tiny target's prompts, heads fitted to its own continuations,
+prefill + commit replays against a known sequence, compile counting, and the chi-square statistic."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.drafters.base import PrefillContext, Proposal, Target
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.models.llama import Output, Transformer
+from amphista_jax.verify import Verdict
+from train.step import make_steps, target_forward
+
+CONFIG = tiny_llama_config()
+PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]
+
+# chi-square critical values at p = 0.001 for the degrees of freedom the tests use
+CHI2_999 = {7: 24.32, 15: 37.70}
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+def reference_rows(ar: Any, prompts: Sequence[Sequence[int]], width: int) -> jax.Array:
+    """`[B, width]` each prompt followed by its AR continuation (zeros after)."""
+    ref = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        ref[row, : len(prompt)] = prompt
+        generated = np.asarray(ar.tokens[row])
+        ref[row, len(prompt): len(prompt) + len(generated)] = generated
+    return jnp.asarray(ref)
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[str]]:
+    """Collects one entry per XLA backend compilation inside the block."""
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.clear_event_listeners()
+
+
+def sequence(target: Target, batch: int, length: int, seed: int = 3) -> tuple[jax.Array, jax.Array]:
+    """Random tokens `[B, T]` and the target's hidden states over them `[B, T, D]`."""
+    tokens = jax.random.randint(jax.random.key(seed), (batch, length), 0, target.config.vocab_size)
+    return tokens, target_forward(Transformer(target.config), target.params, {"tokens": tokens}).hidden
+
+
+def fitted_heads(drafter: Any, target: Target, steps: int = 150, lr: float = 1e-2,
+                 metric: str = "head3/top1") -> Any:
+    """Heads fitted to the target's own greedy continuations of PROMPTS (self-distillation, as the papers
+    train; only the continuation's tokens are labels, where the ground truth is the teacher's argmax): a
+    random target's continuations cannot be learned in general, but fitted ones make the drafts right often,
+    so decoding runs long accepted paths through the method's commits."""
+    tokens, lengths = pad_prompts(PROMPTS)
+    ar = generate(target.params, tokens, lengths, jax.random.key(0), config=target.config, max_new_tokens=40,
+                  cache_size=64)
+    seqs, mask = np.zeros((len(PROMPTS), 56), np.int32), np.zeros((len(PROMPTS), 56), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        seq = list(prompt) + np.asarray(ar.tokens[row]).tolist()
+        seqs[row, : len(seq)], mask[row, len(prompt): len(seq)] = seq, 1
+    optimizer = optax.adamw(lr)
+    params = drafter.init(jax.random.key(0), target)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    step, _ = make_steps(Transformer(target.config), drafter, optimizer)
+    for _ in range(steps):
+        state, metrics = step(state, target.params, {"tokens": seqs, "loss_mask": mask})
+    assert float(metrics[metric]) > 0.9, float(metrics[metric])
+    return state["params"]
+
+
+def assert_trains(drafter: Any, target: Target, steps: int = 8, lr: float = 3e-3) -> None:
+    """A few train steps on random sequences lower the held-fixed batch's loss (and keep it finite)."""
+    optimizer = optax.adamw(lr)
+    params = drafter.init(jax.random.key(0), target)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    step, evaluate = make_steps(Transformer(target.config), drafter, optimizer)
+    tokens, _ = sequence(target, batch=4, length=24)
+    batch = {"tokens": np.asarray(tokens), "loss_mask": np.ones(tokens.shape, np.int32)}
+    before = float(evaluate(state["params"], target.params, batch)["loss"])
+    for _ in range(steps):
+        state, metrics = step(state, target.params, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert float(evaluate(state["params"], target.params, batch)["loss"]) < before - 0.05
+
+
+def replay_commits(drafter: Any, params: Any, target: Target, tokens: jax.Array, hidden: jax.Array,
+                   lengths: Sequence[int], counts: Sequence[Sequence[int]],
+                   check: Callable[[Any, jax.Array], None], pad: int = 16, depth: int = 4) -> None:
+    """Prefill `lengths [B]` tokens of a known sequence (`tokens [B, T]`, target hidden `[B, T, D]`; padded
+    prompt slots hold garbage), then commit `counts[i] [B]` accepted tokens per row through chain trees whose
+    nodes hold the sequence's own tokens and hidden states; `check(state, lengths)` after every step."""
+    b = tokens.shape[0]
+    lengths = jnp.asarray(lengths)
+    slots = jnp.arange(pad)[None] < lengths[:, None]
+    prompt = jnp.where(slots, tokens[:, :pad], 0)
+    out = Output(jnp.where(slots[:, :, None], hidden[:, :pad], 9.0), None, None)
+    root = jnp.take_along_axis(tokens, lengths[:, None], 1)[:, 0]
+    state = jax.jit(drafter.prefill)(params, target, PrefillContext(out, prompt, lengths, root),
+                                     drafter.init_state(target.config, b, 64))
+    commit = jax.jit(drafter.commit)
+    check(state, lengths)
+    for step_counts in counts:
+        a = jnp.asarray(step_counts)
+        node_pos = lengths[:, None] + jnp.arange(depth + 1)[None]  # [B, D+1] node i = the token at lengths + i
+        proposal = Proposal(jnp.take_along_axis(tokens, node_pos, 1))
+        verify_out = Output(jnp.take_along_axis(hidden, node_pos[:, :, None], 1), None, None)
+        nodes = jnp.where(jnp.arange(depth + 1)[None] < a[:, None], jnp.arange(depth + 1)[None], -1)
+        bonus = jnp.take_along_axis(tokens, (lengths + a)[:, None], 1)[:, 0]
+        state, next_hidden = commit(params, target, proposal, Verdict(nodes, a, bonus), verify_out, state)
+        lengths = lengths + a
+        for cache in state["caches"]:
+            np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(lengths))
+        np.testing.assert_allclose(np.asarray(next_hidden),
+                                   np.asarray(jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], 1)[:, 0]))
+        check(state, lengths)

@@ -1,0 +1,280 @@
+"""Hydra / Hydra++: drafts follow each node's own path (a node-by-node reference), siblings' subtrees differ
+where Medusa's cannot, the prefix layer's cache matches the whole-sequence pass, the losses read the right
+positions and train, checkpoints keep the variant, and decoding is lossless and compiles once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.drafters import Hydra, Medusa, Target
+from amphista_jax.drafters.base import DraftContext
+from amphista_jax.drafters.hydra import tree_levels
+from amphista_jax.drafters.io import load_draft, save_draft
+from amphista_jax.models.llama import Output, Transformer, init_params
+from amphista_jax.trees import PRESETS, TreeSpec, tree_arrays
+from tests.helpers import CONFIG, PROMPTS, assert_trains, count_compiles, fitted_heads, replay_commits, sequence
+
+VARIANTS = {"hydra": Hydra(num_heads=4), "hydra++": Hydra.plus_plus(num_heads=4)}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target(CONFIG, init_params(CONFIG, jax.random.key(0)))
+
+
+def _random_heads(hydra: Hydra, target: Target, seed: int = 1) -> dict:
+    """Initialised params with random head layers (fresh heads read the base state alone), their first
+    layers' path rows scaled up by the embeddings' small scale so the path weighs as much as the base state."""
+    params = hydra.init(jax.random.key(seed), target)
+    d = CONFIG.hidden_size
+    embed_rms = float(jnp.sqrt(jnp.mean(target.params["embed"]["embedding"] ** 2)))
+
+    def randomise(path, x):
+        noise = 0.3 * jax.random.normal(jax.random.fold_in(jax.random.key(seed), hash(jax.tree_util.keystr(path))
+                                                           % 2**31), x.shape) / np.sqrt(x.shape[0])
+        if x.ndim == 2 and x.shape[0] > d:  # a first layer: rows past D read the path's embeddings
+            noise = noise.at[d:].divide(embed_rms)
+        return x + noise
+
+    heads = {k: v for k, v in params.items() if k.startswith("head")}
+    return params | jax.tree_util.tree_map_with_path(randomise, heads)
+
+
+def _context(hydra: Hydra, batch: int, seed: int = 4) -> DraftContext:
+    hidden = jax.random.normal(jax.random.key(seed), (batch, CONFIG.hidden_size))
+    root = jax.random.randint(jax.random.key(seed + 1), (batch,), 0, CONFIG.vocab_size)
+    state = {"prefix": jax.random.normal(jax.random.key(seed + 2), hidden.shape)} if hydra.prefix_layer else ()
+    return DraftContext(hidden, root, jnp.zeros((batch,), jnp.int32), state)
+
+
+def test_tree_levels_literal():
+    """small-8: root -> (0,) (1,) (2,); (0,) -> (0,0) (0,1); (1,) -> (1,0); (0,0) -> (0,0,0)."""
+    levels = tree_levels(tree_arrays(PRESETS["small-8"]))
+    assert [lv.nodes.tolist() for lv in levels] == [[1, 2, 3], [4, 5, 6], [7]]
+    assert [lv.parent_slot.tolist() for lv in levels] == [[0, 0, 0], [0, 0, 1], [0]]
+    assert [lv.rank.tolist() for lv in levels] == [[0, 1, 2], [0, 1, 0], [0]]
+    assert [lv.expand.tolist() for lv in levels] == [[0, 1], [0], []]
+
+
+def test_fresh_heads_start_from_the_target_lm_head(target):
+    hydra = Hydra(num_heads=3, num_layers=2)
+    params = hydra.init(jax.random.key(0), target)
+    base = jax.random.normal(jax.random.key(1), (5, CONFIG.hidden_size))
+    want = Transformer(CONFIG).apply({"params": target.params}, base, method=Transformer.logits)
+    for k in range(3):
+        path = jax.random.randint(jax.random.key(2 + k), (5, k + 1), 0, CONFIG.vocab_size)
+        np.testing.assert_allclose(np.asarray(hydra.head_logits(params, target, k, base, path)), np.asarray(want),
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("tree", sorted(PRESETS))
+def test_every_node_is_the_topk_of_its_own_path(target, variant, tree):
+    """Node-by-node reference: node n's token is rank `topk_index[n]` of head `depth(n) - 1` applied to the
+    tokens on n's own path (root .. parent)."""
+    hydra = VARIANTS[variant]
+    params = _random_heads(hydra, target)
+    arrays = tree_arrays(PRESETS[tree])
+    ctx = _context(hydra, batch=2)
+    propose = jax.jit(lambda p, c: hydra.propose(p, target, c, arrays, jax.random.key(0)))  # tree: static
+    tokens = np.asarray(propose(params, ctx).tokens)
+    assert (tokens[:, 0] == np.asarray(ctx.root)).all()
+    base = hydra.base_state(ctx)[:, None]  # [B, 1, D]
+    head_logits = jax.jit(hydra.head_logits, static_argnums=2)
+    parent, depth, rank = (np.asarray(a) for a in (arrays.parent, arrays.depth, arrays.topk_index))
+    for d in range(1, PRESETS[tree].depth + 1):
+        nodes = np.flatnonzero(np.asarray(arrays.valid) & (depth == d))
+        paths = np.zeros((len(nodes), d), np.int64)  # node ids root .. parent of every node of depth d
+        for row, node in enumerate(nodes):
+            for i in range(d - 1, -1, -1):
+                node = parent[node]
+                paths[row, i] = node
+        logits = head_logits(params, target, d - 1, base, jnp.asarray(tokens[:, paths]))  # [B, C, V]
+        top = np.asarray(jax.lax.top_k(logits, int(rank[nodes].max()) + 1)[1])
+        np.testing.assert_array_equal(tokens[:, nodes], top[:, np.arange(len(nodes)), rank[nodes]])
+
+
+def test_changing_a_depth1_token_changes_the_depth2_drafts_under_it(target):
+    """Hydra's head 2 reads the depth-1 token, so siblings' children differ; Medusa's heads do not, so the
+    children under every depth-1 node are copies."""
+    hydra = Hydra(num_heads=2)
+    params = _random_heads(hydra, target)
+    ctx = _context(hydra, batch=8)
+    base = hydra.base_state(ctx)
+    under = [hydra.head_logits(params, target, 1, base, jnp.stack([ctx.root, jnp.full_like(ctx.root, tok)], -1))
+             for tok in (3, 77)]
+    assert (np.abs(np.asarray(under[0] - under[1])).max(-1) > 1e-3).all()  # every row's drafts move
+    moved = (jax.lax.top_k(under[0], 2)[1] != jax.lax.top_k(under[1], 2)[1]).any(-1)
+    assert moved.mean() >= 0.5, moved  # and most rows' top-2 proposals change
+
+    spec = TreeSpec(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)))
+    arrays = tree_arrays(spec)
+    children = np.asarray(hydra.propose(params, target, ctx, arrays, jax.random.key(0)).tokens)[:, 4:].reshape(8, 3, 2)
+    differ = (children[:, 0] != children[:, 1]).any(-1) | (children[:, 1] != children[:, 2]).any(-1)
+    assert differ.mean() >= 0.5, differ  # siblings' subtrees differ (never for Medusa, below)
+    medusa = Medusa(num_heads=2)
+    mparams = medusa.init(jax.random.key(1), target)
+    mparams = mparams | {"w": jax.random.normal(jax.random.key(2), mparams["w"].shape) * 0.3}
+    mchildren = np.asarray(medusa.propose(mparams, target, ctx, arrays, jax.random.key(0)).tokens)[:, 4:]
+    mchildren = mchildren.reshape(8, 3, 2)
+    assert (mchildren == mchildren[:, :1]).all()
+
+
+def test_prefix_layer_cache_matches_the_whole_sequence(target):
+    """Hydra++: prefill, then commits of different accepted counts per row; every head's drafts from the
+    incremental prefix state equal the whole-sequence (training) pass's at the same position, path included."""
+    hydra = Hydra.plus_plus(num_heads=3)
+    params = _random_heads(hydra, target)
+    tokens, hidden = sequence(target, batch=2, length=40)
+    full = hydra.draft_logits(params, target, tokens, hidden)  # [B, T, K, V]
+
+    def check(state, lengths):  # the root sits at `lengths`; head k's path is tokens lengths .. lengths + k
+        at = (lengths - 1)[:, None, None, None]
+        for k in range(3):
+            path = jnp.take_along_axis(tokens, lengths[:, None] + jnp.arange(k + 1)[None], 1)
+            got = hydra.head_logits(params, target, k, state["prefix"], path)
+            want = jnp.take_along_axis(full[:, :, k: k + 1], at, 1)[:, 0, 0]
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
+
+    replay_commits(hydra, params, target, tokens, hidden, [7, 4], ([1, 3], [5, 1], [2, 5], [4, 2]), check)
+
+
+def test_head_k_reads_the_true_path_tokens_t_plus_1_to_t_plus_1_plus_k(target):
+    hydra = Hydra(num_heads=3)
+    params = _random_heads(hydra, target)
+    tokens, hidden = sequence(target, batch=1, length=16)
+    base = hydra.draft_logits(params, target, tokens, hidden)
+    t = 5
+    for pos in range(t + 1, t + 6):
+        moved = hydra.draft_logits(params, target, tokens.at[0, pos].add(1), hidden)
+        changed = np.abs(np.asarray(moved[0, t] - base[0, t])).max(-1) > 1e-5  # [K]
+        assert changed.tolist() == [pos <= t + 1 + k for k in range(3)], pos
+
+
+@pytest.mark.parametrize("prefix_layer", [False, True])
+def test_loss_positions(target, prefix_layer):
+    """With only label position j in the mask: head k's loss reaches the hidden states at j - 2 - k (and, with
+    the causal prefix layer, earlier ones, never later), and its teacher term the target's logits at j - 1."""
+    hydra = Hydra(num_heads=3, prefix_layer=prefix_layer, lm_weight=1.0, teacher_weight=1.0)
+    params = _random_heads(hydra, target)
+    tokens, hidden = sequence(target, batch=1, length=12)
+    logits = jax.random.normal(jax.random.key(8), (1, 12, CONFIG.vocab_size))
+    j = 9
+    batch = {"tokens": tokens, "loss_mask": jnp.zeros_like(tokens).at[0, j].set(1)}
+
+    @jax.jit
+    def per_head(h, lg):  # [K] each head's ground-truth and teacher losses
+        metrics = hydra.loss(params, target, batch, Output(h, lg, None))[1]
+        return jnp.stack([metrics[f"head{k}/loss"] for k in range(3)]), jnp.stack(
+            [metrics[f"head{k}/teacher"] for k in range(3)])
+
+    to_hidden = np.abs(np.asarray(jax.jacrev(lambda h: per_head(h, logits)[0])(hidden))).sum(-1)[:, 0]  # [K, T]
+    to_logits = np.abs(np.asarray(jax.jacrev(lambda lg: per_head(hidden, lg)[1])(logits))).sum(-1)[:, 0]
+    for k in range(3):
+        assert np.flatnonzero(to_hidden[k]).tolist() == (list(range(j - 1 - k)) if prefix_layer else [j - 2 - k])
+        assert np.flatnonzero(to_logits[k]).tolist() == [j - 1]
+
+
+def test_embedding_noise_only_with_a_training_rng(target):
+    tokens, hidden = sequence(target, batch=2, length=12)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}
+    out = Output(hidden, Transformer(CONFIG).apply({"params": target.params}, hidden, method=Transformer.logits), None)
+    losses = {}
+    for alpha in (0.0, 75.0):
+        hydra = Hydra(num_heads=2, alpha_noise=alpha)
+        params = _random_heads(hydra, target)
+        losses[alpha] = [float(hydra.loss(params, target, batch | rng, out)[0])
+                         for rng in ({}, {"rng": jax.random.key(0)}, {"rng": jax.random.key(1)})]
+    assert losses[0.0][0] == losses[0.0][1] == losses[0.0][2]
+    plain, noisy0, noisy1 = losses[75.0]
+    assert plain == losses[0.0][0] and noisy0 != plain and noisy1 != noisy0
+
+
+@pytest.mark.parametrize("variant", ["hydra", "hydra++", "hydra+noise"])
+def test_training_lowers_the_loss(target, variant):
+    assert_trains(Hydra(alpha_noise=75.0) if variant == "hydra+noise" else VARIANTS[variant], target)
+
+
+@pytest.fixture(scope="module")
+def trained(target):
+    """variant -> fitted heads, fitted on first use. Hydra++'s teacher-only loss fits a random target's
+    near-flat distributions more slowly than the ground-truth loss (top-1 ~0.87 at 150 steps, ~0.95 at 250)."""
+    fitted = {}
+
+    def get(variant: str) -> dict:
+        if variant not in fitted:
+            fitted[variant] = fitted_heads(VARIANTS[variant], target, steps=250 if variant == "hydra++" else 150)
+        return fitted[variant]
+
+    return get
+
+
+# Every (variant, heads, tree preset) runs; the default run keeps a spread of trees, `-m slow` adds the rest.
+FAST_GREEDY = {("trained", "mc_sim_7b_63"), ("trained", "chain-4"), ("untrained", "small-8"), ("untrained", "chain-1")}
+
+
+@pytest.mark.parametrize(("variant", "heads", "tree"), [
+    pytest.param(v, h, t, marks=() if (h, t) in FAST_GREEDY else pytest.mark.slow)
+    for v in sorted(VARIANTS) for h in ("untrained", "trained") for t in sorted(PRESETS)])
+def test_greedy_hydra_equals_ar(target, trained, variant, heads, tree):
+    hydra = VARIANTS[variant]
+    params = trained(variant) if heads == "trained" else _random_heads(hydra, target)
+    for prompts in (PROMPTS, PROMPTS[1:2]):
+        tokens, lengths = pad_prompts(prompts)
+        ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=40,
+                      cache_size=64)
+        spec = speculative_generate(target.params, params, tokens, lengths, jax.random.key(0), config=CONFIG,
+                                    drafter=hydra, tree=PRESETS[tree], max_new_tokens=40, cache_size=128)
+        np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+        np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
+    if heads == "trained" and PRESETS[tree].depth > 1:
+        tau = 39 / int(spec.steps)
+        assert tau > 1.5, tau  # the drafts are used: accepted paths longer than the root alone
+
+
+def test_hydra_plus_plus_generation_compiles_once(target):
+    hydra = VARIANTS["hydra++"]
+    params = _random_heads(hydra, target)
+    kw = dict(config=CONFIG, drafter=hydra, tree=PRESETS["small-16"], max_new_tokens=24, cache_size=96)
+    with count_compiles() as compiles:
+        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
+            tokens, lengths = pad_prompts(prompts, length=16)
+            jax.block_until_ready(speculative_generate(target.params, params, tokens, lengths, jax.random.key(0),
+                                                       **kw))
+    assert len(compiles) == 1
+
+
+def test_checkpoint_keeps_the_variant(target, tmp_path):
+    hydra = Hydra.plus_plus(num_heads=2)
+    params = _random_heads(hydra, target)
+    save_draft(tmp_path / "heads", "hydra", hydra, params, CONFIG)
+    method, loaded, restored = load_draft(tmp_path / "heads", CONFIG, target.params)
+    assert (method, loaded) == ("hydra", hydra) and loaded.prefix_layer and loaded.num_layers == 4
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored)
+
+
+def test_refuses_a_tree_deeper_than_its_heads(target):
+    hydra = Hydra(num_heads=2)
+    tokens, lengths = pad_prompts(PROMPTS)
+    with pytest.raises(ValueError, match="tree depth 4 needs 4 heads"):
+        speculative_generate(target.params, hydra.init(jax.random.key(0), target), tokens, lengths,
+                             jax.random.key(0), config=CONFIG, drafter=hydra, tree=PRESETS["chain-4"],
+                             max_new_tokens=8, cache_size=64)
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="not both 0"):
+        Hydra(lm_weight=0.0, teacher_weight=0.0)
+    with pytest.raises(ValueError, match="num_layers"):
+        Hydra(num_layers=0)
+    with pytest.raises(ValueError, match="alpha_noise"):
+        Hydra(alpha_noise=-1.0)
+    plus = dataclasses.asdict(Hydra.plus_plus())
+    assert plus == {"num_heads": 4, "num_layers": 4, "prefix_layer": True, "lm_weight": 0.0, "teacher_weight": 1.0,
+                    "alpha_noise": 0.0}
