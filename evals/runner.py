@@ -74,6 +74,35 @@ class EvalConfig:
         return self.temperature == 0.0
 
 
+class RunMismatchError(ValueError):
+    """An out_dir whose finished results were made with other settings."""
+
+
+# Settings that change what a prompt's result is; a rerun into the same out_dir must keep them.
+RESULT_SETTINGS = ("model", "max_new_tokens", "temperature", "top_k", "top_p", "acceptance", "batch_size", "dtype",
+                   "seed", "pad_multiple", "attention")
+
+
+def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list[Method]) -> None:
+    """Compare with `run.json` of earlier runs into `out_dir` (resuming must not mix settings); process 0
+    then records this run's settings and methods."""
+    path = out_dir / "run.json"
+    dataset = {"kind": cfg.dataset.kind, "path": cfg.dataset.path, "chat": cfg.dataset.use_chat}
+    settings = {k: getattr(cfg, k) for k in RESULT_SETTINGS} | {"model": model_dir, "dataset": dataset}
+    described = json.loads(json.dumps({m.label: m.describe() for m in methods}))  # as stored (tuples -> lists)
+    previous = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "methods": {}}
+    changed = {k: (previous["settings"].get(k), v) for k, v in settings.items() if previous["settings"].get(k) != v}
+    changed |= {f"method {k}": (previous["methods"][k], v) for k, v in described.items()
+                if k in previous["methods"] and previous["methods"][k] != v}
+    if changed:
+        raise RunMismatchError(f"{out_dir} holds results made with other settings (before, now): {changed}; use a "
+                               "new out_dir (or delete this one) to evaluate with these settings")
+    _barrier("eval-run-file")
+    if jax.process_index() == 0:
+        merged = {"settings": settings, "methods": previous["methods"] | described}
+        path.write_text(json.dumps(merged, indent=2) + "\n")
+
+
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
@@ -218,6 +247,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     out_dir = Path(cfg.out_dir)
     results_dir = out_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
+    check_run_file(out_dir, cfg, model_dir, methods)
     settings = dict(config=config, max_new_tokens=cfg.max_new_tokens, attention=cfg.attention,
                     sampling=SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
                     eos_ids=stop_token_ids(model_dir, tok, config), pad_id=config.pad_token_id or 0)
