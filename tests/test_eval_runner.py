@@ -113,11 +113,13 @@ def test_resume_after_kill_matches_an_uninterrupted_run(prompts_file, reference,
     assert _essence(out) == _essence(reference)
 
 
-@pytest.mark.slow
 def test_two_local_processes_merge_to_the_one_process_result(prompts_file, reference, tmp_path):
+    """Also at batch size 2 (a padded last batch, rows of different lengths and turn counts): per-row results
+    equal the batch-1 run's."""
     out = tmp_path / "two"
+    args = _args(prompts_file, out) + ["--set", "batch_size=2"]
     result = subprocess.run([sys.executable, "-m", "evals.launch_local", "-n", "2", "--", sys.executable, "-m",
-                             "amphista_jax.cli", *_args(prompts_file, out)], cwd=ROOT, env=_subprocess_env(),
+                             "amphista_jax.cli", *args], cwd=ROOT, env=_subprocess_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "2 process(es)" in (out / "report.md").read_text()
