@@ -71,10 +71,12 @@ def plot_head_accuracy(summary: dict[str, Any], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, acc in summary["head_accuracy"].items():
         heads = sorted(int(k) for k in acc)
-        ax.plot([k + 1 for k in heads], [acc[str(k)]["top1"] for k in heads], "o-", label=f"{label} top-1")
-        ax.plot([k + 1 for k in heads], [acc[str(k)]["top5"] for k in heads], "s--", alpha=0.6, label=f"{label} top-5")
+        (line,) = ax.plot([k + 1 for k in heads], [acc[str(k)]["top1"] for k in heads], "o-", label=f"{label} top-1")
+        ax.plot([k + 1 for k in heads], [acc[str(k)]["top5"] for k in heads], "s--", color=line.get_color(),
+                alpha=0.6, label=f"{label} top-5")
     ax.set(xlabel="head (predicts token t + 1 + head)", ylabel="held-out accuracy", title="per-head accuracy",
            ylim=(0, 1))
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
