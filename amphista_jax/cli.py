@@ -143,13 +143,14 @@ def _distill(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from amphista_jax.config_io import load_config
     from evals.runner import EvalConfig, run_eval
 
-    overrides = list(args.set or [])
+    cfg = load_config(EvalConfig, args.config, args.set or [])
     if args.methods:
-        overrides.append("methods=[" + ", ".join(repr(m) for m in args.methods) + "]")
-    cfg = load_config(EvalConfig, args.config, overrides)
+        cfg = dataclasses.replace(cfg, methods=tuple(args.methods))
     summary = run_eval(cfg)
     mismatches = (summary or {}).get("lossless", {}).get("mismatches", [])
     if mismatches:

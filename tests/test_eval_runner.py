@@ -159,3 +159,28 @@ def test_rerun_with_other_settings_is_refused(reference, prompts_file, tmp_path)
         args = _args(prompts_file, out)
         args[args.index("medusa:untrained@small-8")] = "medusa-untrained@small-8=medusa:untrained@chain-4"
         cli.main(args)
+
+
+def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_path):
+    import jax
+
+    from amphista_jax.drafters import DRAFTERS, Target
+    from amphista_jax.models.config import tiny_llama_config
+    from amphista_jax.models.llama import init_params
+    from evals.methods import MethodSpecError, resolve_methods
+
+    config = tiny_llama_config()
+    target = Target(config, init_params(config, jax.random.key(0)))
+    specs = tuple(f"{name}:untrained" for name in DRAFTERS) + ("base=ar", "x=medusa:untrained@chain-4")
+    methods = resolve_methods(specs, "small-8", target)
+    assert [m.label for m in methods] == ["base", *(f"{n}-untrained" for n in DRAFTERS), "x"]  # AR first
+    assert [m.tree_name for m in methods] == ["-", *["small-8"] * len(DRAFTERS), "chain-4"]
+    assert resolve_methods(("medusa:untrained",), "small-8", target)[0].label == "ar"  # AR is always run
+    with pytest.raises(MethodSpecError, match="unknown method 'medusae'"):
+        resolve_methods(("medusae:untrained",), "small-8", target)
+    with pytest.raises(MethodSpecError, match="neither `ar`"):
+        resolve_methods((str(tmp_path / "no-heads"),), "small-8", target)
+    with pytest.raises(MethodSpecError, match="used twice"):
+        resolve_methods(("medusa:untrained", "medusa:untrained"), "small-8", target)
+    with pytest.raises(MethodSpecError, match="AR baseline has no tree"):
+        resolve_methods(("ar@chain-4",), "small-8", target)
