@@ -187,8 +187,8 @@ class _SpecState:
     num_tokens: jax.Array  # [B]
     done: jax.Array  # [B]
     accept_lengths: jax.Array  # [B, max_new_tokens] tokens committed per step (0 once done)
-    node_tries: jax.Array  # [B, D, R]
-    node_hits: jax.Array  # [B, D, R]
+    node_tries: jax.Array  # [B, D * R] (GenerateOutput.node_tries, flattened)
+    node_hits: jax.Array  # [B, D * R]
     steps: jax.Array  # []
     rng: jax.Array
 
