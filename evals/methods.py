@@ -77,7 +77,7 @@ def resolve_method(spec: str, default_tree: str, target: Target, seed: int = 0) 
         if name not in DRAFTERS:
             raise MethodSpecError(f"method spec {spec!r}: unknown method {name!r}; registered: {', '.join(DRAFTERS)}")
         drafter = DRAFTERS[name]()
-        params = drafter.init(jax.random.key(seed), target)
+        params = jax.jit(drafter.init)(jax.random.key(seed), target)  # one compile beats op-by-op init
         label = label or f"{name}-untrained{suffix}"
         return Method(label, spec, name, drafter, params, tree, tree_name or default_tree)
     if not Path(source).is_dir():

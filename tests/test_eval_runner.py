@@ -170,7 +170,7 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     from evals.methods import MethodSpecError, resolve_methods
 
     config = tiny_llama_config()
-    target = Target(config, init_params(config, jax.random.key(0)))
+    target = Target(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
     specs = tuple(f"{name}:untrained" for name in DRAFTERS) + ("base=ar", "x=medusa:untrained@chain-4")
     methods = resolve_methods(specs, "small-8", target)
     assert [m.label for m in methods] == ["base", *(f"{n}-untrained" for n in DRAFTERS), "x"]  # AR first
