@@ -167,6 +167,24 @@ def _distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from amphista_jax.config_io import load_config
+    from evals.runner import EvalConfig, run_eval
+
+    cfg = load_config(EvalConfig, args.config, args.set or [])
+    if args.methods:
+        cfg = dataclasses.replace(cfg, methods=tuple(args.methods))
+    summary = run_eval(cfg)
+    mismatches = (summary or {}).get("lossless", {}).get("mismatches", [])
+    if mismatches:
+        print(f"LOSSLESS CHECK FAILED: {len(mismatches)} prompt(s) differ from the AR baseline (listed in "
+              f"{cfg.out_dir}/report.md)", file=sys.stderr)
+        return 0 if cfg.allow_mismatch else 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="amphista-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_distill)
+
+    e = sub.add_parser("eval", help="tau, tokens/s, speed-up, per-head accuracy of AR and draft methods on a "
+                                    "benchmark (resumable, multi-process)")
+    e.add_argument("--config", required=True, help="YAML, e.g. configs/eval/humaneval-tiny.yaml")
+    e.add_argument("--methods", nargs="+", default=None,
+                   help="override the config's methods: `ar`, a heads directory, `<method>:untrained`, each "
+                        "optionally `label=...` and `...@tree`")
+    e.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    e.set_defaults(func=_eval)
 
     p = sub.add_parser("pretrain-target", help="train the embedded default target model (recipe)")
     p.add_argument("--config", default="configs/target/tiny-code.yaml")

@@ -40,6 +40,11 @@ class GenerateOutput:
     steps: jax.Array  # [] target forward passes after the prefill
     accept_lengths: jax.Array  # [B, max_new_tokens] tokens committed by each forward (0 once a row is done)
     drafted: jax.Array  # [B, max_new_tokens] bool, the token came from the drafter (accepted draft)
+    # Speculative decoding only (None for AR), summed over steps: `[B, D, R]` how often the tree node at depth
+    # d + 1 holding its head's rank-r candidate had its parent on the accepted path (tried), and how often it
+    # was itself accepted (hit). hit / tried = P(rank r is the target's token at depth d + 1 | path accepted).
+    node_tries: jax.Array | None = None
+    node_hits: jax.Array | None = None
 
 
 @struct.dataclass
@@ -182,8 +187,19 @@ class _SpecState:
     num_tokens: jax.Array  # [B]
     done: jax.Array  # [B]
     accept_lengths: jax.Array  # [B, max_new_tokens] tokens committed per step (0 once done)
+    node_tries: jax.Array  # [B, D * R] (GenerateOutput.node_tries, flattened)
+    node_hits: jax.Array  # [B, D * R]
     steps: jax.Array  # []
     rng: jax.Array
+
+
+def _depth_rank_onehot(depth: np.ndarray, rank: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """`[N, D * R]` 1 where draft node n sits at depth d + 1 with rank r (column d * R + r); root, padding 0."""
+    d_max, r_max = int(depth.max()), int(rank.max()) + 1
+    onehot = np.zeros((len(depth), max(d_max, 1) * r_max), np.int32)
+    for node in np.nonzero(valid & (depth > 0))[0]:
+        onehot[node, (depth[node] - 1) * r_max + rank[node]] = 1
+    return onehot
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -218,6 +234,8 @@ def speculative_generate(
     arrays = tree_arrays(tree)
     n, depth = tree.num_nodes, tree.depth
     _check_static_fit(t, max_new_tokens, n, cache_size)
+    onehot = _depth_rank_onehot(np.asarray(arrays.depth), np.asarray(arrays.topk_index), np.asarray(arrays.valid))
+    stat_shape = (max(depth, 1), onehot.shape[1] // max(depth, 1))  # (D, R)
     model = Transformer(config, attention=attention)
     dtype = jax.tree.leaves(params)[0].dtype
     out, cache, hidden, logits = prefill(model, params, prompt, prompt_lengths,
@@ -233,6 +251,8 @@ def speculative_generate(
         num_tokens=jnp.ones((b,), jnp.int32),
         done=is_stop(first, eos_ids) | (max_new_tokens <= 1),
         accept_lengths=jnp.zeros((b, max_new_tokens), jnp.int32),
+        node_tries=jnp.zeros((b, stat_shape[0] * stat_shape[1]), jnp.int32),
+        node_hits=jnp.zeros((b, stat_shape[0] * stat_shape[1]), jnp.int32),
         steps=jnp.zeros((), jnp.int32), rng=rng)
     tree_mask = jnp.broadcast_to(jnp.asarray(arrays.mask), (b, n, n))
 
@@ -263,8 +283,14 @@ def speculative_generate(
         num_tokens = s.num_tokens + count
         done = s.done | (hit & (first_stop <= count)) | (num_tokens >= max_new_tokens)
         accept_lengths = s.accept_lengths.at[:, s.steps].set(count, mode="drop")
+        # Tree-search statistics: nodes whose parent is on the accepted path were tried; on it, hit.
+        on_path = (verdict.accepted_nodes[:, :, None] == jnp.arange(n)[None, None]).any(1)  # [B, N]
+        tried = on_path[:, jnp.asarray(arrays.parent)] & ~s.done[:, None]
+        node_tries = s.node_tries + tried.astype(jnp.int32) @ onehot
+        node_hits = s.node_hits + (tried & on_path).astype(jnp.int32) @ onehot
         return _SpecState(cache, draft_state, verdict.bonus, hidden, tokens, drafted, num_tokens, done,
-                          accept_lengths, s.steps + 1, s.rng)
+                          accept_lengths, node_tries, node_hits, s.steps + 1, s.rng)
 
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths, final.drafted)
+    return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths, final.drafted,
+                          final.node_tries.reshape(b, *stat_shape), final.node_hits.reshape(b, *stat_shape))

@@ -39,11 +39,16 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool = Fa
     """Token ids of `text`; with `chat`, as one user turn through the tokenizer's chat template."""
     if not chat:
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return encode_conversation(tokenizer, [{"role": "user", "content": text}])
+
+
+def encode_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` (`[{"role", "content"}]`) through the chat template, ending with the header of
+    the assistant's next turn (`add_generation_prompt`)."""
     if not tokenizer.chat_template:
         raise TokenizerError("this tokenizer has no chat template: drop --chat, or add a chat_template to its "
                              "tokenizer_config.json")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     return list(ids)
 
 

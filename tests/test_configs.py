@@ -8,6 +8,7 @@ import pytest
 
 from amphista_jax.config_io import ConfigFileError, load_config
 from amphista_jax.drafters import DRAFTERS
+from evals.runner import EvalConfig
 from train.heads import TrainConfig
 from train.pretrain_target import PretrainConfig
 
@@ -16,10 +17,12 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_config_file_parses(path):
-    kind = path.relative_to(CONFIGS).parts[0]  # "target", or a method's directory
-    cls = PretrainConfig if kind == "target" else TrainConfig
+    kind = path.relative_to(CONFIGS).parts[0]  # "target", "eval", or a method's directory
+    cls = {"target": PretrainConfig, "eval": EvalConfig}.get(kind, TrainConfig)
     cfg = load_config(cls, path)
     assert isinstance(cfg, cls)
+    if cls is EvalConfig:
+        assert cfg.methods[0] == "ar" and len(cfg.methods) >= 2
     if cls is TrainConfig:
         assert cfg.method == kind and kind in DRAFTERS
     assert f"--config configs/{path.relative_to(CONFIGS)}" in path.read_text()  # header shows its run command
@@ -47,3 +50,14 @@ def test_method_settings_are_checked_against_the_method():
         load_config(TrainConfig, path, ["method_settings.auto_embeding=false"])
     with pytest.raises(ValueError, match="adaptation_stages"):
         load_config(TrainConfig, path, ["method_settings.adaptation_stages=9"])
+
+
+def test_eval_config_overrides_and_errors():
+    path = CONFIGS / "eval" / "humaneval-tiny.yaml"
+    cfg = load_config(EvalConfig, path, ["methods=[ar, 'medusa:untrained@chain-4']", "dataset.limit=3"])
+    assert cfg.methods == ("ar", "medusa:untrained@chain-4") and cfg.dataset.limit == 3
+    assert (cfg.dataset.kind, cfg.tree, cfg.max_new_tokens, cfg.temperature) == ("humaneval", "mc_sim_7b_63", 128, 0.0)
+    with pytest.raises(ConfigFileError, match="dataset.kind 'mtbench' must be one of"):
+        load_config(EvalConfig, path, ["dataset.kind=mtbench"])
+    with pytest.raises(ConfigFileError, match="greedy acceptance needs temperature 0"):
+        load_config(EvalConfig, path, ["acceptance=greedy", "temperature=0.7"])

@@ -248,3 +248,44 @@ def test_speculative_sampling_matches_the_target_end_to_end(drafter):
     first_dist, cond = jax.nn.softmax(first_logits), jax.nn.softmax(cond_logits)
     exact = np.asarray(first_dist @ cond)
     assert chi_square(np.bincount(second, minlength=16), exact / exact.sum()) < CHI2_999[15]
+
+
+def test_tree_statistics_count_tried_and_accepted_nodes_by_depth_and_rank(target):
+    """The oracle proposes the right token at every node, so greedy acceptance takes the all-rank-0 path
+    (the first longest one) each step: every node whose parent lies on that path is tried once per step, and
+    only the rank-0 child is hit. Expected counts come from the tree spec alone."""
+    tree = PRESETS["mc_sim_7b_63"]
+    ar = _ar(target, PROMPTS)
+    tokens, _ = pad_prompts(PROMPTS)
+    spec = _run(target, Oracle(), reference_rows(ar, PROMPTS, tokens.shape[1] + NEW + 8), PROMPTS, tree)
+    steps = (np.asarray(spec.accept_lengths) > 0).sum(1)  # [B] each row's decoding forwards
+    tries, hits = np.asarray(spec.node_tries), np.asarray(spec.node_hits)  # [B, D, R]
+    ranks = tries.shape[2]
+    assert tries.shape == (3, tree.depth, max(p[-1] for p in tree.choices) + 1)
+    for d in range(tree.depth):
+        for r in range(ranks):
+            under_accepted = ((0,) * d + (r,)) in tree.choices
+            np.testing.assert_array_equal(tries[:, d, r], steps * under_accepted)
+            np.testing.assert_array_equal(hits[:, d, r], steps * (under_accepted and r == 0))
+    assert generate(target, tokens, pad_prompts(PROMPTS)[1], jax.random.key(0), config=CONFIG, max_new_tokens=4,
+                    cache_size=64).node_tries is None  # AR has no tree
+
+
+def test_tree_statistics_with_partial_acceptance():
+    """Noisy drafts: every depth-1 node is tried once per step, and the hits add up to the accepted drafts."""
+    params = init_params(CONFIG, jax.random.key(0))
+    tokens, lengths = pad_prompts(PROMPTS)
+    ar = generate(params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=NEW, cache_size=64)
+    ref = reference_rows(ar, PROMPTS, tokens.shape[1] + NEW + 8)
+    tree = PRESETS["small-16"]
+    spec = speculative_generate(params, ref, tokens, lengths, jax.random.key(0), config=CONFIG, drafter=NoisyOracle(),
+                                tree=tree, max_new_tokens=NEW, cache_size=128)
+    accepted = np.asarray(spec.accept_lengths)
+    steps = (accepted > 0).sum(1)
+    tries, hits = np.asarray(spec.node_tries), np.asarray(spec.node_hits)
+    depth1 = [p[0] for p in tree.choices if len(p) == 1]
+    np.testing.assert_array_equal(tries[:, 0, depth1], np.repeat(steps[:, None], len(depth1), 1))
+    assert (hits <= tries).all() and hits[:, 1:].sum() > 0 and hits[:, 0, 1:].sum() > 0  # later siblings hit too
+    # accepted drafts per step = accept length - 1, except the last step of a row may be cut by max_new_tokens
+    drafted = (accepted - 1).clip(0).sum(1)
+    assert (hits.sum((1, 2)) >= drafted).all() and (hits.sum((1, 2)) <= drafted + tree.depth).all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import gzip
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -67,9 +68,14 @@ class DataReport:
         return "\n".join(lines)
 
 
-def _records(path: Path, report: DataReport) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed JSON) for a JSONL file or a JSON list file; bad JSON lines are skipped."""
-    text = path.read_text(encoding="utf-8")
+def read_records(path: Path, report: DataReport) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for a JSONL file (gzipped when it ends in .gz) or a JSON list file; bad JSON
+    lines are skipped and reported by line number."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = path.read_text(encoding="utf-8")
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -143,7 +149,7 @@ def conversation_examples(path: str | Path, tok: PreTrainedTokenizerBase, max_le
     report = DataReport(str(path))
     examples = []
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    for line, record in _records(path, report):
+    for line, record in read_records(path, report):
         try:
             messages = normalize_messages(record)
         except ValueError as e:

@@ -21,7 +21,7 @@ from amphista_jax.decode import check_fits, generate, pad_prompts
 from amphista_jax.models.hf import load_params
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-from train.data import DataError, DataReport, _records, normalize_messages
+from train.data import DataError, DataReport, normalize_messages, read_records
 
 
 def read_prompts(path: str | Path) -> tuple[list[tuple[str, str]], DataReport]:
@@ -31,7 +31,7 @@ def read_prompts(path: str | Path) -> tuple[list[tuple[str, str]], DataReport]:
         raise DataError(f"prompts file {path} does not exist")
     report = DataReport(str(path))
     prompts = []
-    for line, record in _records(path, report):
+    for line, record in read_records(path, report):
         text = _prompt_text(record)
         if text is None:
             report.skip(line, "no prompt (expected `prompt`, `turns` or a conversation with a user turn)")

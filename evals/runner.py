@@ -1,0 +1,260 @@
+"""The evaluation runner: `amphista-jax eval --config configs/eval/humaneval-tiny.yaml [--methods ...]`.
+
+For each method (the AR baseline first, then each drafter with its heads and tree) every prompt is
+generated with identical settings (sampling, max_new_tokens, batch size, dtype, seed per prompt). Prompts
+are right-padded to a multiple of `pad_multiple` tokens so that one compiled program serves many prompts;
+each new shape is compiled ahead of time (timed apart as `compile_s`) and run once untimed (warm-up) before
+the timed runs. One JSON line per finished prompt goes to `results/<label>.process<i>.jsonl`
+(`evals.results`); a rerun skips finished prompts. Several processes (`jax.distributed`, see
+`evals.launch_local`) split the unfinished prompts; they share `out_dir` on one filesystem, and process 0
+merges every file into `summary.json`, `report.md` and the plots (`evals.report`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from amphista_jax.assets import default_model_dir
+from amphista_jax.decode import pad_prompts
+from amphista_jax.drafters import Target
+from amphista_jax.models.hf import load_params
+from amphista_jax.sampling import SamplingConfig
+from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
+from amphista_jax.verify import AcceptanceConfig
+from evals.datasets import DatasetConfig, Prompt, load_prompts, render_turn
+from evals.head_accuracy import head_accuracy, heldout_batches
+from evals.methods import Method, resolve_methods
+from evals.metrics import breakdown, lossless_mismatches, tree_statistics
+from evals.report import write_reports
+from evals.results import ResultWriter, process_file, read_results, safe_label
+from train.heads import DataConfig
+from train.loop import maybe_initialize_distributed
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    dataset: DatasetConfig = DatasetConfig()
+    methods: tuple[str, ...] = ("ar",)  # specs, see evals.methods; the AR baseline is always run first
+    out_dir: str = "runs/eval/default"
+    model: str = ""  # HF checkpoint directory; "" = the embedded default
+    tree: str = "mc_sim_7b_63"  # default tree of every draft method (a spec's `@tree` overrides it)
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    acceptance: str | None = None  # None: greedy at temperature 0, lossless rejection sampling otherwise
+    batch_size: int = 1
+    dtype: str = "float32"
+    seed: int = 0
+    pad_multiple: int = 64
+    attention: str = "xla"
+    heldout: DataConfig = DataConfig(kind="stdlib")  # per-head accuracy data
+    heldout_batches: int = 4  # 0 = skip per-head accuracy
+    allow_mismatch: bool = False  # exit 0 even when a method's greedy output differs from AR's
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.pad_multiple < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}, batch_size={self.batch_size} and "
+                             f"pad_multiple={self.pad_multiple} must all be >= 1")
+        if not self.methods:
+            raise ValueError("methods is empty: give at least `ar`")
+        AcceptanceConfig(self.acceptance).resolve(SamplingConfig(self.temperature, self.top_k, self.top_p))
+
+    @property
+    def lossless_checked(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RunMismatchError(ValueError):
+    """An out_dir whose finished results were made with other settings."""
+
+
+# Settings that change what a prompt's result is; a rerun into the same out_dir must keep them.
+RESULT_SETTINGS = ("model", "max_new_tokens", "temperature", "top_k", "top_p", "acceptance", "batch_size", "dtype",
+                   "seed", "pad_multiple", "attention")
+
+
+def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list[Method]) -> None:
+    """Compare with `run.json` of earlier runs into `out_dir` (resuming must not mix settings); process 0
+    then records this run's settings and methods."""
+    path = out_dir / "run.json"
+    dataset = {"kind": cfg.dataset.kind, "path": cfg.dataset.path, "chat": cfg.dataset.use_chat}
+    settings = {k: getattr(cfg, k) for k in RESULT_SETTINGS} | {"model": model_dir, "dataset": dataset}
+    described = json.loads(json.dumps({m.label: m.describe() for m in methods}))  # as stored (tuples -> lists)
+    previous = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "methods": {}}
+    changed = {k: (previous["settings"].get(k), v) for k, v in settings.items() if previous["settings"].get(k) != v}
+    changed |= {f"method {k}": (previous["methods"][k], v) for k, v in described.items()
+                if k in previous["methods"] and previous["methods"][k] != v}
+    if changed:
+        raise RunMismatchError(f"{out_dir} holds results made with other settings (before, now): {changed}; use a "
+                               "new out_dir (or delete this one) to evaluate with these settings")
+    _barrier("eval-run-file")
+    if jax.process_index() == 0:
+        merged = {"settings": settings, "methods": previous["methods"] | described}
+        path.write_text(json.dumps(merged, indent=2) + "\n")
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+@dataclasses.dataclass
+class _Session:
+    cfg: EvalConfig
+    params: dict
+    tok: Any
+    settings: dict[str, Any]
+    results_dir: Path
+
+
+def _run_batch(s: _Session, method: Method, batch: list[tuple[int, Prompt]], programs: dict,
+               compile_log: ResultWriter) -> list[dict[str, Any]]:
+    """Generate every turn of `batch` (global index, prompt); returns one record per prompt."""
+    cfg = s.cfg
+    chat = cfg.dataset.use_chat
+    turns: dict[int, list[dict[str, Any]]] = {i: [] for i, _ in batch}
+    node_stats: dict[int, list[np.ndarray]] = {}
+    for t in range(max(len(p.turns) for _, p in batch)):
+        rows = [(i, p) for i, p in batch if len(p.turns) > t]
+        ids = [render_turn(s.tok, p, [x["text"] for x in turns[i]], chat) for i, p in rows]
+        ids += [ids[0]] * (cfg.batch_size - len(ids))  # fixed batch shape; padding rows are discarded
+        tokens, lengths = pad_prompts(ids, pad_id=s.settings["pad_id"], multiple=cfg.pad_multiple)
+        rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), rows[0][0]), t)
+        args = method.args(s.params, tokens, lengths, rng)
+        if tokens.shape not in programs:
+            t0 = time.perf_counter()
+            programs[tokens.shape] = method.compile(
+                s.params, tokens, lengths, rng, cache_size=tokens.shape[1] + cfg.max_new_tokens + method.tree_nodes,
+                **s.settings, **({"acceptance": AcceptanceConfig(cfg.acceptance)} if method.drafter else {}))
+            compile_s = time.perf_counter() - t0
+            jax.block_until_ready(programs[tokens.shape](*args))  # warm-up, not timed
+            compile_log.write({"process": jax.process_index(), "shape": list(tokens.shape), "compile_s": compile_s})
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(programs[tokens.shape](*args))
+        seconds = time.perf_counter() - t0
+        out = jax.device_get(out)
+        for row, (i, _) in enumerate(rows):
+            n = int(out.num_tokens[row])
+            new = [int(x) for x in out.tokens[row, :n]]
+            accept = [int(a) for a in out.accept_lengths[row] if a > 0]
+            turns[i].append({"prompt_tokens": int(lengths[row]), "tokens": new,
+                             "text": s.tok.decode(new, skip_special_tokens=True), "new_tokens": n,
+                             "steps": len(accept), "accept_lengths": accept, "drafted": int(out.drafted[row].sum()),
+                             "wall_s": seconds / len(rows)})
+            if out.node_tries is not None:
+                node_stats.setdefault(i, []).append(np.stack([out.node_tries[row], out.node_hits[row]]))
+    records = []
+    for i, p in batch:
+        record = {"id": p.id, "category": p.category, "index": i, "turns": turns[i]}
+        if i in node_stats:
+            total = np.sum(node_stats[i], axis=0)  # [2, D, R]
+            record |= {"node_tries": total[0].tolist(), "node_hits": total[1].tolist()}
+        records.append(record)
+    return records
+
+
+def run_method(s: _Session, method: Method, prompts: list[Prompt]) -> int:
+    """Generate this process's share of `method`'s unfinished prompts; returns how many it ran."""
+    finished = {r["id"] for r in read_results(s.results_dir, method.label)}
+    _barrier(f"eval-read-{safe_label(method.label)}")  # every process read the same finished set
+    todo = [(i, p) for i, p in enumerate(prompts) if p.id not in finished]
+    mine = todo[jax.process_index()::jax.process_count()]
+    writer = ResultWriter(process_file(s.results_dir, method.label, jax.process_index()))
+    compile_log = ResultWriter(process_file(s.results_dir.parent / "compile", method.label, jax.process_index()))
+    programs: dict[tuple[int, int], Any] = {}
+    bs = s.cfg.batch_size
+    with tqdm(total=len(mine), desc=f"{method.label} ({len(finished)} done before)", unit="prompt",
+              disable=jax.process_index() != 0, dynamic_ncols=True) as bar:
+        for start in range(0, len(mine), bs):
+            for record in _run_batch(s, method, mine[start: start + bs], programs, compile_log):
+                writer.write(record)
+                bar.update(1)
+    writer.close()
+    compile_log.close()
+    return len(mine)
+
+
+def _head_accuracies(s: _Session, methods: list[Method], config: Any, out_dir: Path) -> dict[str, Any]:
+    """Per-head held-out accuracy of every draft method, cached in head_accuracy.json across reruns."""
+    path = out_dir / "head_accuracy.json"
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    drafts = [m for m in methods if m.drafter is not None and m.label not in cache]
+    if drafts and s.cfg.heldout_batches > 0:
+        batches = heldout_batches(s.tok, s.cfg.heldout, s.cfg.heldout_batches)
+        for m in drafts:
+            acc = head_accuracy(Target(config, s.params), m.drafter, m.draft_params, batches)
+            cache[m.label] = {str(k): v for k, v in acc.items()}
+        path.write_text(json.dumps(cache, indent=2) + "\n")
+    return {m.label: cache[m.label] for m in methods if m.label in cache}
+
+
+def summarize(s: _Session, methods: list[Method], prompts: list[Prompt], config: Any, out_dir: Path,
+              model_dir: str) -> dict[str, Any]:
+    """Merge every process's results (process 0) and write summary.json, report.md and the plots."""
+    order = {p.id: k for k, p in enumerate(prompts)}
+    results = {m.label: sorted((r for r in read_results(s.results_dir, m.label) if r["id"] in order),
+                               key=lambda r: order[r["id"]]) for m in methods}
+    merged = out_dir / "merged"
+    merged.mkdir(exist_ok=True)
+    for label, recs in results.items():
+        (merged / f"{safe_label(label)}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ar = methods[0].label
+    compile_s = {m.label: [json.loads(x) for x in _read_lines(s.results_dir.parent / "compile", m.label)]
+                 for m in methods}
+    summary = {
+        "model": model_dir, "config": dataclasses.asdict(s.cfg), "backend": jax.default_backend(),
+        "processes": jax.process_count(), "prompts": len(prompts),
+        "methods": [m.describe() for m in methods],
+        "metrics": breakdown(results, ar),
+        "lossless": ({"checked": True, "mismatches": lossless_mismatches(results, ar)} if s.cfg.lossless_checked
+                     else {"checked": False, "reason": "temperature > 0: outputs are samples"}),
+        "head_accuracy": _head_accuracies(s, methods, config, out_dir),
+        "compile": compile_s,
+    }
+    stats = {m.label: tree_statistics(results[m.label]) for m in methods if m.drafter is not None}
+    stats = {k: v | {"tree": next(m.tree_name for m in methods if m.label == k)} for k, v in stats.items() if v}
+    (out_dir / "tree_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    write_reports(out_dir, summary)
+    return summary
+
+
+def _read_lines(directory: Path, label: str) -> list[str]:
+    return [line for p in sorted(directory.glob(f"{safe_label(label)}.process*.jsonl"))
+            for line in p.read_text().splitlines() if line.strip()]
+
+
+def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
+    """Run every method on every prompt (resuming), then merge on process 0. Returns the summary on
+    process 0 and None elsewhere."""
+    maybe_initialize_distributed()
+    model_dir = cfg.model or str(default_model_dir())
+    params, config = load_params(model_dir, dtype=cfg.dtype)
+    tok = load_tokenizer(model_dir)
+    prompts, report = load_prompts(cfg.dataset)
+    if jax.process_index() == 0:
+        print(report.summary())
+    methods = resolve_methods(cfg.methods, cfg.tree, Target(config, params), cfg.seed)
+    out_dir = Path(cfg.out_dir)
+    results_dir = out_dir / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    check_run_file(out_dir, cfg, model_dir, methods)
+    settings = dict(config=config, max_new_tokens=cfg.max_new_tokens, attention=cfg.attention,
+                    sampling=SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
+                    eos_ids=stop_token_ids(model_dir, tok, config), pad_id=config.pad_token_id or 0)
+    session = _Session(cfg, params, tok, settings, results_dir)
+    for method in methods:
+        run_method(session, method, prompts)
+    _barrier("eval-generated")
+    if jax.process_index() != 0:
+        return None
+    return summarize(session, methods, prompts, config, out_dir, model_dir)

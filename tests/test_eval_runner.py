@@ -1,0 +1,186 @@
+"""The evaluation runner end to end on the embedded model: resume after a kill, two real local processes
+(jax.distributed on 127.0.0.1) merge to the one-process result, and the lossless check fails loudly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from amphista_jax import cli
+from evals.results import read_results
+
+ROOT = Path(__file__).parents[1]
+PROMPTS = [
+    {"id": "add", "category": "code", "prompt": "def add(a, b):\n"},
+    {"id": "stack", "category": "code", "prompt": "class Stack:\n    def __init__(self):\n"},
+    {"id": "os", "category": "imports", "prompt": "import os\n"},
+    {"id": "two-turns", "category": "imports", "turns": ["import sys\n", "\n\ndef main():\n"]},
+    {"id": "json", "category": "code", "prompt": "def load(path):\n    with open(path) as f:\n"},
+]
+LABELS = ("ar", "medusa-untrained@small-8")
+
+
+def _args(prompts: Path, out: Path) -> list[str]:
+    return ["eval", "--config", str(ROOT / "configs/eval/humaneval-tiny.yaml"), "--methods", "ar",
+            "medusa:untrained@small-8", "--set", "dataset.kind=jsonl", "--set", f"dataset.path={prompts}",
+            "--set", "dataset.limit=0", "--set", "max_new_tokens=8", "--set", f"out_dir={out}",
+            "--set", "heldout_batches=0"]
+
+
+def _essence(out: Path) -> dict[str, list]:
+    """Everything but timings, per method, in prompt order, from the merged results."""
+    keep = ("tokens", "text", "steps", "accept_lengths", "new_tokens", "prompt_tokens")
+    return {label: [(r["id"], r["category"], [{k: t[k] for k in keep} for t in r["turns"]], r.get("node_hits"))
+                    for r in map(json.loads, (out / "merged" / f"{label.replace('@', '_')}.jsonl").read_text()
+                                 .splitlines())]
+            for label in LABELS}
+
+
+def _lines(out: Path) -> list[str]:
+    return [line for p in sorted((out / "results").glob("*.process*.jsonl")) for line in p.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(prompts_file, tmp_path_factory) -> Path:
+    """One uninterrupted single-process run."""
+    out = tmp_path_factory.mktemp("reference")
+    assert cli.main(_args(prompts_file, out)) == 0
+    return out
+
+
+def _subprocess_env() -> dict[str, str]:
+    env = dict(os.environ) | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    return env
+
+
+def test_reference_run_is_complete_lossless_and_reported(reference):
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["lossless"] == {"checked": True, "mismatches": []}
+    assert [m["label"] for m in summary["methods"]] == list(LABELS)
+    ar = summary["metrics"]["ar"]
+    assert list(ar) == ["overall", "code", "imports"] and ar["overall"]["tau"] == 1.0
+    assert ar["overall"]["prompts"] == 5 and ar["overall"]["turns"] == 6
+    essence = _essence(reference)
+    two = next(r for r in essence["ar"] if r[0] == "two-turns")
+    assert len(two[2]) == 2 and two[2][1]["prompt_tokens"] > two[2][0]["prompt_tokens"]  # answer 1 is in turn 2
+    same = lambda rows: [(i, [(t["tokens"], t["text"], t["prompt_tokens"]) for t in turns])  # noqa: E731
+                         for i, _, turns, _ in rows]
+    assert same(essence["ar"]) == same(essence[LABELS[1]])  # identical tokens and texts in every turn
+    assert sum(r[2][0]["steps"] for r in essence[LABELS[1]]) < sum(r[2][0]["steps"] for r in essence["ar"])
+    stats = json.loads((reference / "tree_stats.json").read_text())[LABELS[1]]
+    assert stats["tree"] == "small-8" and len(stats["depth_rank_tries"]) == 3
+    report = (reference / "report.md").read_text()
+    assert "| medusa-untrained@small-8 | small-8 | **overall** | 5 |" in report
+    assert (reference / "tau_by_category.png").stat().st_size > 1000
+
+
+def test_resume_after_kill_matches_an_uninterrupted_run(prompts_file, reference, tmp_path):
+    out = tmp_path / "resumed"
+    proc = subprocess.Popen([sys.executable, "-m", "amphista_jax.cli", *_args(prompts_file, out)], cwd=ROOT,
+                            env=_subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and len(_lines(out) if (out / "results").is_dir() else []) < 2:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = _lines(out)
+    assert 2 <= len(before) < 2 * len(PROMPTS), "the run was not killed part-way"
+    ar_file = out / "results" / "ar.process0.jsonl"
+    with ar_file.open("a") as f:
+        f.write('{"id": "torn-write", "turns": [')  # a crash in the middle of a line
+    assert cli.main(_args(prompts_file, out)) == 0
+    after = _lines(out)
+    assert after[: len(before)] == before  # finished prompts were kept, not rerun
+    ids = [(p.name.split(".process")[0], json.loads(line)["id"]) for p in sorted((out / "results").glob("*.jsonl"))
+           for line in p.read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 2 * len(PROMPTS)  # no prompt ran twice; the torn line is gone
+    assert _essence(out) == _essence(reference)
+
+
+def test_two_local_processes_merge_to_the_one_process_result(prompts_file, reference, tmp_path):
+    """Also at batch size 2 (a padded last batch, rows of different lengths and turn counts): per-row results
+    equal the batch-1 run's."""
+    out = tmp_path / "two"
+    args = _args(prompts_file, out) + ["--set", "batch_size=2"]
+    result = subprocess.run([sys.executable, "-m", "evals.launch_local", "-n", "2", "--", sys.executable, "-m",
+                             "amphista_jax.cli", *args], cwd=ROOT, env=_subprocess_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "2 process(es)" in (out / "report.md").read_text()
+    for label in LABELS:
+        per_process = [len(p.read_text().splitlines()) for p in sorted((out / "results").glob(
+            f"{label.replace('@', '_')}.process*.jsonl"))]
+        assert per_process == [3, 2]  # prompts were split between the two processes
+    assert _essence(out) == _essence(reference)
+
+
+def test_lossless_check_fails_loudly_on_a_wrong_drafter_output(reference, prompts_file, tmp_path, capsys):
+    out = tmp_path / "corrupted"
+    shutil.copytree(reference, out)
+    path = out / "results" / "medusa-untrained_small-8.process0.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records[2]["turns"][0]["tokens"][3] += 1  # a drafter that emitted a token the target would not have
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cli.main(_args(prompts_file, out)) == 1
+    assert "LOSSLESS CHECK FAILED: 1 prompt(s)" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    bad = records[2]["turns"][0]["tokens"][3]
+    assert summary["lossless"]["mismatches"] == [{"id": records[2]["id"], "method": LABELS[1], "turn": 0, "index": 3,
+                                                  "ar_token": bad - 1, "method_token": bad}]
+    assert "**1 MISMATCH(ES)**" in (out / "report.md").read_text()
+    assert cli.main(_args(prompts_file, out) + ["--set", "allow_mismatch=true"]) == 0
+    assert len(read_results(out / "results", LABELS[1])) == len(PROMPTS)  # nothing was regenerated
+
+
+def test_rerun_with_other_settings_is_refused(reference, prompts_file, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(reference, out)
+    from evals.runner import RunMismatchError
+
+    with pytest.raises(RunMismatchError, match=r"max_new_tokens.*\(8, 9\).*use a new out_dir"):
+        cli.main(_args(prompts_file, out) + ["--set", "max_new_tokens=9"])
+    with pytest.raises(RunMismatchError, match="method medusa-untrained@small-8"):
+        args = _args(prompts_file, out)
+        args[args.index("medusa:untrained@small-8")] = "medusa-untrained@small-8=medusa:untrained@chain-4"
+        cli.main(args)
+
+
+def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_path):
+    import jax
+
+    from amphista_jax.drafters import DRAFTERS, Target
+    from amphista_jax.models.config import tiny_llama_config
+    from amphista_jax.models.llama import init_params
+    from evals.methods import MethodSpecError, resolve_methods
+
+    config = tiny_llama_config()
+    target = Target(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    specs = tuple(f"{name}:untrained" for name in DRAFTERS) + ("base=ar", "x=medusa:untrained@chain-4")
+    methods = resolve_methods(specs, "small-8", target)
+    assert [m.label for m in methods] == ["base", *(f"{n}-untrained" for n in DRAFTERS), "x"]  # AR first
+    assert [m.tree_name for m in methods] == ["-", *["small-8"] * len(DRAFTERS), "chain-4"]
+    assert resolve_methods(("medusa:untrained",), "small-8", target)[0].label == "ar"  # AR is always run
+    with pytest.raises(MethodSpecError, match="unknown method 'medusae'"):
+        resolve_methods(("medusae:untrained",), "small-8", target)
+    with pytest.raises(MethodSpecError, match="neither `ar`"):
+        resolve_methods((str(tmp_path / "no-heads"),), "small-8", target)
+    with pytest.raises(MethodSpecError, match="used twice"):
+        resolve_methods(("medusa:untrained", "medusa:untrained"), "small-8", target)
+    with pytest.raises(MethodSpecError, match="AR baseline has no tree"):
+        resolve_methods(("ar@chain-4",), "small-8", target)
