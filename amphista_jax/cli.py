@@ -102,6 +102,8 @@ def _demo(args: argparse.Namespace) -> int:
     from amphista_jax.assets import shipped_heads_dir
     from amphista_jax.demo import format_result, humaneval_prompt, run_demo
 
+    if args.runs < 1:
+        raise SystemExit(f"--runs {args.runs}: the demo needs at least one timed run per decoder")
     heads = args.heads or shipped_heads_dir(args.method)
     prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.task)
     result = run_demo(args.model, heads, prompt, args.tree, args.max_new_tokens, args.runs)
@@ -212,10 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="speculative decoding with the shipped heads vs AR on a HumanEval prompt")
     m.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny-code-llama)")
-    m.add_argument("--method", default="amphista", help="which shipped heads to use (amphista or medusa)")
+    m.add_argument("--method", default="amphista", choices=("amphista", "medusa"), help="which shipped heads to use")
     m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
-    m.add_argument("--task", default="HumanEval/0", help="HumanEval task id whose prompt to complete")
-    m.add_argument("--prompt", default=None, help="complete this text instead of a HumanEval prompt")
+    source = m.add_mutually_exclusive_group()
+    source.add_argument("--task", default="HumanEval/0", help="HumanEval task id whose prompt to complete")
+    source.add_argument("--prompt", default=None, help="complete this text instead of a HumanEval prompt")
     m.add_argument("--tree", default="mc_sim_7b_63", help="tree preset name or JSON file of top-k paths")
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--runs", type=int, default=3, help="timed runs per decoder (median), after a warm-up")

@@ -62,9 +62,18 @@ class Method:
                 "tree_nodes": self.tree_nodes, "settings": settings}
 
 
+def split_label(spec: str) -> tuple[str, str]:
+    """`label=source[@tree]` -> (label, source[@tree]); a heads path that itself contains `=`
+    (`runs/lr=1e-3/heads`) is a source, not a label."""
+    label, eq, rest = spec.partition("=")
+    if not eq or "/" in label or Path(spec.partition("@")[0]).is_dir():
+        return "", spec
+    return label, rest
+
+
 def resolve_method(spec: str, default_tree: str, target: Target, seed: int = 0) -> Method:
     """One spec (see the module docstring) -> Method, with its heads loaded and checked against `target`."""
-    label, _, rest = spec.rpartition("=") if "=" in spec else ("", "", spec)
+    label, rest = split_label(spec)
     source, _, tree_name = rest.partition("@")
     if source == AR:
         if tree_name:
@@ -89,8 +98,8 @@ def resolve_method(spec: str, default_tree: str, target: Target, seed: int = 0) 
 
 def resolve_methods(specs: tuple[str, ...], default_tree: str, target: Target, seed: int = 0) -> list[Method]:
     """The AR baseline first (added when missing), then each spec in order; labels must be unique."""
-    ar_specs = [s for s in specs if s.rpartition("=")[2] == AR]
-    specs = tuple(s for s in specs if s.rpartition("=")[2] != AR)
+    ar_specs = [s for s in specs if split_label(s)[1] == AR]
+    specs = tuple(s for s in specs if split_label(s)[1] != AR)
     methods = [resolve_method(ar_specs[0] if ar_specs else AR, default_tree, target, seed)]
     methods += [resolve_method(s, default_tree, target, seed) for s in specs]
     labels = [m.label for m in methods]

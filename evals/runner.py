@@ -79,8 +79,9 @@ class RunMismatchError(ValueError):
 
 
 # Settings that change what a prompt's result is; a rerun into the same out_dir must keep them.
+# `heldout` / `heldout_batches` are here because head_accuracy.json is cached per method label.
 RESULT_SETTINGS = ("model", "max_new_tokens", "temperature", "top_k", "top_p", "acceptance", "batch_size", "dtype",
-                   "seed", "pad_multiple", "attention")
+                   "seed", "pad_multiple", "attention", "heldout", "heldout_batches")
 
 
 def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list[Method]) -> None:
@@ -88,7 +89,9 @@ def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list
     then records this run's settings and methods."""
     path = out_dir / "run.json"
     dataset = {"kind": cfg.dataset.kind, "path": cfg.dataset.path, "chat": cfg.dataset.use_chat}
-    settings = {k: getattr(cfg, k) for k in RESULT_SETTINGS} | {"model": model_dir, "dataset": dataset}
+    values = {k: getattr(cfg, k) for k in RESULT_SETTINGS}
+    settings = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()} | {
+        "model": model_dir, "dataset": dataset}
     described = json.loads(json.dumps({m.label: m.describe() for m in methods}))  # as stored (tuples -> lists)
     previous = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "methods": {}}
     changed = {k: (previous["settings"].get(k), v) for k, v in settings.items() if previous["settings"].get(k) != v}

@@ -167,7 +167,7 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     from amphista_jax.drafters import DRAFTERS, Target
     from amphista_jax.models.config import tiny_llama_config
     from amphista_jax.models.llama import init_params
-    from evals.methods import MethodSpecError, resolve_methods
+    from evals.methods import MethodSpecError, resolve_methods, split_label
 
     config = tiny_llama_config()
     target = Target(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
@@ -184,3 +184,7 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
         resolve_methods(("medusa:untrained", "medusa:untrained"), "small-8", target)
     with pytest.raises(MethodSpecError, match="AR baseline has no tree"):
         resolve_methods(("ar@chain-4",), "small-8", target)
+    heads = tmp_path / "lr=1e-3" / "heads"  # a heads path with `=` in it is a source, not `label=source`
+    heads.mkdir(parents=True)
+    assert split_label(f"{heads}@chain-4") == ("", f"{heads}@chain-4")
+    assert split_label(f"mine={heads}") == ("mine", str(heads))

@@ -72,9 +72,17 @@ def test_demo_runs_and_checks_losslessness(capsys):
     assert "output identical to autoregressive greedy decoding: yes" in out and "| amphista |" in out
 
 
-def test_demo_rejects_unknown_task():
+def test_demo_rejects_bad_arguments():
+    from amphista_jax.cli import main
+
     with pytest.raises(ValueError, match="HumanEval/163"):
         humaneval_prompt("HumanEval/999")
+    with pytest.raises(SystemExit, match="at least one timed run"):
+        main(["demo", "--runs", "0"])
+    with pytest.raises(SystemExit):  # argparse: not one of the shipped heads; --task and --prompt together
+        main(["demo", "--method", "hydra"])
+    with pytest.raises(SystemExit):
+        main(["demo", "--task", "HumanEval/1", "--prompt", "x"])
 
 
 def test_tree_presets_fit_the_shipped_heads(heads):

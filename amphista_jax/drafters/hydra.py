@@ -6,9 +6,10 @@ embeddings of the candidate path so far (`../shared/papers/hydra.txt`, section 3
     p(x_{t+i} | ...) = f_i([h ; E(x_root) ; E(x_1) ; ... ; E(x_{i-1})])        # width (i + 1) D
 
 `f_i` is an MLP whose first layer maps that width to D with a learned linear on the residual path
-(`skip(x) + SiLU(W x + b)`, initialised to pass `h` through with W zero, so fresh heads start as the
-target's `lm_head`), then `num_layers - 1` ResBlocks `x + SiLU(W x + b)`, then a per-head vocab
-projection initialised from the target's `lm_head`. Every layer has its own weights.
+(`skip(x) + SiLU(W x + b)`, initialised to pass `h` through with W zero, so fresh Hydra heads start as
+the target's `lm_head`; Hydra++'s base state first goes through its randomly initialised prefix layer),
+then `num_layers - 1` ResBlocks `x + SiLU(W x + b)`, then a per-head vocab projection initialised from
+the target's `lm_head`. Every layer has its own weights.
 
 Drafting walks the tree depth by depth with fixed shapes: at depth i the head runs once on every node of
 depth i - 1 that has children (batched over those nodes), each on its own path's embeddings, and the
