@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.base import PrefillContext, Proposal, Target
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer
+from amphista_jax.trees import TreeSpec
 from amphista_jax.verify import Verdict
 from train.step import make_steps, target_forward
 
@@ -129,3 +130,19 @@ def replay_commits(drafter: Any, params: Any, target: Target, tokens: jax.Array,
         np.testing.assert_allclose(np.asarray(next_hidden),
                                    np.asarray(jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], 1)[:, 0]))
         check(state, lengths)
+
+
+def assert_greedy_lossless(target: Target, drafter: Any, params: Any, tree: TreeSpec, trained: bool) -> None:
+    """Greedy speculative decoding == AR token for token, batch 3 (`PROMPTS`) and batch 1; trained heads
+    on a tree deeper than the root must also commit more than 1.5 tokens per target forward."""
+    for prompts in (PROMPTS, PROMPTS[1:2]):
+        tokens, lengths = pad_prompts(prompts)
+        ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=40,
+                      cache_size=64)
+        spec = speculative_generate(target.params, params, tokens, lengths, jax.random.key(0), config=CONFIG,
+                                    drafter=drafter, tree=tree, max_new_tokens=40, cache_size=128)
+        np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+        np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
+    if trained and tree.depth > 1:
+        tau = 39 / int(spec.steps)
+        assert tau > 1.5, tau  # the drafts are used: accepted paths longer than the root alone
