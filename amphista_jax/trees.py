@@ -135,8 +135,25 @@ PRESETS: dict[str, TreeSpec] = {
 }
 
 
-def get_tree(name_or_path: str) -> TreeSpec:
-    """A preset by name, or a JSON file of paths."""
+AUTO = "auto"
+
+
+def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Path:
+    """Where `amphista-jax tree-search` writes the tree searched for these heads on this device class."""
+    return Path(heads_dir) / "trees" / f"{backend or jax.default_backend()}.json"
+
+
+def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> TreeSpec:
+    """A preset by name, a JSON file of paths, or `auto`: the tree searched for `heads_dir` on this device class."""
+    if name_or_path == AUTO:
+        if heads_dir is None:
+            raise ValueError("tree `auto` is the tree searched for a set of trained heads: pass their directory "
+                             "(--heads), or name a preset or a JSON file")
+        path = searched_tree_path(heads_dir)
+        if not path.is_file():
+            raise ValueError(f"no tree was searched for the heads in {heads_dir} on {jax.default_backend()}: run "
+                             f"`amphista-jax tree-search --heads {heads_dir}`, or name a preset ({', '.join(PRESETS)})")
+        return load_tree(path)
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if Path(name_or_path).is_file():

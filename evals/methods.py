@@ -79,7 +79,8 @@ def resolve_method(spec: str, default_tree: str, target: Target, seed: int = 0) 
         if tree_name:
             raise MethodSpecError(f"method spec {spec!r}: the AR baseline has no tree")
         return Method(label or AR, spec, AR)
-    tree = get_tree(tree_name or default_tree)
+    heads = source if Path(source).is_dir() else None
+    tree = get_tree(tree_name or default_tree, heads)
     suffix = f"@{tree_name}" if tree_name else ""
     if source.endswith(":untrained"):
         name = source.removesuffix(":untrained")

@@ -1,19 +1,21 @@
-"""Recipe for the embedded default target: a small Llama trained on the standard library's Python source.
+"""Recipe for the embedded default target: a small Llama trained on offline Python source.
 
-    amphista-jax pretrain-target --config configs/target/tiny-code.yaml [key=value ...]
+    amphista-jax pretrain-target --config configs/target/code.yaml [key=value ...]
 
-Builds the corpus (sorted stdlib `.py` files, held out by a stable hash of the path), trains a byte-level
-BPE tokenizer, trains the model with our own model code + optax + a grain pipeline of packed sequences,
+Builds the corpus (`train/corpus.py`: the standard library and the installed sources of named packages, tests
+and duplicates optionally dropped, held out by a stable hash of the path), trains a byte-level BPE tokenizer,
+trains the model with our own model code + optax + a grain pipeline of packed sequences,
 checkpoints with orbax every `checkpoint_every` steps (an interrupted run, SIGTERM included, resumes where
 it stopped), then exports a Hugging Face directory (bf16 safetensors, tokenizer, generation config) and
-prints the held-out loss and a few greedy continuations.
+prints the held-out loss, bits per byte on a package that is in no training source, and a few greedy
+continuations.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sysconfig
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from amphista_jax.decode import check_fits, generate, pad_prompts
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import save_params
 from amphista_jax.models.llama import Transformer, init_params
-from train.corpus import split_corpus, stdlib_files, train_tokenizer
+from train.corpus import CorpusError, build_corpus, package_texts, package_version, train_tokenizer
 from train.data import pack_documents, packed_dataset
 from train.loop import LoopConfig, run_loop
 from train.optim import OptimConfig, make_optimizer
@@ -50,7 +52,13 @@ class PretrainConfig:
     export_dir: str = "runs/tiny-code-llama/export"  # the Hugging Face directory written at the end
     vocab_size: int = 4096
     heldout_fraction: float = 0.05
-    max_files: int = 0  # 0 = every stdlib file; >0 = the first N (smoke tests)
+    max_files: int = 0  # 0 = every corpus file; >0 = the first N (smoke tests)
+    stdlib: bool = True  # the interpreter's standard library
+    packages: tuple[str, ...] = ()  # installed distributions whose .py sources join the corpus
+    exclude_tests: bool = False  # drop test suites and vendored packages from every source
+    max_source_mb: float = 0.0  # cap on each source's bytes (a stable random subset); 0 = no cap
+    bpb_package: str = ""  # held-out bits/byte on this distribution's code ("" = skip); must be in no source
+    bpb_max_mb: float = 0.5
     arch: TargetArch = TargetArch()
     seq_len: int = 256
     batch_size: int = 32
@@ -73,6 +81,8 @@ class PretrainConfig:
             raise ValueError(f"{self.heldout_fraction=} must be in (0, 1)")
         if self.vocab_size < 260:
             raise ValueError(f"{self.vocab_size=} must be >= 260 (256 bytes + special tokens)")
+        if self.bpb_package and self.bpb_package in self.packages:
+            raise ValueError(f"{self.bpb_package=} is a training source: pick a package that is not in `packages`")
 
 
 def next_token_loss(model: Transformer, params: Any, windows: jax.Array) -> jax.Array:
@@ -82,6 +92,31 @@ def next_token_loss(model: Transformer, params: Any, windows: jax.Array) -> jax.
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     logits = model.apply({"params": params}, inputs, positions).logits  # [B, T, V] fp32
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def bits_per_byte(model: Transformer, params: Any, tok: PreTrainedTokenizerBase, texts: list[str], seq_len: int,
+                  batch_size: int) -> float:
+    """Tokenizer-independent held-out bits per UTF-8 byte: the summed next-token NLL of every token of every
+    text (each framed by BOS/EOS, the BOS targets not counted; the context restarts every `seq_len` tokens)
+    divided by ln 2 and by the texts' byte count."""
+    stream = np.concatenate([np.asarray(ids + [tok.eos_token_id], np.int32) for ids in _encode(tok, texts)])
+    n = -(-(len(stream) - 1) // seq_len)
+    valid = np.arange(n * seq_len + 1) < len(stream)
+    stream = np.pad(stream, (0, n * seq_len + 1 - len(stream)), constant_values=tok.pad_token_id)
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    windows, weights = stream[idx], (valid[idx] * (stream[idx] != tok.bos_token_id))[:, 1:]
+
+    @jax.jit
+    def nll(p: Any, w: jax.Array, m: jax.Array) -> jax.Array:
+        logits = model.apply({"params": p}, w[:, :-1], jnp.broadcast_to(jnp.arange(seq_len), (len(w), seq_len))).logits
+        return (optax.softmax_cross_entropy_with_integer_labels(logits, w[:, 1:]) * m).sum()
+
+    pad = (-n) % batch_size  # whole batches: one compile
+    windows = np.pad(windows, ((0, pad), (0, 0)), constant_values=tok.pad_token_id)
+    weights = np.pad(weights, ((0, pad), (0, 0)))
+    total = sum(float(nll(params, windows[i: i + batch_size], weights[i: i + batch_size]))
+                for i in range(0, len(windows), batch_size))
+    return total / math.log(2) / sum(len(t.encode()) for t in texts)
 
 
 def heldout_loss(model: Transformer, params: Any, windows: np.ndarray, batch_size: int) -> float:
@@ -118,19 +153,18 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     """Train (or resume) and export. Returns the summary written to `export_dir/training_summary.json`."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = stdlib_files(root)
-    if cfg.max_files:
-        files = files[: cfg.max_files]
-    train_texts, heldout_texts = split_corpus(files, root, cfg.heldout_fraction)
+    corpus = build_corpus(cfg.stdlib, cfg.packages, cfg.exclude_tests, cfg.heldout_fraction, cfg.max_source_mb,
+                          cfg.max_files)
+    train_texts, heldout_texts = corpus.train, corpus.heldout
     if not train_texts or not heldout_texts:
-        raise ValueError(f"corpus split left {len(train_texts)} train / {len(heldout_texts)} held-out files: "
-                         "raise max_files or heldout_fraction")
+        raise CorpusError(f"corpus split left {len(train_texts)} train / {len(heldout_texts)} held-out files: "
+                          "raise max_files or heldout_fraction")
     tok = _tokenizer(cfg, train_texts)
     eos = tok.eos_token_id
     train_windows = pack_documents(_encode(tok, train_texts), eos, cfg.seq_len)
     heldout_windows = pack_documents(_encode(tok, heldout_texts), eos, cfg.seq_len)[: cfg.eval_windows]
-    print(f"corpus: {len(files)} files ({len(train_texts)} train, {len(heldout_texts)} held out); "
+    print(f"corpus: {len(train_texts) + len(heldout_texts)} files ({len(train_texts)} train, {len(heldout_texts)} "
+          f"held out) from {', '.join(corpus.manifest['sources'])}; "
           f"{train_windows.size:,} train tokens in {len(train_windows)} windows of {cfg.seq_len + 1}")
 
     mcfg = model_config(cfg, tok)
@@ -158,6 +192,7 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     state, extra = run_loop(run_dir=run_dir, cfg=loop, init_state=init_state, train_step=step_fn,
                             data=iter(packed_dataset(train_windows, cfg.batch_size, cfg.seed)),
                             tokens_per_batch=cfg.batch_size * cfg.seq_len, desc="pretrain")
+    extra = extra | {"corpus": corpus.manifest}
     return export(cfg, mcfg, tok, state["params"], heldout_windows, heldout_texts, extra)
 
 
@@ -175,6 +210,11 @@ def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase,
     shipped = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
     model = Transformer(mcfg)
     loss = heldout_loss(model, shipped, heldout_windows, cfg.batch_size)
+    bpb = None
+    if cfg.bpb_package:
+        bpb = {"package": cfg.bpb_package, "version": package_version(cfg.bpb_package),
+               "bits_per_byte": round(bits_per_byte(model, shipped, tok, package_texts(
+                   cfg.bpb_package, int(cfg.bpb_max_mb * 2**20)), cfg.seq_len, cfg.batch_size), 4)}
     prompts = [_encode(tok, [p])[0] for p in cfg.sample_prompts]
     tokens, lengths = pad_prompts(prompts, pad_id=tok.pad_token_id)
     cache = tokens.shape[1] + cfg.sample_tokens
@@ -193,10 +233,13 @@ def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase,
         "train_seconds": round(extra["train_seconds"], 1),
         "heldout_loss_nats_per_token": round(loss, 4),
         "heldout_windows": int(len(heldout_windows)),
+        "heldout_package_bpb": bpb,
+        "corpus": extra.get("corpus"),
         "final_train_loss": extra["last_metrics"].get("loss"),
         "config": dataclasses.asdict(cfg),
         "greedy_samples": samples,
     }
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"held-out loss: {loss:.4f} nats/token over {len(heldout_windows)} windows; exported to {out}")
+    print(f"held-out loss: {loss:.4f} nats/token over {len(heldout_windows)} windows"
+          + (f"; {bpb['bits_per_byte']} bits/byte on {cfg.bpb_package}" if bpb else "") + f"; exported to {out}")
     return summary

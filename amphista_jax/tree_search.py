@@ -1,0 +1,247 @@
+"""Data-driven, hardware-aware draft trees: Medusa/Hydra's greedy construction priced by a measured step.
+
+1. **Acceptance statistics.** `collect_rates` decodes calibration prompts (never the evaluation set) greedily
+   with a *calibration tree* (every rank `0..R-1` at every depth, under the top-1 chain) and reads the
+   per-(depth, rank) counts `speculative_generate` already keeps: `rates[d, r]` = P(the depth-`d+1` head's
+   rank-`r` candidate is the target's token | the path to its parent was accepted).
+2. **Growth.** `grow_trees` adds nodes one at a time, always the candidate with the largest path probability
+   (the product of the rates along its path). Rates are <= 1, so a child never outranks its parent: every tree
+   is prefix-closed, and tree `k` maximises the expected accept length `1 + sum(path probabilities)` over all
+   trees of `k` draft nodes under the model's independence assumption.
+3. **Price.** `measure_step_seconds` times the real decode loop of this drafter on this device for a grid of
+   sizes; `pick` keeps the size with the most expected tokens per second, `tau(k) / step(k)`, and compares it
+   with autoregressive decoding measured the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.trees import TreeSpec
+
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 63)
+
+
+def calibration_tree(depth: int, ranks: int) -> TreeSpec:
+    """Ranks `0..ranks-1` at every depth `1..depth`, each under the top-1 chain: `depth * ranks` draft nodes."""
+    return TreeSpec(tuple((0,) * d + (r,) for d in range(depth) for r in range(ranks)))
+
+
+def acceptance_rates(tries: np.ndarray, hits: np.ndarray) -> np.ndarray:
+    """`[D, R]` hit / tried per (depth, rank) cell, summed over rows and prompts; 0 where never tried."""
+    tries, hits = np.asarray(tries, np.float64), np.asarray(hits, np.float64)
+    return np.divide(hits, tries, out=np.zeros_like(hits), where=tries > 0)
+
+
+def grow_trees(rates: np.ndarray, max_nodes: int) -> list[tuple[TreeSpec, float]]:
+    """(tree, expected accept length) for 1..`max_nodes` draft nodes, each the previous one plus its most
+    probable candidate (ties broken by the path, so the result is deterministic). Stops early when every
+    remaining candidate has probability 0."""
+    rates = np.asarray(rates, np.float64)
+    if rates.ndim != 2 or rates.size == 0 or ((rates < 0) | (rates > 1)).any():
+        raise ValueError(f"rates must be a non-empty [depth, ranks] array of probabilities, got {rates.shape}")
+    depth, ranks = rates.shape
+    heap = [(-rates[0, r], (r,)) for r in range(ranks)]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    tau, out = 1.0, []
+    while heap and len(chosen) < max_nodes:
+        neg_p, path = heapq.heappop(heap)
+        if neg_p == 0:
+            break
+        chosen.append(path)
+        tau -= neg_p
+        out.append((TreeSpec(tuple(chosen)), tau))
+        if len(path) < depth:
+            for r in range(ranks):
+                heapq.heappush(heap, (neg_p * rates[len(path), r], path + (r,)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    sizes: tuple[int, ...]  # draft nodes (root not counted) of the measured trees
+    taus: tuple[float, ...]  # expected accept length of each
+    step_seconds: tuple[float, ...]  # measured seconds per decode step of each
+    ar_step_seconds: float
+    best: int  # index into sizes
+
+    @property
+    def tokens_per_second(self) -> tuple[float, ...]:
+        return tuple(t / s for t, s in zip(self.taus, self.step_seconds, strict=True))
+
+    @property
+    def speedups(self) -> tuple[float, ...]:
+        """Predicted speed-up over AR: expected tokens per second relative to one token per AR step."""
+        return tuple(tps * self.ar_step_seconds for tps in self.tokens_per_second)
+
+
+def pick(sizes: Sequence[int], taus: Sequence[float], step_seconds: Sequence[float], ar_step_seconds: float
+         ) -> SearchResult:
+    """The size with the most expected tokens per second."""
+    rate = [t / s for t, s in zip(taus, step_seconds, strict=True)]
+    return SearchResult(tuple(sizes), tuple(taus), tuple(step_seconds), ar_step_seconds, int(np.argmax(rate)))
+
+
+def collect_rates(params: dict, draft_params: Any, drafter: Any, config: ModelConfig,
+                  prompts: Sequence[Sequence[int]], tree: TreeSpec, max_new_tokens: int, eos_ids: tuple[int, ...],
+                  pad_id: int, batch_size: int = 8, progress: Callable[[int], None] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Summed `(node_tries, node_hits) [D, R]` of greedy speculative decoding of `prompts` with `tree`."""
+    tokens, lengths = pad_prompts(prompts, pad_id=pad_id, multiple=64)
+    tries = hits = 0
+    for i in range(0, len(prompts), batch_size):
+        rows, lens = tokens[i: i + batch_size], lengths[i: i + batch_size]
+        short = batch_size - len(rows)  # a full last batch: one compile
+        rows, lens = np.pad(rows, ((0, short), (0, 0)), constant_values=pad_id), np.pad(lens, (0, short),
+                                                                                        constant_values=1)
+        out = speculative_generate(params, draft_params, rows, lens, jax.random.key(0), config=config,
+                                   drafter=drafter, tree=tree, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                   pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + tree.num_nodes)
+        keep = slice(0, batch_size - short)
+        tries = tries + np.asarray(out.node_tries)[keep].sum(0)
+        hits = hits + np.asarray(out.node_hits)[keep].sum(0)
+        if progress:
+            progress(batch_size - short)
+    return np.asarray(tries), np.asarray(hits)
+
+
+def measure_step_seconds(params: dict, draft_params: Any, drafter: Any, config: ModelConfig, prompt: Sequence[int],
+                         trees: Sequence[TreeSpec], max_new_tokens: int, pad_id: int, runs: int = 3,
+                         progress: Callable[[int], None] | None = None) -> tuple[float, list[float]]:
+    """(AR seconds per step, [seconds per speculative step for each tree]) on this device: the median over
+    `runs` of (decode time - prefill time) / decode steps, batch 1, no EOS stop so every run decodes
+    `max_new_tokens` tokens. The prefill (with the drafter's own, the same for every tree) is timed by the same
+    programs with one new token."""
+    tokens, lengths = pad_prompts([prompt], pad_id=pad_id, multiple=64)
+    largest = max(t.num_nodes for t in trees)
+    common = dict(config=config, pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + largest)
+
+    def timed(fn: Callable[[], Any]) -> tuple[float, int]:
+        jax.block_until_ready(fn())  # compile + warm-up
+        seconds = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn())
+            seconds.append(time.perf_counter() - t0)
+        return float(np.median(seconds)), int(out.steps)
+
+    def ar(n: int) -> Callable[[], Any]:
+        return lambda: generate(params, tokens, lengths, jax.random.key(0), max_new_tokens=n, **common)
+
+    def spec(tree: TreeSpec, n: int) -> Callable[[], Any]:
+        return lambda: speculative_generate(params, draft_params, tokens, lengths, jax.random.key(0), drafter=drafter,
+                                            tree=tree, max_new_tokens=n, **common)
+
+    def per_step(prefill_s: float, fn: Callable[[], Any]) -> float:
+        seconds, steps = timed(fn)
+        return (seconds - prefill_s) / max(steps, 1)
+
+    ar_step = per_step(timed(ar(1))[0], ar(max_new_tokens))
+    spec_prefill = timed(spec(trees[0], 1))[0]
+    steps = []
+    for tree in trees:
+        steps.append(per_step(spec_prefill, spec(tree, max_new_tokens)))
+        if progress:
+            progress(1)
+    return ar_step, steps
+
+
+def report_markdown(result: SearchResult, trees: Sequence[TreeSpec], header: str) -> str:
+    rows = [header, "", "| draft nodes | depth | expected tau | step ms | step / AR step | predicted tokens/s | "
+            "predicted speed-up |", "|---|---|---|---|---|---|---|",
+            f"| AR | - | 1.00 | {result.ar_step_seconds * 1e3:.2f} | 1.00 | {1 / result.ar_step_seconds:.1f} | 1.00x |"]
+    for i, (n, tree) in enumerate(zip(result.sizes, trees, strict=True)):
+        mark = " **(picked)**" if i == result.best else ""
+        rows.append(f"| {n}{mark} | {tree.depth} | {result.taus[i]:.2f} | {result.step_seconds[i] * 1e3:.2f} | "
+                    f"{result.step_seconds[i] / result.ar_step_seconds:.2f} | {result.tokens_per_second[i]:.1f} | "
+                    f"{result.speedups[i]:.2f}x |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(result: SearchResult, path: str | Path, title: str) -> None:
+    """tau, step cost (relative to an AR step) and predicted speed-up against tree size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(result.sizes, result.taus, "o-", label="expected tau (tokens / step)")
+    ax.plot(result.sizes, [s / result.ar_step_seconds for s in result.step_seconds], "s-",
+            label="measured step cost / AR step")
+    ax.plot(result.sizes, result.speedups, "^-", label="predicted speed-up")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.axvline(result.sizes[result.best], color="green", lw=0.8, ls=":", label="picked")
+    ax.set_xlabel("draft nodes in the tree (root not counted)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str], out_path: Path, *, max_nodes: int = 63,
+           ranks: int = 10, max_new_tokens: int = 96, runs: int = 3, sizes: Sequence[int] = DEFAULT_SIZES
+           ) -> tuple[SearchResult, TreeSpec]:
+    """The whole search for trained heads: statistics on `prompts`, growth, timing on this device; writes the
+    picked tree to `out_path` (JSON paths) and `<stem>.report.{json,md}` + `<stem>.png` beside it."""
+    import json
+
+    from tqdm import tqdm
+
+    from amphista_jax.drafters.io import load_draft
+    from amphista_jax.models.hf import load_params
+    from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    params, config = load_params(model_dir, dtype="float32")
+    tok = load_tokenizer(model_dir)
+    method, drafter, draft_params = load_draft(heads_dir, config, params)
+    pad_id = config.pad_token_id or 0
+    ids = [encode_prompt(tok, p) for p in prompts]
+    calib = calibration_tree(drafter.num_heads, ranks)
+    with tqdm(total=len(ids), desc="acceptance statistics", unit="prompt") as bar:
+        tries, hits = collect_rates(params, draft_params, drafter, config, ids, calib, max_new_tokens,
+                                    stop_token_ids(model_dir, tok, config), pad_id, progress=bar.update)
+    rates = acceptance_rates(tries, hits)
+    grown = grow_trees(rates, max_nodes)
+    picked = [i for i in range(len(grown)) if i + 1 in set(sizes) or i + 1 == len(grown)]
+    trees = [grown[i][0] for i in picked]
+    with tqdm(total=len(trees), desc=f"timing trees on {jax.default_backend()}", unit="tree") as bar:
+        ar_step, step_seconds = measure_step_seconds(params, draft_params, drafter, config, ids[0], trees,
+                                                     max_new_tokens, pad_id, runs, progress=bar.update)
+    result = pick([i + 1 for i in picked], [grown[i][1] for i in picked], step_seconds, ar_step)
+    best = trees[result.best]
+    device = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps([list(p) for p in best.choices]) + "\n")
+    stem = out_path.with_suffix("")
+    title = (f"{method} heads on {device}: picked {result.sizes[result.best]} draft nodes, predicted "
+             f"{result.speedups[result.best]:.2f}x")
+    report = {"method": method, "heads": str(heads_dir), "model": str(model_dir), "device": device,
+              "calibration_prompts": len(prompts), "calibration_tree_nodes": calib.num_nodes - 1,
+              "max_new_tokens": max_new_tokens, "rates": rates.round(4).tolist(),
+              "node_tries": np.asarray(tries).tolist(), "node_hits": np.asarray(hits).tolist(),
+              "ar_step_ms": ar_step * 1e3, "picked": best.choices,
+              "trees": [{"draft_nodes": n, "depth": t.depth, "expected_tau": tau, "step_ms": s * 1e3,
+                         "predicted_tokens_per_s": tps, "predicted_speedup": sp, "choices": t.choices}
+                        for n, t, tau, s, tps, sp in zip(result.sizes, trees, result.taus, result.step_seconds,
+                                                         result.tokens_per_second, result.speedups, strict=True)]}
+    stem.with_suffix(".report.json").write_text(json.dumps(report, indent=1) + "\n")
+    header = (f"# Tree search: {title}\n\nExpected tau from greedy acceptance statistics on {len(prompts)} calibration "
+              f"prompts; step times measured on this device (median of {runs}, batch 1, {max_new_tokens} new "
+              "tokens). Predicted speed-up = expected tau x AR step / step: a model prediction, not a measurement "
+              "of decoding.")
+    stem.with_suffix(".report.md").write_text(report_markdown(result, trees, header))
+    plot(result, stem.with_suffix(".png"), title)
+    return result, best

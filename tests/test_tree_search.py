@@ -1,0 +1,74 @@
+"""Tree search: greedy growth is optimal under its model, the pick maximises tokens/s, `--tree auto` resolves."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from amphista_jax.tree_search import acceptance_rates, calibration_tree, grow_trees, pick
+from amphista_jax.trees import TreeSpec, get_tree, searched_tree_path
+
+
+def _expected_tau(choices, rates) -> float:
+    return 1.0 + sum(np.prod([rates[d, r] for d, r in enumerate(path)]) for path in choices)
+
+
+def _all_trees(depth: int, ranks: int, size: int):
+    """Every prefix-closed tree of `size` draft nodes over `depth` x `ranks` (brute force)."""
+    nodes = [p for d in range(1, depth + 1) for p in itertools.product(range(ranks), repeat=d)]
+    for combo in itertools.combinations(nodes, size):
+        chosen = set(combo)
+        if all(p[:-1] in chosen for p in combo if len(p) > 1):
+            yield combo
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_growth_is_optimal_for_every_size(seed):
+    rng = np.random.default_rng(seed)
+    rates = rng.uniform(0.05, 0.9, (3, 2)) * rng.uniform(0.3, 1, (3, 1))  # [D=3, R=2], ranks in any order
+    grown = grow_trees(rates, max_nodes=9)
+    assert [t.num_nodes - 1 for t, _ in grown] == list(range(1, 10))
+    for size, (tree, tau) in enumerate(grown, start=1):
+        best = max(_expected_tau(c, rates) for c in _all_trees(3, 2, size))
+        assert tau == pytest.approx(_expected_tau(tree.choices, rates)) == pytest.approx(best)
+        assert all(p[:-1] in set(tree.choices) for p in tree.choices if len(p) > 1)  # prefix-closed
+        assert tree.depth <= 3 and max(max(p) for p in tree.choices) < 2
+
+
+def test_growth_follows_path_probability_and_stops_at_zero():
+    rates = np.array([[0.6, 0.2, 0.0], [0.5, 0.0, 0.0]])
+    grown = grow_trees(rates, max_nodes=10)
+    assert [t.choices for t, _ in grown][-1] == ((0,), (1,), (0, 0), (1, 0))
+    assert [round(tau, 3) for _, tau in grown] == [1.6, 1.9, 2.1, 2.2]  # +0.6, +0.3 (0,0), +0.2 (1,), +0.1 (1,0)
+    with pytest.raises(ValueError, match="probabilities"):
+        grow_trees(np.array([[1.5]]), 3)
+
+
+def test_pick_maximises_expected_tokens_per_second():
+    sizes, taus = (1, 2, 4, 8), (1.5, 1.9, 2.3, 2.6)
+    steps = (1.1, 1.2, 1.3, 2.0)  # tokens/s: 1.36, 1.58, 1.77, 1.30 -> size 4
+    result = pick(sizes, taus, steps, ar_step_seconds=1.0)
+    assert result.sizes[result.best] == 4
+    assert result.speedups[result.best] == pytest.approx(2.3 / 1.3)
+    slow = pick(sizes, taus, tuple(s * 3 for s in steps), ar_step_seconds=1.0)
+    assert max(slow.speedups) < 1  # nothing beats AR: the caller must say so
+
+
+def test_rates_and_calibration_tree():
+    assert acceptance_rates(np.array([[4, 0]]), np.array([[1, 0]])).tolist() == [[0.25, 0.0]]
+    tree = calibration_tree(depth=3, ranks=2)
+    assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1))
+
+
+def test_tree_auto_reads_the_searched_tree(tmp_path):
+    path = searched_tree_path(tmp_path)
+    with pytest.raises(ValueError, match="tree-search --heads"):
+        get_tree("auto", tmp_path)
+    with pytest.raises(ValueError, match="pass their directory"):
+        get_tree("auto")
+    path.parent.mkdir()
+    path.write_text(json.dumps([[0], [0, 0], [1]]))
+    assert get_tree("auto", tmp_path) == TreeSpec(((0,), (1,), (0, 0)))
