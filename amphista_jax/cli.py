@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from amphista_jax.assets import shipped_heads
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.drafters.base import Target
 from amphista_jax.models.llama import ATTENTION_IMPLS
@@ -22,8 +23,8 @@ def default_model() -> str:
 
 
 def _load_drafter(args: argparse.Namespace, config, params):
-    """(drafter, draft params) from --heads; else the shipped --draft heads when the target is the embedded
-    model; else untrained --draft heads initialised from the target."""
+    """(drafter, draft params, heads directory or None) from --heads; else the shipped --draft heads when the
+    target is the embedded model; else untrained --draft heads initialised from the target."""
     from pathlib import Path
 
     import jax
@@ -42,10 +43,10 @@ def _load_drafter(args: argparse.Namespace, config, params):
         method, drafter, draft_params = load_draft(heads, config, params)
         if args.draft and args.draft != method:
             raise SystemExit(f"--draft {args.draft} but {heads} holds {method} heads")
-        return drafter, draft_params
+        return drafter, draft_params, heads
     print(f"note: no --heads given, using untrained {args.draft} heads (expect accept length ~1)", file=sys.stderr)
     drafter = DRAFTERS[args.draft]()
-    return drafter, drafter.init(jax.random.key(args.seed), Target(config, params))
+    return drafter, drafter.init(jax.random.key(args.seed), Target(config, params)), None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -71,8 +72,8 @@ def _generate(args: argparse.Namespace) -> int:
                   eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
     reserve = 0
     if args.draft or args.heads:
-        drafter, draft_params = _load_drafter(args, config, params)
-        tree = get_tree(args.tree)
+        drafter, draft_params, heads = _load_drafter(args, config, params)
+        tree = get_tree(args.tree, heads)
         reserve = tree.num_nodes
         run = functools.partial(speculative_generate, params, draft_params, drafter=drafter, tree=tree,
                                 acceptance=AcceptanceConfig(args.acceptance), **kwargs)
@@ -130,7 +131,7 @@ def _demo(args: argparse.Namespace) -> int:
     heads = args.heads or shipped_heads_dir(args.method)
     prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.task)
     result = run_demo(args.model, heads, prompt, args.tree, args.max_new_tokens, args.runs)
-    print(format_result(result, args.tree))
+    print(format_result(result))
     return 0 if result.identical else 1
 
 
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion with the target model (AR baseline)")
-    g.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny-code-llama)")
+    g.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded code-llama)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -227,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     g.add_argument("--draft", choices=sorted(DRAFTERS), default=None, help="speculative decoding with this method")
     g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
-    g.add_argument("--tree", default="mc_sim_7b_63", help="tree preset name or JSON file of top-k paths")
+    g.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
+                   "preset name or a JSON file of top-k paths")
     g.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=None,
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
     g.add_argument("--attention", choices=ATTENTION_IMPLS, default="xla",
@@ -236,13 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
 
     m = sub.add_parser("demo", help="speculative decoding with the shipped heads vs AR on a HumanEval prompt")
-    m.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny-code-llama)")
-    m.add_argument("--method", default="amphista", choices=("amphista", "medusa"), help="which shipped heads to use")
+    m.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded code-llama)")
+    m.add_argument("--method", default="amphista", choices=shipped_heads(), help="which shipped heads to use")
     m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
     source = m.add_mutually_exclusive_group()
     source.add_argument("--task", default="HumanEval/0", help="HumanEval task id whose prompt to complete")
     source.add_argument("--prompt", default=None, help="complete this text instead of a HumanEval prompt")
-    m.add_argument("--tree", default="mc_sim_7b_63", help="tree preset name or JSON file of top-k paths")
+    m.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
+                   "preset name or a JSON file of top-k paths")
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--runs", type=int, default=3, help="timed runs per decoder (median), after a warm-up")
     m.set_defaults(func=_demo)
@@ -264,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="re-save a HF checkpoint (or, with --heads, draft heads) in another dtype "
                        "or shard size")
     c.add_argument("--model", default=None, help="HF checkpoint directory (with --heads: their target; default: "
-                   "the embedded tiny-code-llama)")
+                   "the embedded code-llama)")
     c.add_argument("--heads", default=None, help="convert this draft-head checkpoint instead of the model")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
@@ -272,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_convert)
 
     t = sub.add_parser("train", help="train draft heads on a frozen target")
-    t.add_argument("--config", required=True, help="YAML, e.g. configs/medusa/tiny-code.yaml")
+    t.add_argument("--config", required=True, help="YAML, e.g. configs/medusa/code.yaml")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     t.set_defaults(func=_train)
 
@@ -291,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="tau, tokens/s, speed-up, per-head accuracy of AR and draft methods on a "
                                     "benchmark (resumable, multi-process)")
-    e.add_argument("--config", required=True, help="YAML, e.g. configs/eval/humaneval-tiny.yaml")
+    e.add_argument("--config", required=True, help="YAML, e.g. configs/eval/humaneval-code.yaml")
     e.add_argument("--methods", nargs="+", default=None,
                    help="override the config's methods: `ar`, a heads directory, `<method>:untrained`, each "
                         "optionally `label=...` and `...@tree`")
@@ -299,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_eval)
 
     p = sub.add_parser("pretrain-target", help="train the embedded default target model (recipe)")
-    p.add_argument("--config", default="configs/target/tiny-code.yaml")
+    p.add_argument("--config", default="configs/target/code.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=10 arch.num_layers=2")
     p.set_defaults(func=_pretrain_target)
     return parser

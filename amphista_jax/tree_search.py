@@ -29,6 +29,11 @@ from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.trees import TreeSpec
 
+
+class TreeSearchError(ValueError):
+    """Statistics that cannot grow a tree (heads whose drafts are never accepted)."""
+
+
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 63)
 
 
@@ -215,6 +220,9 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
                                     stop_token_ids(model_dir, tok, config), pad_id, progress=bar.update)
     rates = acceptance_rates(tries, hits)
     grown = grow_trees(rates, max_nodes)
+    if not grown:
+        raise TreeSearchError(f"no draft of the heads in {heads_dir} was accepted on the {len(prompts)} calibration "
+                              f"prompts ({int(np.sum(tries))} tries): train the heads, or calibrate on more prompts")
     picked = [i for i in range(len(grown)) if i + 1 in set(sizes) or i + 1 == len(grown)]
     trees = [grown[i][0] for i in picked]
     with tqdm(total=len(trees), desc=f"timing trees on {jax.default_backend()}", unit="tree") as bar:

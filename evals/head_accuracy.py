@@ -4,10 +4,10 @@ Head k (0-based) at position t is scored against the held-out text's own token a
 ground-truth prefix as input (teacher forcing): exactly the `head{k}/top1` / `head{k}/top5` metrics the
 drafter's `loss` reports, computed by the trainer's own eval step (`train.step.make_steps`). The numbers
 are means over full batches of `data_cfg.batch_size` examples (each batch's masked mean, then the mean
-over batches); with the default packed stdlib held-out split every position of every batch counts.
+over batches); with the default packed held-out code split every position of every batch counts.
 
     from evals.head_accuracy import head_accuracy, heldout_batches
-    batches = heldout_batches(tokenizer, DataConfig(kind="stdlib"), n_batches=4)
+    batches = heldout_batches(tokenizer, n_batches=4)  # the embedded target's held-out code
     acc = head_accuracy(Target(config, params), drafter, draft_params, batches)  # {0: {"top1": .., "top5": ..}}
 """
 
@@ -19,20 +19,21 @@ from typing import Any
 import numpy as np
 import optax
 
+from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters.base import Target
 from amphista_jax.models.llama import Transformer
 from train.heads import DataConfig, batch_examples, heldout_examples
 from train.loop import mean_metrics
 from train.step import make_steps
 
-DEFAULT_HELDOUT = DataConfig(kind="stdlib")
 _HEAD_METRIC = re.compile(r"^head(\d+)/(top1|top5)$")
 
 
-def heldout_batches(tokenizer: Any, data_cfg: DataConfig = DEFAULT_HELDOUT, n_batches: int = 4
+def heldout_batches(tokenizer: Any, data_cfg: DataConfig | None = None, n_batches: int = 4
                     ) -> list[dict[str, np.ndarray]]:
     """Up to `n_batches` full held-out batches `{"tokens", "loss_mask": [B, T]}` of `data_cfg` (default: the
-    stdlib held-out split the heads and the embedded target never trained on)."""
+    held-out split of the embedded target's own corpus, which neither it nor its shipped heads trained on)."""
+    data_cfg = data_cfg or DataConfig(kind="stdlib", corpus=str(default_model_dir()))
     return batch_examples(heldout_examples(data_cfg, tokenizer), data_cfg.batch_size, n_batches)
 
 

@@ -1,6 +1,6 @@
 """Launch N local processes of one command as a `jax.distributed` job on this machine.
 
-    python -m evals.launch_local -n 2 -- amphista-jax eval --config configs/eval/humaneval-tiny.yaml
+    python -m evals.launch_local -n 2 -- amphista-jax eval --config configs/eval/humaneval-code.yaml
 
 Each process gets `JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>`, `JAX_NUM_PROCESSES=N` and
 `JAX_PROCESS_ID=i`, which `train.loop.maybe_initialize_distributed` turns into `jax.distributed.initialize`

@@ -1,4 +1,4 @@
-"""The evaluation runner: `amphista-jax eval --config configs/eval/humaneval-tiny.yaml [--methods ...]`.
+"""The evaluation runner: `amphista-jax eval --config configs/eval/humaneval-code.yaml [--methods ...]`.
 
 For each method (the AR baseline first, then each drafter with its heads and tree) every prompt is
 generated with identical settings (sampling, max_new_tokens, batch size, dtype, seed per prompt). Prompts

@@ -43,7 +43,7 @@ def test_overrides_and_errors():
 
 
 def test_method_settings_are_checked_against_the_method():
-    path = CONFIGS / "amphista" / "tiny-code.yaml"
+    path = CONFIGS / "amphista" / "code.yaml"
     cfg = load_config(TrainConfig, path, ["method_settings.auto_embedding=false"])
     assert cfg.method_settings["auto_embedding"] is False
     with pytest.raises(ValueError, match=r"\['auto_embeding'\] are not amphista settings"):
@@ -53,7 +53,7 @@ def test_method_settings_are_checked_against_the_method():
 
 
 def test_eval_config_overrides_and_errors():
-    path = CONFIGS / "eval" / "humaneval-tiny.yaml"
+    path = CONFIGS / "eval" / "humaneval-code.yaml"
     cfg = load_config(EvalConfig, path, ["methods=[ar, 'medusa:untrained@chain-4']", "dataset.limit=3"])
     assert cfg.methods == ("ar", "medusa:untrained@chain-4") and cfg.dataset.limit == 3
     assert (cfg.dataset.kind, cfg.tree, cfg.max_new_tokens, cfg.temperature) == ("humaneval", "mc_sim_7b_63", 128, 0.0)

@@ -29,7 +29,7 @@ LABELS = ("ar", "medusa-untrained@small-8")
 
 
 def _args(prompts: Path, out: Path) -> list[str]:
-    return ["eval", "--config", str(ROOT / "configs/eval/humaneval-tiny.yaml"), "--methods", "ar",
+    return ["eval", "--config", str(ROOT / "configs/eval/humaneval-code.yaml"), "--methods", "ar",
             "medusa:untrained@small-8", "--set", "dataset.kind=jsonl", "--set", f"dataset.path={prompts}",
             "--set", "dataset.limit=0", "--set", "max_new_tokens=8", "--set", f"out_dir={out}",
             "--set", "heldout_batches=0"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -10,7 +11,8 @@ import subprocess
 import sys
 import sysconfig
 import time
-from pathlib import Path
+import tomllib
+from pathlib import Path, PurePath
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ import pytest
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
 from tests.conftest import SMOKE_OVERRIDES, smoke_pretrain_config
-from train.corpus import is_heldout, stdlib_files
+from train.corpus import build_corpus, is_heldout, is_test_or_vendored, package_files, stdlib_files
 from train.pretrain_target import run
 
 
@@ -30,6 +32,40 @@ def test_corpus_is_the_stdlib_with_a_stable_five_percent_split():
     held = [f for f in files if is_heldout(f.relative_to(root).as_posix(), 0.05)]
     assert 0.03 < len(held) / len(files) < 0.07
     assert is_heldout("json/decoder.py", 0.05) == is_heldout("json/decoder.py", 0.05)
+
+
+@pytest.mark.parametrize("path, excluded", [
+    ("test/test_json.py", True), ("idlelib/idle_test/test_x.py", True), ("numpy/linalg/tests/test_linalg.py", True),
+    ("pip/_vendor/rich/console.py", True), ("jax/_src/test_util.py", True), ("conftest.py", True),
+    ("optax/_src/alias_test.py", True), ("json/decoder.py", False), ("unittest/case.py", False),
+    ("numpy/testing/_private/utils.py", False), ("jax/_src/testing_utils_like.py", False)])
+def test_test_suites_and_vendored_code_are_recognised(path, excluded):
+    assert is_test_or_vendored(PurePath(path)) is excluded
+
+
+def test_code_corpus_drops_tests_and_duplicates_and_records_versions():
+    corpus = build_corpus(stdlib=False, packages=("tqdm", "optax"), exclude_tests=True, heldout_fraction=0.2)
+    texts = corpus.train + corpus.heldout
+    assert len(set(texts)) == len(texts) > 20  # identical files (e.g. empty __init__.py) kept once
+    sources = corpus.manifest["sources"]
+    assert sources["optax"]["version"] == importlib.metadata.version("optax")
+    assert sum(s["files"] for s in sources.values()) == len(texts)
+    assert not any(is_test_or_vendored(PurePath(f.key)) for f in package_files("optax", exclude_tests=True))
+    assert any(is_test_or_vendored(PurePath(f.key)) for f in package_files("optax"))  # optax ships *_test.py
+    assert len(stdlib_files(exclude_tests=True)) < len(stdlib_files()) / 1.5  # Lib/test dominated the old corpus
+
+
+def test_the_default_recipe_reads_the_runtime_dependencies():
+    """configs/target/code.yaml's corpus is the project's direct runtime dependencies (pyproject.toml), and its
+    bits-per-byte package is in none of them."""
+    from amphista_jax.config_io import load_config
+    from train.pretrain_target import PretrainConfig
+
+    root = Path(__file__).parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split(">")[0].split("=")[0].split("<")[0].strip().lower() for d in deps}
+    cfg = load_config(PretrainConfig, root / "configs" / "target" / "code.yaml", [])
+    assert set(cfg.packages) == names and cfg.exclude_tests and cfg.bpb_package not in names
 
 
 def test_export_is_a_hf_checkpoint_that_transformers_loads(smoke_model):

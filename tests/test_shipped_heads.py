@@ -1,5 +1,6 @@
-"""The heads shipped for the embedded model: they load, decode losslessly with long accepted paths, the demo
-reports what it measured, and Amphista's heads beat Medusa's on held-out code (Amphista Figure 1)."""
+"""The heads shipped for the embedded model: they load, decode losslessly with long accepted paths on their
+searched CPU tree and on the papers' 63-node tree, the demo reports what it measured, and Amphista's heads beat
+Medusa's on held-out code (Amphista Figure 1)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ import jax
 import numpy as np
 import pytest
 
-from amphista_jax.assets import default_model_dir, shipped_heads_dir
+from amphista_jax.assets import default_model_dir, shipped_heads, shipped_heads_dir
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.demo import humaneval_prompt
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.models.hf import load_params
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.trees import PRESETS, get_tree
+from amphista_jax.trees import PRESETS, get_tree, searched_tree_path
 
 MODEL = default_model_dir()
-METHODS = ("medusa", "amphista")
+METHODS = ("medusa", "amphista", "hydra", "hydra-plus")
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +36,30 @@ def heads(target):
 
 def test_shipped_heads_files(target):
     _, config, _ = target
-    for method in METHODS:
-        path = shipped_heads_dir(method)
+    assert shipped_heads() == sorted(METHODS)
+    for name in METHODS:
+        path = shipped_heads_dir(name)
         meta = json.loads((path / "draft.json").read_text())
-        assert meta["method"] == method and meta["target"]["vocab_size"] == config.vocab_size
-        assert sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) < 16 * 2**20  # bf16 on disk
+        assert meta["method"] == name.removesuffix("-plus") and meta["target"]["vocab_size"] == config.vocab_size
+        assert sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) < 8 * 2**20  # bf16 on disk
+        tree = get_tree("auto", path)  # the CPU tree searched for these heads, within the heads' depth
+        assert searched_tree_path(path, "cpu").is_file() and 1 <= tree.num_nodes - 1 <= 63
+        assert tree.depth <= meta["settings"]["num_heads"]
     with pytest.raises(FileNotFoundError, match="train them"):
         shipped_heads_dir("no-such-method")
 
 
+@pytest.mark.parametrize("tree_name", ["auto", "mc_sim_7b_63"])
 @pytest.mark.parametrize("method", METHODS)
-def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method):
+def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, tree_name):
     """Greedy speculative decoding with the trained heads == AR, batch 3 (three HumanEval prompts of
-    different lengths), on the papers' 63-node tree; trained heads commit clearly more than 1 token/forward."""
+    different lengths), on the tree searched for the heads and on the papers' 63-node tree; trained heads
+    commit clearly more than 1 token/forward."""
     params, config, tok = target
     drafter, draft_params = heads[method]
     prompts = [encode_prompt(tok, humaneval_prompt(f"HumanEval/{i}")) for i in (2, 4, 7)]
     tokens, lengths = pad_prompts(prompts, pad_id=config.pad_token_id or 0)
-    tree = PRESETS["mc_sim_7b_63"]
+    tree = get_tree(tree_name, shipped_heads_dir(method))
     settings = dict(config=config, max_new_tokens=48, cache_size=tokens.shape[1] + 48 + tree.num_nodes)
     ar = generate(params, tokens, lengths, jax.random.key(0), **settings)
     spec = speculative_generate(params, draft_params, tokens, lengths, jax.random.key(0), drafter=drafter,
@@ -66,10 +73,11 @@ def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method):
 def test_demo_runs_and_checks_losslessness(capsys):
     from amphista_jax.cli import main
 
-    assert main(["demo", "--task", "HumanEval/2", "--max-new-tokens", "32", "--runs", "1", "--tree", "small-16"]) == 0
+    assert main(["demo", "--task", "HumanEval/2", "--max-new-tokens", "32", "--runs", "1"]) == 0  # --tree auto
     out = capsys.readouterr().out
     assert humaneval_prompt("HumanEval/2") in out and "\033[32m" in out  # drafted tokens are coloured
     assert "output identical to autoregressive greedy decoding: yes" in out and "| amphista |" in out
+    assert "tree auto (" in out and ("faster on CPU" in out or "NO SPEED-UP on CPU" in out)
 
 
 def test_demo_rejects_bad_arguments():
@@ -80,7 +88,7 @@ def test_demo_rejects_bad_arguments():
     with pytest.raises(SystemExit, match="at least one timed run"):
         main(["demo", "--runs", "0"])
     with pytest.raises(SystemExit):  # argparse: not one of the shipped heads; --task and --prompt together
-        main(["demo", "--method", "hydra"])
+        main(["demo", "--method", "eagle"])
     with pytest.raises(SystemExit):
         main(["demo", "--task", "HumanEval/1", "--prompt", "x"])
 
@@ -91,7 +99,7 @@ def test_tree_presets_fit_the_shipped_heads(heads):
 
 
 def test_amphista_beats_medusa_on_later_heads(target, heads):
-    """Amphista Figure 1 on our model: trained with the same data and budget (configs/*/tiny-code.yaml), the
+    """Amphista Figure 1 on our model: trained with the same data and budget (configs/*/code.yaml), the
     shipped Amphista heads are more accurate than the shipped Medusa heads on held-out stdlib code for heads
     2..K (teacher-forced top-1 over 8 x 8 x 256 held-out tokens)."""
     from amphista_jax.drafters.base import Target
@@ -104,3 +112,28 @@ def test_amphista_beats_medusa_on_later_heads(target, heads):
     assert k == heads["medusa"][0].num_heads
     for head in range(1, k):
         assert acc["amphista"][head]["top1"] > acc["medusa"][head]["top1"], (head, acc)
+
+
+def test_tree_search_cli_writes_a_tree_report_and_plot(tmp_path, capsys):
+    """`amphista-jax tree-search` end to end on shipped heads (a small budget): statistics on calibration
+    prompts, growth, timing on this device; the tree, report and plot are written, `generate` decodes with the
+    tree, and a second search refuses to replace the tree."""
+    from amphista_jax.cli import main
+    from amphista_jax.trees import load_tree
+
+    out = tmp_path / "cpu.json"
+    args = ["tree-search", "--heads", str(shipped_heads_dir("medusa")), "--tasks", "100:102", "--max-nodes", "3",
+            "--max-new-tokens", "12", "--runs", "1", "--out", str(out)]
+    assert main(args) == 0
+    assert "predicted speed-up" in capsys.readouterr().out
+    tree = load_tree(out)
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert [t["draft_nodes"] for t in report["trees"]] == [1, 2, 3]
+    assert report["picked"] == [list(p) for p in tree.choices] and tree.depth <= 3
+    assert all(t["step_ms"] > 0 for t in report["trees"]) and out.with_suffix(".png").stat().st_size > 1000
+    assert main(["generate", "--heads", str(shipped_heads_dir("medusa")), "--tree", str(out), "--prompt",
+                 "def f(x):", "--max-new-tokens", "6"]) == 0
+    before = out.read_bytes()
+    with pytest.raises(SystemExit, match="--replace"):
+        main(args)
+    assert out.read_bytes() == before

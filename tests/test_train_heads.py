@@ -171,7 +171,7 @@ def test_train_cli_end_to_end(smoke_model, tmp_path):
     for i in range(30):
         (code / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 6)
     out = tmp_path / "run"
-    args = ["train", "--config", "configs/medusa/tiny-code.yaml", "--set", f"model={run_dir / 'export'}",
+    args = ["train", "--config", "configs/medusa/code.yaml", "--set", f"model={run_dir / 'export'}",
             "--set", f"out_dir={out}", "--set", "data.kind=text", "--set", f"data.train={code}",
             "--set", "data.max_len=32", "--set", "data.batch_size=4", "--set", "loop.steps=4",
             "--set", "loop.eval_every=2", "--set", "loop.log_every=1", "--set", "method_settings.num_heads=2",

@@ -72,3 +72,4 @@ def test_tree_auto_reads_the_searched_tree(tmp_path):
     path.parent.mkdir()
     path.write_text(json.dumps([[0], [0, 0], [1]]))
     assert get_tree("auto", tmp_path) == TreeSpec(((0,), (1,), (0, 0)))
+

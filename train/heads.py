@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from amphista_jax import config_io
 from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import DRAFTERS, Target
 from amphista_jax.drafters.io import save_draft
@@ -26,10 +26,11 @@ from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.models.llama import Transformer
 from amphista_jax.sharding import make_mesh, param_shardings
 from amphista_jax.tokenizer import load_tokenizer
-from train.corpus import split_corpus, stdlib_files
+from train.corpus import build_corpus
 from train.data import DataError, conversation_examples, example_dataset, packed_examples, text_examples
 from train.loop import LoopConfig, maybe_initialize_distributed, mean_metrics, read_metrics, run_loop
 from train.optim import OptimConfig, make_optimizer
+from train.pretrain_target import PretrainConfig
 from train.step import make_steps, target_forward
 
 DATA_KINDS = ("text", "sharegpt", "stdlib")
@@ -38,12 +39,15 @@ DATA_KINDS = ("text", "sharegpt", "stdlib")
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # "text": files (a directory or a glob), packed; "sharegpt": conversations JSON / JSONL; "stdlib": the
-    # interpreter's standard library, split by path hash exactly as the embedded target's pre-training
-    # (`train` / `heldout` are then ignored and `heldout_fraction` is the split).
+    # offline code corpus of an embedded target's pre-training (`train/corpus.py`), split by path hash exactly
+    # as there, so the target's held-out files stay unseen (`train` / `heldout` are then ignored).
     kind: str = "text"
     train: str = ""
     heldout: str = ""  # "" = hold out `heldout_fraction` of the training examples
-    heldout_fraction: float = 0.05
+    heldout_fraction: float = 0.05  # kind "stdlib" with a `corpus`: the recipe's own fraction is used
+    # kind "stdlib": whose corpus: a target recipe YAML, or an exported target directory (its
+    # training_summary.json); "" = the standard library alone
+    corpus: str = ""
     max_len: int = 256
     batch_size: int = 8
     seed: int = 0
@@ -88,10 +92,16 @@ class TrainConfig:
 
 
 def _stdlib_texts(cfg: DataConfig) -> tuple[list[str], list[str]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train_texts, heldout_texts = split_corpus(stdlib_files(root), root, cfg.heldout_fraction)
-    print(f"stdlib corpus: {len(train_texts)} train / {len(heldout_texts)} held-out files")
-    return train_texts, heldout_texts
+    if cfg.corpus:
+        summary = Path(cfg.corpus) / "training_summary.json"
+        t = (config_io.from_dict(PretrainConfig, json.loads(summary.read_text())["config"]) if summary.is_file()
+             else config_io.load_config(PretrainConfig, cfg.corpus, []))
+        corpus = build_corpus(t.stdlib, t.packages, t.exclude_tests, t.heldout_fraction, t.max_source_mb)
+    else:
+        corpus = build_corpus(True, (), False, cfg.heldout_fraction)
+    print(f"code corpus ({', '.join(corpus.manifest['sources'])}): {len(corpus.train)} train / "
+          f"{len(corpus.heldout)} held-out files")
+    return corpus.train, corpus.heldout
 
 
 def split_examples(cfg: DataConfig, tok: Any) -> tuple[list, list]:

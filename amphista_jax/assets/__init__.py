@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DEFAULT_MODEL = "tiny-code-llama"
+DEFAULT_MODEL = "code-llama"
+HEADS_DIR = Path(__file__).parent / f"{DEFAULT_MODEL}-heads"
 
 
 def default_model_dir() -> Path:
@@ -15,12 +16,16 @@ def default_model_dir() -> Path:
     return path
 
 
-def shipped_heads_dir(method: str) -> Path:
-    """Draft heads of `method` trained for the embedded model (`amphista_jax/assets/tiny-code-llama-heads`)."""
-    root = Path(__file__).parent / f"{DEFAULT_MODEL}-heads"
-    path = root / method
+def shipped_heads() -> list[str]:
+    """Names of the head sets shipped for the embedded model (`medusa`, `amphista`, `hydra`, `hydra-plus`)."""
+    return sorted(p.name for p in HEADS_DIR.iterdir() if (p / "draft.json").is_file()) if HEADS_DIR.is_dir() else []
+
+
+def shipped_heads_dir(name: str) -> Path:
+    """Draft heads `name` trained for the embedded model (`amphista_jax/assets/code-llama-heads/<name>`)."""
+    path = HEADS_DIR / name
     if not (path / "draft.json").is_file():
-        shipped = sorted(p.name for p in root.iterdir() if (p / "draft.json").is_file()) if root.is_dir() else []
-        raise FileNotFoundError(f"no shipped {method} heads in {root} (shipped: {', '.join(shipped) or 'none'}); "
+        shipped = ", ".join(shipped_heads()) or "none"
+        raise FileNotFoundError(f"no shipped {name} heads in {HEADS_DIR} (shipped: {shipped}); "
                                 "train them with `amphista-jax train` and pass --heads")
     return path
