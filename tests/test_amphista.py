@@ -170,3 +170,13 @@ def test_settings_are_validated():
     with pytest.raises(ValueError, match="not both 0"):
         Amphista(lambda_alignment=0.0, lambda_lm=0.0)
     assert dataclasses.asdict(Amphista())["adaptation_stages"] == 2
+
+
+def test_a_shallow_tree_projects_only_its_heads(target):
+    """The auto-embedding block sees all K heads either way; `depth` only drops the later vocabulary projections."""
+    amphista = Amphista()
+    params = _random_heads(amphista, target)
+    adapted = jax.random.normal(jax.random.key(5), (2, amphista.adaptation_stages, CONFIG.hidden_size))
+    full = amphista.head_logits(params, target, adapted)
+    np.testing.assert_allclose(np.asarray(amphista.head_logits(params, target, adapted, 2)), np.asarray(full[:, :2]),
+                               rtol=1e-6, atol=1e-6)

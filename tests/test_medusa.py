@@ -100,3 +100,14 @@ def test_head_metrics_match_top_k_definition():
                                rtol=1e-6)
     np.testing.assert_allclose(float(metrics["loss"]), float(
         (optax.softmax_cross_entropy_with_integer_labels(logits, labels) * mask).sum() / mask.sum()), rtol=1e-6)
+
+
+def test_a_shallow_tree_computes_only_its_heads():
+    """`heads=k` gives exactly the first k heads' logits (the vocabulary projections of the others are skipped)."""
+    params = init_params(CONFIG, jax.random.key(0))
+    medusa = Medusa(num_heads=4)
+    heads = medusa.init(jax.random.key(1), Target(CONFIG, params))
+    heads["w"] = jax.random.normal(jax.random.key(3), heads["w"].shape) * 0.2  # distinct heads
+    hidden = jax.random.normal(jax.random.key(2), (3, CONFIG.hidden_size))
+    full = medusa.head_logits(heads, hidden)
+    np.testing.assert_array_equal(np.asarray(medusa.head_logits(heads, hidden, heads=2)), np.asarray(full[:, :2]))

@@ -136,12 +136,13 @@ class Amphista:
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: TreeArrays,
                 rng: jax.Array) -> Proposal:
-        check_tree_depth(tree, self.num_heads, "Amphista")
-        return topk_proposal(self.head_logits(params, target, ctx.state["adapted"]), ctx.root, tree)
+        depth = check_tree_depth(tree, self.num_heads, "Amphista")
+        return topk_proposal(self.head_logits(params, target, ctx.state["adapted"], depth), ctx.root, tree)
 
-    def head_logits(self, params: dict, target: Target, adapted: jax.Array) -> jax.Array:
-        """Adapted states `[..., S, D]` -> fp32 draft logits `[..., K, V]` (Eq. 2-6)."""
-        return self._net(target.config).apply({"params": params}, adapted, method=_AmphistaNet.heads)
+    def head_logits(self, params: dict, target: Target, adapted: jax.Array, depth: int | None = None) -> jax.Array:
+        """Adapted states `[..., S, D]` -> fp32 draft logits `[..., depth, V]` of the first `depth` heads
+        (default: all; Eq. 2-6)."""
+        return self._net(target.config).apply({"params": params}, adapted, depth, method=_AmphistaNet.heads)
 
     def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: dict) -> tuple[dict, jax.Array]:
@@ -217,9 +218,11 @@ class _AmphistaNet(nn.Module):
             written.append(cache)
         return jnp.stack(outs, axis=-2), None if caches is None else tuple(written)
 
-    def heads(self, adapted: jax.Array) -> jax.Array:
-        """Eq. 2-6: adapted states `[..., S, D]` -> fp32 draft logits `[..., K, V]`."""
+    def heads(self, adapted: jax.Array, depth: int | None = None) -> jax.Array:
+        """Eq. 2-6: adapted states `[..., S, D]` -> fp32 draft logits `[..., depth, V]` of the first `depth`
+        heads (default: all K; the block still sees every head, only the vocabulary projections are cut)."""
         s, k = self.spec, self.spec.num_heads
+        kept = depth or k
         x = adapted[..., jnp.asarray([i * s.stages // k for i in range(k)]), :]  # [..., K, D] head -> its stage
         x = x + nn.silu(jnp.einsum("...KD,KDE->...KE", x, self.head_w) + self.head_b)
         if s.auto_embedding:
@@ -232,7 +235,8 @@ class _AmphistaNet(nn.Module):
             flat, _ = run_stack(self.encoder, block_config(self.target, s.auto_embedding_layers), flat,
                                 jnp.zeros((n, k), jnp.int32), None, jnp.ones((n, k, k), bool))
             x = flat.reshape(x.shape)
+        x = x[..., :kept, :]
         if s.lm_head_rank:
-            x = jnp.einsum("...KD,KDR->...KR", x, self.lm_a)
-            return jnp.einsum("...KR,KRV->...KV", x, self.lm_b).astype(jnp.float32)
-        return jnp.einsum("...KD,KDV->...KV", x, self.lm_head).astype(jnp.float32)
+            x = jnp.einsum("...KD,KDR->...KR", x, self.lm_a[:kept])
+            return jnp.einsum("...KR,KRV->...KV", x, self.lm_b[:kept]).astype(jnp.float32)
+        return jnp.einsum("...KD,KDV->...KV", x, self.lm_head[:kept]).astype(jnp.float32)

@@ -103,12 +103,13 @@ def accepted_tokens(proposal: Proposal, verdict: Verdict) -> jax.Array:
                            verdict.bonus[:, None])
 
 
-def check_tree_depth(tree: TreeArrays, num_heads: int, method: str) -> None:
-    """Trace-time: a static tree of depth D needs D heads (head k drafts depth k + 1)."""
+def check_tree_depth(tree: TreeArrays, num_heads: int, method: str) -> int:
+    """Trace-time: a static tree of depth D needs D heads (head k drafts depth k + 1). Returns D (>= 1)."""
     depth = int(np.asarray(tree.depth).max())
     if depth > num_heads:
         raise ValueError(f"tree depth {depth} needs {depth} heads but these {method} heads have {num_heads=}: "
                          f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads}) or train more heads")
+    return max(depth, 1)
 
 
 def topk_proposal(logits: jax.Array, root: jax.Array, tree: TreeArrays) -> Proposal:

@@ -51,14 +51,16 @@ class Medusa:
             "lm_head": jnp.broadcast_to(lm_head, (k,) + lm_head.shape).copy(),
         }
 
-    def head_logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """`hidden [..., D]` -> fp32 logits `[..., K, V]` of every head."""
-        x = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (self.num_heads, hidden.shape[-1]))
+    def head_logits(self, params: dict, hidden: jax.Array, heads: int | None = None) -> jax.Array:
+        """`hidden [..., D]` -> fp32 logits `[..., K, V]` of the first `heads` heads (default: all); a shallow
+        tree needs only its depth's heads, and each head's vocabulary projection is the costly part."""
+        k = heads or self.num_heads
+        x = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (k, hidden.shape[-1]))
         x = x.astype(params["w"].dtype)
         for layer in range(self.num_layers):
-            w, b = params["w"][:, layer], params["b"][:, layer]  # [K, D, D], [K, D]
+            w, b = params["w"][:k, layer], params["b"][:k, layer]  # [K, D, D], [K, D]
             x = x + jax.nn.silu(jnp.einsum("...KD,KDE->...KE", x, w) + b)
-        return jnp.einsum("...KD,KDV->...KV", x, params["lm_head"]).astype(jnp.float32)
+        return jnp.einsum("...KD,KDV->...KV", x, params["lm_head"][:k]).astype(jnp.float32)
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> tuple:
         return ()
@@ -68,8 +70,8 @@ class Medusa:
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: TreeArrays,
                 rng: jax.Array) -> Proposal:
-        check_tree_depth(tree, self.num_heads, "Medusa")
-        return topk_proposal(self.head_logits(params, ctx.hidden), ctx.root, tree)
+        depth = check_tree_depth(tree, self.num_heads, "Medusa")
+        return topk_proposal(self.head_logits(params, ctx.hidden, heads=depth), ctx.root, tree)
 
     def commit(self, params, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state) -> tuple:

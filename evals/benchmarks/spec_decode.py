@@ -1,12 +1,12 @@
 """AR vs speculative decoding on one target, and the cost of one verify step vs tree size.
 
-    python -m evals.benchmarks.spec_decode [--model DIR] [--heads DIR [DIR ...]] [--trees mc_sim_7b_63 small-8 chain-4]
+    python -m evals.benchmarks.spec_decode [--model DIR] [--heads DIR [DIR ...]] [--trees auto mc_sim_7b_63 chain-4]
                                            [--new-tokens 128] [--runs 3] [--out runs/benchmarks]
 
-Part 1 runs the AR baseline and each set of heads (any method: Medusa, Amphista, ...) with each tree on the
-same prompts and settings (greedy, batch 1),
-checks the outputs are identical, and prints tokens/s, tau (tokens per decoding forward; the prefill's
-token is not counted) and speed-up over AR, medians of `--runs` timed runs after a warm-up. Without
+Part 1 runs the AR baseline and each set of heads (any method: Medusa, Amphista, ...) with each tree
+(`auto`: the tree searched for each set of heads on this device) on the same prompts and settings (greedy,
+batch 1), checks the outputs are identical, and prints tokens/s, tau (tokens per decoding forward; the
+prefill's token is not counted) and speed-up over AR, medians of `--runs` timed runs after a warm-up. Without
 `--heads` the heads are untrained (tau near 1): the numbers then show the engine's overhead, not a method.
 Part 2 times one target forward over T tree tokens (T = 1, 8, 16, 32, 64) on a cache of committed tokens:
 on a compute-bound CPU the verify cost grows with T, which is where speculative decoding's crossover lies.
@@ -42,26 +42,29 @@ PROMPTS = (
 
 
 
-def end_to_end(params, config, tok, drafters: list[tuple[str, object, object]], trees, new_tokens: int,
+def end_to_end(params, config, tok, drafters: list[tuple[str, object, object, str | None]], trees, new_tokens: int,
                runs: int) -> list[dict]:
-    """`drafters`: (label, drafter, draft params) triples, all timed against one AR run per prompt."""
+    """`drafters`: (label, drafter, draft params, heads directory) tuples, all timed against one AR run per
+    prompt."""
     rows = []
+    specs = {(label, name): get_tree(name, heads) for (label, _, _, heads), name in itertools.product(drafters, trees)}
     for prompt in PROMPTS:
         tokens, lengths = pad_prompts([encode_prompt(tok, prompt)], pad_id=config.pad_token_id or 0)
-        cache = tokens.shape[1] + new_tokens + max(get_tree(name).num_nodes for name in trees)
+        cache = tokens.shape[1] + new_tokens + max(t.num_nodes for t in specs.values())
         ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), config=config,
                                max_new_tokens=new_tokens, cache_size=cache)
         ar_out = ar()
         ar_s = median_seconds(ar, runs)
         rows.append({"prompt": prompt, "method": "ar", "tree": "-", "tokens_per_s": new_tokens / ar_s, "tau": 1.0,
                      "speedup": 1.0, "same_as_ar": True})
-        for (label, drafter, draft_params), name in itertools.product(drafters, trees):
+        for (label, drafter, draft_params, _), name in itertools.product(drafters, trees):
             spec = functools.partial(speculative_generate, params, draft_params, tokens, lengths, jax.random.key(0),
-                                     config=config, drafter=drafter, tree=get_tree(name),
+                                     config=config, drafter=drafter, tree=specs[label, name],
                                      max_new_tokens=new_tokens, cache_size=cache)
             out = spec()
             seconds = median_seconds(spec, runs)
-            rows.append({"prompt": prompt, "method": label, "tree": name, "tokens_per_s": new_tokens / seconds,
+            tree = f"{name} ({specs[label, name].num_nodes - 1} nodes)" if name == "auto" else name
+            rows.append({"prompt": prompt, "method": label, "tree": tree, "tokens_per_s": new_tokens / seconds,
                          "tau": (new_tokens - 1) / int(out.steps), "speedup": ar_s / seconds,
                          "same_as_ar": bool((np.asarray(out.tokens) == np.asarray(ar_out.tokens)).all())})
     return rows
@@ -90,7 +93,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--heads", nargs="+", default=[], help="draft-head checkpoints (default: untrained Medusa)")
-    parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "small-8", "chain-4"])
+    parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "small-8", "chain-4"],
+                        help="presets, JSON files, or `auto` (the tree searched for each set of heads)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", default="runs/benchmarks")
@@ -101,9 +105,9 @@ def main() -> None:
     drafters = []
     for path in args.heads:
         method, drafter, draft_params = load_draft(path, config, params)
-        drafters.append((method if len(args.heads) == 1 else f"{method} ({path})", drafter, draft_params))
+        drafters.append((method if len(args.heads) == 1 else f"{method} ({path})", drafter, draft_params, path))
     if not drafters:
-        drafters = [("untrained medusa", Medusa(), Medusa().init(jax.random.key(0), Target(config, params)))]
+        drafters = [("untrained medusa", Medusa(), Medusa().init(jax.random.key(0), Target(config, params)), None)]
     e2e = end_to_end(params, config, tok, drafters, args.trees, args.new_tokens, args.runs)
     cost = verify_cost(params, config, (1, 8, 16, 32, 64), committed=256, runs=args.runs)
 
