@@ -22,31 +22,36 @@ def default_model() -> str:
     return str(default_model_dir())
 
 
-def _load_drafter(args: argparse.Namespace, config, params):
-    """(drafter, draft params, heads directory or None) from --heads; else the shipped --draft heads when the
-    target is the embedded model; else untrained --draft heads initialised from the target."""
+def _heads_dir(args: argparse.Namespace) -> str | None:
+    """--heads; else the shipped --draft heads when the target is the embedded model; else None (untrained)."""
     from pathlib import Path
 
+    from amphista_jax.assets import shipped_heads_dir
+
+    if args.heads or not args.draft or Path(args.model).resolve() != Path(default_model()).resolve():
+        return args.heads
+    try:
+        heads = str(shipped_heads_dir(args.draft))
+    except FileNotFoundError:
+        return None
+    print(f"note: using the shipped {args.draft} heads ({heads})", file=sys.stderr)
+    return heads
+
+
+def _load_drafter(args: argparse.Namespace, heads: str | None, config, params):
+    """(drafter, draft params) from `heads`, else untrained --draft heads initialised from the target."""
     import jax
 
-    from amphista_jax.assets import shipped_heads_dir
     from amphista_jax.drafters.io import load_draft
 
-    heads = args.heads
-    if heads is None and Path(args.model).resolve() == Path(default_model()).resolve():
-        try:
-            heads = shipped_heads_dir(args.draft)
-            print(f"note: using the shipped {args.draft} heads ({heads})", file=sys.stderr)
-        except FileNotFoundError:
-            pass
     if heads:
         method, drafter, draft_params = load_draft(heads, config, params)
         if args.draft and args.draft != method:
             raise SystemExit(f"--draft {args.draft} but {heads} holds {method} heads")
-        return drafter, draft_params, heads
+        return drafter, draft_params
     print(f"note: no --heads given, using untrained {args.draft} heads (expect accept length ~1)", file=sys.stderr)
     drafter = DRAFTERS[args.draft]()
-    return drafter, drafter.init(jax.random.key(args.seed), Target(config, params)), None
+    return drafter, drafter.init(jax.random.key(args.seed), Target(config, params))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -62,6 +67,12 @@ def _generate(args: argparse.Namespace) -> int:
     from amphista_jax.trees import get_tree
     from amphista_jax.verify import AcceptanceConfig
 
+    speculative = bool(args.draft or args.heads)
+    heads = _heads_dir(args) if speculative else None
+    try:
+        tree = get_tree(args.tree, heads) if speculative else None  # before any loading
+    except ValueError as e:
+        raise SystemExit(f"--tree {args.tree}: {e}") from None
     params, config = load_params(args.model, dtype=args.dtype)
     tok = load_tokenizer(args.model)
     ids = encode_prompt(tok, args.prompt, chat=args.chat)
@@ -71,9 +82,8 @@ def _generate(args: argparse.Namespace) -> int:
                   sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
                   eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
     reserve = 0
-    if args.draft or args.heads:
-        drafter, draft_params, heads = _load_drafter(args, config, params)
-        tree = get_tree(args.tree, heads)
+    if speculative:
+        drafter, draft_params = _load_drafter(args, heads, config, params)
         reserve = tree.num_nodes
         run = functools.partial(speculative_generate, params, draft_params, drafter=drafter, tree=tree,
                                 acceptance=AcceptanceConfig(args.acceptance), **kwargs)
@@ -99,23 +109,40 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _task_range(text: str) -> tuple[int, int]:
+    """argparse type of --tasks: `START:STOP`."""
+    start, sep, stop = text.partition(":")
+    if not sep or not start.isdigit() or not stop.isdigit() or int(start) >= int(stop):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a task range START:STOP with START < STOP, e.g. 100:164")
+    return int(start), int(stop)
+
+
 def _tree_search(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from amphista_jax.demo import humaneval_prompts
-    from amphista_jax.tree_search import search
+    from amphista_jax.drafters.io import META_FILE
+    from amphista_jax.tree_search import TreeSearchError, output_paths, search
     from amphista_jax.trees import searched_tree_path
 
-    if args.max_nodes < 1 or args.ranks < 1 or args.runs < 1 or args.max_new_tokens < 2:
-        raise SystemExit("--max-nodes, --ranks and --runs must be >= 1 and --max-new-tokens >= 2")
+    for name in ("max_nodes", "ranks", "runs"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.max_new_tokens < 2:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: must be >= 2 (decode steps are timed)")
+    if not (Path(args.heads) / META_FILE).is_file():
+        raise SystemExit(f"--heads {args.heads}: not a draft-head checkpoint (no {META_FILE})")
     out = Path(args.out) if args.out else searched_tree_path(args.heads)
-    if out.exists() and not args.replace:
-        raise SystemExit(f"{out} exists: pass --replace to search again and replace it, or --out another file")
-    start, _, stop = args.tasks.partition(":")
-    prompts = humaneval_prompts(int(start), int(stop))
-    result, tree = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
-                          max_new_tokens=args.max_new_tokens, runs=args.runs)
-    print(Path(out).with_suffix(".report.md").read_text())
+    if (taken := [str(p) for p in output_paths(out) if p.exists()]) and not args.replace:
+        raise SystemExit(f"{', '.join(taken)} exist: pass --replace to search again and replace them, or --out "
+                         "another file")
+    try:
+        prompts = humaneval_prompts(*args.tasks)
+        result, tree = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
+                              max_new_tokens=args.max_new_tokens, runs=args.runs)
+    except (TreeSearchError, ValueError) as e:
+        raise SystemExit(f"tree-search: {e}") from None
+    print(out.with_suffix(".report.md").read_text())
     best = result.speedups[result.best]
     print(f"wrote {out} ({tree.num_nodes - 1} draft nodes, depth {tree.depth}); predicted speed-up {best:.2f}x"
           + ("" if best > 1 else ": no tree is predicted to beat autoregressive decoding on this device"))
@@ -254,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "device; write the fastest (used by --tree auto)")
     ts.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
     ts.add_argument("--heads", required=True, help="draft-head checkpoint directory")
-    ts.add_argument("--tasks", default="100:164", help="HumanEval task range START:STOP of the calibration prompts "
+    ts.add_argument("--tasks", type=_task_range, default=(100, 164),
+                    help="HumanEval task range START:STOP of the calibration prompts "
                     "(keep it apart from the evaluation set)")
     ts.add_argument("--max-nodes", type=int, default=63, help="budget: draft nodes, root not counted")
     ts.add_argument("--ranks", type=int, default=10, help="ranks per depth in the calibration tree")

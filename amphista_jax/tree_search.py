@@ -150,7 +150,10 @@ def measure_step_seconds(params: dict, draft_params: Any, drafter: Any, config: 
 
     def per_step(prefill_s: float, fn: Callable[[], Any]) -> float:
         seconds, steps = timed(fn)
-        return (seconds - prefill_s) / max(steps, 1)
+        if steps < 1 or seconds <= prefill_s:
+            raise TreeSearchError(f"timing noise: a whole decode ({seconds * 1e3:.2f} ms, {steps} steps) took no "
+                                  f"longer than its prefill ({prefill_s * 1e3:.2f} ms); raise --max-new-tokens")
+        return (seconds - prefill_s) / steps
 
     ar_step = per_step(timed(ar(1))[0], ar(max_new_tokens))
     spec_prefill = timed(spec(trees[0], 1))[0]
@@ -196,6 +199,12 @@ def plot(result: SearchResult, path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
+def output_paths(out_path: Path) -> tuple[Path, ...]:
+    """The tree JSON and, beside it, the report (JSON, markdown) and plot that `search` writes."""
+    stem = out_path.with_suffix("")
+    return out_path, stem.with_suffix(".report.json"), stem.with_suffix(".report.md"), stem.with_suffix(".png")
+
+
 def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str], out_path: Path, *, max_nodes: int = 63,
            ranks: int = 10, max_new_tokens: int = 96, runs: int = 3, sizes: Sequence[int] = DEFAULT_SIZES
            ) -> tuple[SearchResult, TreeSpec]:
@@ -233,7 +242,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     device = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps([list(p) for p in best.choices]) + "\n")
-    stem = out_path.with_suffix("")
+    _, report_json, report_md, png = output_paths(out_path)
     title = (f"{method} heads on {device}: picked {result.sizes[result.best]} draft nodes, predicted "
              f"{result.speedups[result.best]:.2f}x")
     report = {"method": method, "heads": str(heads_dir), "model": str(model_dir), "device": device,
@@ -245,11 +254,11 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
                          "predicted_tokens_per_s": tps, "predicted_speedup": sp, "choices": t.choices}
                         for n, t, tau, s, tps, sp in zip(result.sizes, trees, result.taus, result.step_seconds,
                                                          result.tokens_per_second, result.speedups, strict=True)]}
-    stem.with_suffix(".report.json").write_text(json.dumps(report, indent=1) + "\n")
+    report_json.write_text(json.dumps(report, indent=1) + "\n")
     header = (f"# Tree search: {title}\n\nExpected tau from greedy acceptance statistics on {len(prompts)} calibration "
               f"prompts; step times measured on this device (median of {runs}, batch 1, {max_new_tokens} new "
               "tokens). Predicted speed-up = expected tau x AR step / step: a model prediction, not a measurement "
               "of decoding.")
-    stem.with_suffix(".report.md").write_text(report_markdown(result, trees, header))
-    plot(result, stem.with_suffix(".png"), title)
+    report_md.write_text(report_markdown(result, trees, header))
+    plot(result, png, title)
     return result, best

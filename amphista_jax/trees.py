@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -136,6 +137,7 @@ PRESETS: dict[str, TreeSpec] = {
 
 
 AUTO = "auto"
+AUTO_FALLBACK = "mc_sim_7b_63"  # `auto` without a tree searched for these heads on this device class
 
 
 def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Path:
@@ -144,16 +146,16 @@ def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Pat
 
 
 def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> TreeSpec:
-    """A preset by name, a JSON file of paths, or `auto`: the tree searched for `heads_dir` on this device class."""
+    """A preset by name, a JSON file of paths, or `auto`: the tree searched for the heads in `heads_dir` on this
+    device class (`amphista-jax tree-search`), else the papers' tree, with a note on stderr."""
     if name_or_path == AUTO:
-        if heads_dir is None:
-            raise ValueError("tree `auto` is the tree searched for a set of trained heads: pass their directory "
-                             "(--heads), or name a preset or a JSON file")
-        path = searched_tree_path(heads_dir)
-        if not path.is_file():
-            raise ValueError(f"no tree was searched for the heads in {heads_dir} on {jax.default_backend()}: run "
-                             f"`amphista-jax tree-search --heads {heads_dir}`, or name a preset ({', '.join(PRESETS)})")
-        return load_tree(path)
+        path = searched_tree_path(heads_dir) if heads_dir is not None else None
+        if path is not None and path.is_file():
+            return load_tree(path)
+        why = (f"no tree was searched for {heads_dir} on {jax.default_backend()} (`amphista-jax tree-search --heads "
+               f"{heads_dir}` searches one)" if heads_dir is not None else "untrained heads have no searched tree")
+        print(f"note: tree auto: {why}; using {AUTO_FALLBACK}", file=sys.stderr)
+        return PRESETS[AUTO_FALLBACK]
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if Path(name_or_path).is_file():

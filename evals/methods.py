@@ -58,8 +58,9 @@ class Method:
 
     def describe(self) -> dict[str, Any]:
         settings = dataclasses.asdict(self.drafter) if self.drafter is not None else {}
+        choices = [list(p) for p in self.tree.choices] if self.tree is not None else None
         return {"label": self.label, "spec": self.spec, "method": self.method, "tree": self.tree_name,
-                "tree_nodes": self.tree_nodes, "settings": settings}
+                "tree_nodes": self.tree_nodes, "tree_choices": choices, "settings": settings}
 
 
 def split_label(spec: str) -> tuple[str, str]:

@@ -3,7 +3,8 @@
     python -m evals.target_quality --models amphista_jax/assets/code-llama runs/tiny-code-llama/export
 
 * bits per byte (tokenizer-independent) on a package that is in no training source (default: pip's own code,
-  tests and vendored packages left out, the first `--bpb-mb` MB in path-hash order);
+  tests and vendored packages left out, the first `--bpb-mb` MB in path-hash order), in windows of the
+  context each model was pre-trained with;
 * the share of greedy completions of the first `--tasks` HumanEval prompts (`--new-tokens` each) whose tail
   is a loop: some period p <= 32 tokens repeats over the last max(3p, 24) generated tokens.
 
@@ -16,6 +17,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,10 +41,9 @@ def ends_in_loop(tokens: Sequence[int], max_period: int = 32, min_repeats: int =
     return False
 
 
-def loop_share(model_dir: str | Path, tasks: int, new_tokens: int) -> tuple[float, list[str]]:
+def loop_share(params: dict, config: Any, tok: Any, model_dir: str | Path, tasks: int, new_tokens: int
+               ) -> tuple[float, list[str]]:
     """(share of looping greedy completions, the completions) on HumanEval/0 .. HumanEval/tasks-1."""
-    params, config = load_params(model_dir, dtype="float32")
-    tok = load_tokenizer(model_dir)
     pad = config.pad_token_id or 0
     tokens, lengths = pad_prompts([encode_prompt(tok, p) for p in humaneval_prompts(0, tasks)], pad_id=pad)
     eos = stop_token_ids(model_dir, tok, config)
@@ -53,14 +54,21 @@ def loop_share(model_dir: str | Path, tasks: int, new_tokens: int) -> tuple[floa
     return float(np.mean([ends_in_loop(r) for r in rows])), [tok.decode(r) for r in rows]
 
 
+def trained_seq_len(model_dir: str | Path, default: int = 256) -> int:
+    """The context the model was pre-trained with (its recipe's `seq_len`), so bits/byte is scored inside it."""
+    summary = Path(model_dir) / "training_summary.json"
+    return json.loads(summary.read_text())["config"].get("seq_len", default) if summary.is_file() else default
+
+
 def measure(model_dir: str | Path, package: str, bpb_mb: float, tasks: int, new_tokens: int) -> dict:
     params, config = load_params(model_dir, dtype="float32")
     tok = load_tokenizer(model_dir)
     texts = package_texts(package, int(bpb_mb * 2**20))
-    bpb = bits_per_byte(Transformer(config), params, tok, texts, seq_len=256, batch_size=16)
-    share, completions = loop_share(model_dir, tasks, new_tokens)
+    seq_len = trained_seq_len(model_dir)
+    bpb = bits_per_byte(Transformer(config), params, tok, texts, seq_len=seq_len, batch_size=16)
+    share, completions = loop_share(params, config, tok, model_dir, tasks, new_tokens)
     return {"model": str(model_dir), "parameters": config.num_params,
-            "bpb_package": f"{package} {package_version(package)}",
+            "bpb_package": f"{package} {package_version(package)}", "bpb_seq_len": seq_len,
             "bpb_bytes": sum(len(t.encode()) for t in texts), "bits_per_byte": round(bpb, 4),
             "loop_share": share, "loop_tasks": tasks, "new_tokens": new_tokens, "completions": completions}
 

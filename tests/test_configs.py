@@ -56,7 +56,7 @@ def test_eval_config_overrides_and_errors():
     path = CONFIGS / "eval" / "humaneval-code.yaml"
     cfg = load_config(EvalConfig, path, ["methods=[ar, 'medusa:untrained@chain-4']", "dataset.limit=3"])
     assert cfg.methods == ("ar", "medusa:untrained@chain-4") and cfg.dataset.limit == 3
-    assert (cfg.dataset.kind, cfg.tree, cfg.max_new_tokens, cfg.temperature) == ("humaneval", "mc_sim_7b_63", 128, 0.0)
+    assert (cfg.dataset.kind, cfg.tree, cfg.max_new_tokens, cfg.temperature) == ("humaneval", "auto", 128, 0.0)
     with pytest.raises(ConfigFileError, match="dataset.kind 'mtbench' must be one of"):
         load_config(EvalConfig, path, ["dataset.kind=mtbench"])
     with pytest.raises(ConfigFileError, match="greedy acceptance needs temperature 0"):

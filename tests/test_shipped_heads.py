@@ -77,7 +77,8 @@ def test_demo_runs_and_checks_losslessness(capsys):
     out = capsys.readouterr().out
     assert humaneval_prompt("HumanEval/2") in out and "\033[32m" in out  # drafted tokens are coloured
     assert "output identical to autoregressive greedy decoding: yes" in out and "| amphista |" in out
-    assert "tree auto (" in out and ("faster on CPU" in out or "NO SPEED-UP on CPU" in out)
+    backend = jax.default_backend().upper()
+    assert "tree auto (" in out and (f"faster on {backend}" in out or f"NO SPEED-UP on {backend}" in out)
 
 
 def test_demo_rejects_bad_arguments():
@@ -129,7 +130,9 @@ def test_tree_search_cli_writes_a_tree_report_and_plot(tmp_path, capsys):
     tree = load_tree(out)
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert [t["draft_nodes"] for t in report["trees"]] == [1, 2, 3]
-    assert report["picked"] == [list(p) for p in tree.choices] and tree.depth <= 3
+    assert report["picked"] == [list(p) for p in tree.choices]
+    assert [t["choices"] for t in report["trees"]][report["trees"].index(max(
+        report["trees"], key=lambda t: t["predicted_tokens_per_s"]))] == report["picked"]  # the fastest is picked
     assert all(t["step_ms"] > 0 for t in report["trees"]) and out.with_suffix(".png").stat().st_size > 1000
     assert main(["generate", "--heads", str(shipped_heads_dir("medusa")), "--tree", str(out), "--prompt",
                  "def f(x):", "--max-new-tokens", "6"]) == 0

@@ -31,6 +31,25 @@ def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_per_byte():
     assert got == pytest.approx(expected, rel=1e-5)
 
 
+def test_bits_per_byte_equals_a_direct_forward_over_the_framed_texts():
+    """A random (non-uniform) model, one window: the summed CE of every token after its BOS, EOS included."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    tok = train_tokenizer(TEXTS * 4, vocab_size=300)
+    config = ModelConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=8)
+    params = init_params(config, jax.random.key(1))
+    stream = np.concatenate([ids + [tok.eos_token_id] for ids in tok(TEXTS)["input_ids"]])
+    logits = Transformer(config).apply({"params": params}, jnp.asarray(stream[None, :-1]),
+                                       jnp.arange(len(stream) - 1)[None]).logits[0]
+    ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(stream[1:])))
+    expected = ce[stream[1:] != tok.bos_token_id].sum() / math.log(2) / sum(len(t.encode()) for t in TEXTS)
+    got = bits_per_byte(Transformer(config), params, tok, TEXTS, seq_len=len(stream) + 5, batch_size=2)
+    assert got == pytest.approx(expected, rel=1e-4)
+
+
 @pytest.mark.parametrize("tokens, looping", [
     ([1, 2, 3] * 10, True),  # period 3 over the whole tail
     (list(range(40)) + [7] * 24, True),  # a stuck token

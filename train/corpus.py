@@ -69,7 +69,11 @@ def package_files(dist_name: str, exclude_tests: bool = False) -> list[SourceFil
 
 
 def package_version(dist_name: str) -> str:
-    return importlib.metadata.version(dist_name)
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise CorpusError(f"package {dist_name!r} is not installed: `pip install {dist_name}` or name another "
+                          "package") from None
 
 
 def is_heldout(rel_path: str, fraction: float) -> bool:
@@ -95,50 +99,56 @@ class Corpus:
     manifest: dict[str, Any]  # per source: version, files, bytes; duplicates dropped; for the training summary
 
 
+def _first_bytes(items: Sequence[tuple[str, str]], max_bytes: float) -> list[tuple[str, str]]:
+    """The leading `(key, text)` items whose texts add up to `max_bytes` (the one crossing it included)."""
+    kept, total = [], 0
+    for key, text in items:
+        if total >= max_bytes:
+            break
+        kept.append((key, text))
+        total += len(text.encode())
+    return kept
+
+
 def build_corpus(stdlib: bool, packages: Sequence[str], exclude_tests: bool, heldout_fraction: float,
                  max_source_mb: float = 0.0, max_files: int = 0) -> Corpus:
-    """Read every source, drop unreadable (non-UTF-8) and duplicate files (first copy wins: stdlib, then packages
-    in the given order), cap each source at `max_source_mb` (files taken in path-hash order, so the cap is a stable
-    random subset), then split by path hash. `max_files > 0` keeps the first N files overall (smoke tests)."""
+    """Read every source, drop unreadable (non-UTF-8) files and identical copies (the first copy in reading order
+    wins: stdlib, then packages in the given order, files sorted), cap each source at `max_source_mb` (files
+    taken in path-hash order, so the cap is a stable random subset), then split by path hash. `max_files > 0`
+    keeps the first N files overall (smoke tests)."""
     sources: list[list[SourceFile]] = []
     if stdlib:
         root = Path(sysconfig.get_paths()["stdlib"])
         sources.append([SourceFile("stdlib", p.relative_to(root).as_posix(), p)
                         for p in stdlib_files(root, exclude_tests)])
-    sources += [package_files(name, exclude_tests) for name in packages]
+    for name in packages:
+        if not (files := package_files(name, exclude_tests)):
+            raise CorpusError(f"corpus package {name!r} has no readable .py files installed (an editable or conda "
+                              "install lists none): reinstall it with pip or remove it from `packages`")
+        sources.append(files)
     seen: set[str] = set()
     duplicates = 0
     train, heldout, manifest = [], [], {}
     budget = max_files or None
     for files in sources:
-        if not files:
-            continue
-        name = files[0].source
         texts = {}
         for f in files:
-            text = _read(f.path)
-            if text is None:
+            if (text := _read(f.path)) is None:
                 continue
             digest = hashlib.sha256(text.encode()).hexdigest()
-            if digest in seen:
-                duplicates += 1
-                continue
-            seen.add(digest)
-            texts[f.key] = text
+            duplicates += digest in seen
+            if digest not in seen:
+                seen.add(digest)
+                texts[f.key] = text
         if max_source_mb > 0:
-            kept, total = set(), 0
-            for key in sorted(texts, key=_unit_hash):
-                if total >= max_source_mb * 2**20:
-                    break
-                kept.add(key)
-                total += len(texts[key].encode())
-            texts = {k: v for k, v in texts.items() if k in kept}
+            texts = dict(_first_bytes(sorted(texts.items(), key=lambda kv: _unit_hash(kv[0])), max_source_mb * 2**20))
         keys = sorted(texts, key=PurePath)[:budget]
         if budget is not None:
             budget -= len(keys)
         held = [k for k in keys if is_heldout(k, heldout_fraction)]
         train += [texts[k] for k in keys if not is_heldout(k, heldout_fraction)]
         heldout += [texts[k] for k in held]
+        name = files[0].source
         manifest[name] = {
             "version": package_version(name) if name != "stdlib" else sysconfig.get_python_version(),
             "files": len(keys), "heldout_files": len(held), "bytes": sum(len(texts[k].encode()) for k in keys)}
@@ -149,18 +159,11 @@ def build_corpus(stdlib: bool, packages: Sequence[str], exclude_tests: bool, hel
 
 
 def package_texts(dist_name: str, max_bytes: int) -> list[str]:
-    """Readable non-test `.py` files of one distribution in path-hash order, up to `max_bytes` in total: the
-    held-out package for bits-per-byte (it must be in no training source)."""
-    texts, total = [], 0
-    for f in sorted(package_files(dist_name, exclude_tests=True), key=lambda f: _unit_hash(f.key)):
-        text = _read(f.path)
-        if text is None or not text.strip():
-            continue
-        texts.append(text)
-        total += len(text.encode())
-        if total >= max_bytes:
-            break
-    return texts
+    """Readable non-empty non-test `.py` files of one distribution in path-hash order, up to `max_bytes` in
+    total: the held-out package for bits-per-byte (it must be in no training source)."""
+    files = sorted(package_files(dist_name, exclude_tests=True), key=lambda f: _unit_hash(f.key))
+    items = [(f.key, text) for f in files if (text := _read(f.path)) is not None and text.strip()]
+    return [text for _, text in _first_bytes(items, max_bytes)]
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:

@@ -17,10 +17,14 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 
-def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, seq_len: int) -> np.ndarray:
-    """Concatenate `doc + [eos]` for every doc and cut into `[N, seq_len + 1]` windows (the last partial
-    window is dropped); consecutive windows share one boundary token so every position is a target once."""
+def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, seq_len: int, pad_id: int | None = None
+                   ) -> np.ndarray:
+    """Concatenate `doc + [eos]` for every doc and cut into `[N, seq_len + 1]` windows; consecutive windows
+    share one boundary token so every position is a target once. The last partial window is dropped, or, with
+    `pad_id`, padded with it (so every token is kept)."""
     stream = np.concatenate([np.append(np.asarray(d, np.int32), eos_id) for d in docs])
+    if pad_id is not None:
+        stream = np.pad(stream, (0, (-(len(stream) - 1)) % seq_len), constant_values=pad_id)
     n = (len(stream) - 1) // seq_len
     if n == 0:
         raise ValueError(f"{len(stream)} tokens are too few for one sequence of {seq_len=} + 1")

@@ -48,8 +48,8 @@ class TargetArch:
 
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig:
-    run_dir: str = "runs/tiny-code-llama"  # tokenizer, orbax checkpoints
-    export_dir: str = "runs/tiny-code-llama/export"  # the Hugging Face directory written at the end
+    run_dir: str = "runs/target"  # tokenizer, orbax checkpoints
+    export_dir: str = "runs/target/export"  # the Hugging Face directory written at the end
     vocab_size: int = 4096
     heldout_fraction: float = 0.05
     max_files: int = 0  # 0 = every corpus file; >0 = the first N (smoke tests)
@@ -85,13 +85,23 @@ class PretrainConfig:
             raise ValueError(f"{self.bpb_package=} is a training source: pick a package that is not in `packages`")
 
 
-def next_token_loss(model: Transformer, params: Any, windows: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (nats/token) over `windows [B, T + 1]`."""
+def token_nll(model: Transformer, params: Any, windows: jax.Array, ignore: tuple[int, ...] = ()
+              ) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token cross-entropy in nats, number of targets) over `windows [B, T + 1]`, not counting
+    targets in `ignore` (e.g. padding)."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
     b, t = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     logits = model.apply({"params": params}, inputs, positions).logits  # [B, T, V] fp32
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    keep = ~jnp.isin(targets, jnp.asarray(ignore, targets.dtype)) if ignore else jnp.ones(targets.shape, bool)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, T]
+    return jnp.where(keep, ce, 0.0).sum(), keep.sum()
+
+
+def next_token_loss(model: Transformer, params: Any, windows: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats/token) over `windows [B, T + 1]`."""
+    total, count = token_nll(model, params, windows)
+    return total / count
 
 
 def bits_per_byte(model: Transformer, params: Any, tok: PreTrainedTokenizerBase, texts: list[str], seq_len: int,
@@ -99,23 +109,10 @@ def bits_per_byte(model: Transformer, params: Any, tok: PreTrainedTokenizerBase,
     """Tokenizer-independent held-out bits per UTF-8 byte: the summed next-token NLL of every token of every
     text (each framed by BOS/EOS, the BOS targets not counted; the context restarts every `seq_len` tokens)
     divided by ln 2 and by the texts' byte count."""
-    stream = np.concatenate([np.asarray(ids + [tok.eos_token_id], np.int32) for ids in _encode(tok, texts)])
-    n = -(-(len(stream) - 1) // seq_len)
-    valid = np.arange(n * seq_len + 1) < len(stream)
-    stream = np.pad(stream, (0, n * seq_len + 1 - len(stream)), constant_values=tok.pad_token_id)
-    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    windows, weights = stream[idx], (valid[idx] * (stream[idx] != tok.bos_token_id))[:, 1:]
-
-    @jax.jit
-    def nll(p: Any, w: jax.Array, m: jax.Array) -> jax.Array:
-        logits = model.apply({"params": p}, w[:, :-1], jnp.broadcast_to(jnp.arange(seq_len), (len(w), seq_len))).logits
-        return (optax.softmax_cross_entropy_with_integer_labels(logits, w[:, 1:]) * m).sum()
-
-    pad = (-n) % batch_size  # whole batches: one compile
-    windows = np.pad(windows, ((0, pad), (0, 0)), constant_values=tok.pad_token_id)
-    weights = np.pad(weights, ((0, pad), (0, 0)))
-    total = sum(float(nll(params, windows[i: i + batch_size], weights[i: i + batch_size]))
-                for i in range(0, len(windows), batch_size))
+    windows = pack_documents(_encode(tok, texts), tok.eos_token_id, seq_len, pad_id=tok.pad_token_id)
+    windows = np.pad(windows, ((0, (-len(windows)) % batch_size), (0, 0)), constant_values=tok.pad_token_id)
+    nll = jax.jit(lambda p, w: token_nll(model, p, w, ignore=(tok.pad_token_id, tok.bos_token_id))[0])
+    total = sum(float(nll(params, windows[i: i + batch_size])) for i in range(0, len(windows), batch_size))
     return total / math.log(2) / sum(len(t.encode()) for t in texts)
 
 
@@ -151,6 +148,8 @@ def model_config(cfg: PretrainConfig, tok: PreTrainedTokenizerBase) -> ModelConf
 
 def run(cfg: PretrainConfig) -> dict[str, Any]:
     """Train (or resume) and export. Returns the summary written to `export_dir/training_summary.json`."""
+    if cfg.bpb_package:  # before any slow work: the held-out package must be installed
+        package_version(cfg.bpb_package)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(cfg.stdlib, cfg.packages, cfg.exclude_tests, cfg.heldout_fraction, cfg.max_source_mb,
