@@ -127,7 +127,7 @@ def format_result(r: DemoResult) -> str:
         lines.append(f"NO SPEED-UP on {device}: speculative decoding was {1 / r.speedup:.2f}x slower here. Each step "
                      f"(draft + verify + accept) cost {r.step_cost:.2f}x an autoregressive step but committed only "
                      f"{r.tau:.2f} tokens; it pays only when tau exceeds the step cost. On this device the draft "
-                     "heads' vocabulary projections and the verify forward over the tree's nodes cost about as much as the "
-                     "tokens they save; better heads, a tree searched on this device (`--tree auto`), or an "
+                     "heads' vocabulary projections and the verify forward over the tree's nodes cost about as much "
+                     "as the tokens they save; better heads, a tree searched on this device (`--tree auto`), or an "
                      "accelerator, where verifying a tree costs about one forward, change that.")
     return "\n".join(lines)
