@@ -1,6 +1,6 @@
 """How good is a target model as a code model: held-out bits per byte and the share of looping completions.
 
-    python -m evals.target_quality --models amphista_jax/assets/code-llama runs/tiny-code-llama/export
+    python -m evals.target_quality --models amphista_jax/assets/code-llama [OTHER_MODEL_DIR ...]
 
 * bits per byte (tokenizer-independent) on a package that is in no training source (default: pip's own code,
   tests and vendored packages left out, the first `--bpb-mb` MB in path-hash order), in windows of the
