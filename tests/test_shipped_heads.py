@@ -21,7 +21,7 @@ from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.trees import PRESETS, get_tree, searched_tree_path
 
 MODEL = default_model_dir()
-METHODS = ("medusa", "amphista", "hydra", "hydra-plus")
+METHODS = ("medusa", "amphista")
 
 
 @pytest.fixture(scope="module")
