@@ -245,7 +245,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     _, report_json, report_md, png = output_paths(out_path)
     title = (f"{method} heads on {device}: picked {result.sizes[result.best]} draft nodes, predicted "
              f"{result.speedups[result.best]:.2f}x")
-    report = {"method": method, "heads": str(heads_dir), "model": str(model_dir), "device": device,
+    report = {"method": method, "heads": Path(heads_dir).name, "model": Path(model_dir).name, "device": device,
               "calibration_prompts": len(prompts), "calibration_tree_nodes": calib.num_nodes - 1,
               "max_new_tokens": max_new_tokens, "rates": rates.round(4).tolist(),
               "node_tries": np.asarray(tries).tolist(), "node_hits": np.asarray(hits).tolist(),
