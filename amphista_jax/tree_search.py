@@ -232,7 +232,8 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     if not grown:
         raise TreeSearchError(f"no draft of the heads in {heads_dir} was accepted on the {len(prompts)} calibration "
                               f"prompts ({int(np.sum(tries))} tries): train the heads, or calibrate on more prompts")
-    picked = [i for i in range(len(grown)) if i + 1 in set(sizes) or i + 1 == len(grown)]
+    measured = set(sizes) | {len(grown)}  # the grid, and the largest tree the statistics allow
+    picked = [i for i in range(len(grown)) if i + 1 in measured]
     trees = [grown[i][0] for i in picked]
     with tqdm(total=len(trees), desc=f"timing trees on {jax.default_backend()}", unit="tree") as bar:
         ar_step, step_seconds = measure_step_seconds(params, draft_params, drafter, config, ids[0], trees,
