@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -10,6 +11,14 @@ from collections.abc import Sequence
 from amphista_jax.assets import shipped_heads
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.drafters.base import Target
+from amphista_jax.errors import (
+    BAD_INPUT_EXIT,
+    ENVIRONMENT_ERRNOS,
+    ENVIRONMENT_EXIT,
+    UsageError,
+    UserError,
+    check_writable_dir,
+)
 from amphista_jax.models.llama import ATTENTION_IMPLS
 from amphista_jax.verify import ACCEPTANCE_RULES
 
@@ -47,7 +56,7 @@ def _load_drafter(args: argparse.Namespace, heads: str | None, config, params):
     if heads:
         method, drafter, draft_params = load_draft(heads, config, params)
         if args.draft and args.draft != method:
-            raise SystemExit(f"--draft {args.draft} but {heads} holds {method} heads")
+            raise UsageError(f"--draft {args.draft} but {heads} holds {method} heads")
         return drafter, draft_params
     print(f"note: no --heads given, using untrained {args.draft} heads (expect accept length ~1)", file=sys.stderr)
     drafter = DRAFTERS[args.draft]()
@@ -61,36 +70,43 @@ def _generate(args: argparse.Namespace) -> int:
     import numpy as np
 
     from amphista_jax.decode import check_fits, generate, pad_prompts, speculative_generate
-    from amphista_jax.models.hf import load_params
-    from amphista_jax.sampling import SamplingConfig
+    from amphista_jax.models.hf import load_config, load_params
     from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
     from amphista_jax.trees import get_tree
     from amphista_jax.verify import AcceptanceConfig
 
+    # Everything that can be checked before loading weights is checked here.
+    sampling = _sampling(args)
+    acceptance = AcceptanceConfig(args.acceptance)
+    acceptance.resolve(sampling)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     speculative = bool(args.draft or args.heads)
     heads = _heads_dir(args) if speculative else None
-    try:
-        tree = get_tree(args.tree, heads) if speculative else None  # before any loading
-    except ValueError as e:
-        raise SystemExit(f"--tree {args.tree}: {e}") from None
-    params, config = load_params(args.model, dtype=args.dtype)
+    tree = get_tree(args.tree, heads) if speculative else None
+    if heads is not None:
+        _check_heads(heads, tree)
+    config = load_config(args.model)
+    if args.top_k > config.vocab_size:
+        raise UsageError(f"--top-k {args.top_k}: larger than the vocabulary ({config.vocab_size} tokens)")
     tok = load_tokenizer(args.model)
     ids = encode_prompt(tok, args.prompt, chat=args.chat)
+    reserve = tree.num_nodes if speculative else 0
+    max_len = args.max_len or len(ids) + args.max_new_tokens + reserve
+    check_fits(np.array([len(ids)]), args.max_new_tokens + reserve, max_len, config)
+    params, config = load_params(args.model, dtype=args.dtype)
     pad_id = config.pad_token_id or 0
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)
+    if not args.max_len:
+        max_len = tokens.shape[1] + args.max_new_tokens + reserve
     kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, attention=args.attention,
-                  sampling=SamplingConfig(args.temperature, args.top_k, args.top_p),
-                  eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
-    reserve = 0
+                  sampling=sampling, eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
     if speculative:
         drafter, draft_params = _load_drafter(args, heads, config, params)
-        reserve = tree.num_nodes
         run = functools.partial(speculative_generate, params, draft_params, drafter=drafter, tree=tree,
-                                acceptance=AcceptanceConfig(args.acceptance), **kwargs)
+                                acceptance=acceptance, **kwargs)
     else:
         run = functools.partial(generate, params, **kwargs)
-    max_len = args.max_len or tokens.shape[1] + args.max_new_tokens + reserve
-    check_fits(lengths, args.max_new_tokens + reserve, max_len)
     rng = jax.random.key(args.seed)
     t0 = time.perf_counter()
     jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))  # compile + warm-up
@@ -109,6 +125,38 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace):
+    """--temperature / --top-k / --top-p as a `SamplingConfig`, or a one-line error naming the flag."""
+    from amphista_jax.sampling import SamplingConfig
+
+    for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0 = greedy)"),
+                                  ("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0 = no top-k filter)"),
+                                  ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")):
+        if not ok or value != value:  # NaN fails every rule
+            raise UsageError(f"{flag} {value}: must be {rule}")
+    return SamplingConfig(args.temperature, args.top_k, args.top_p)
+
+
+def _check_heads(heads: str, tree=None) -> None:
+    """A draft-head checkpoint that can draft `tree` (checked from its `draft.json`, before any loading)."""
+    import json
+    from pathlib import Path
+
+    from amphista_jax.drafters.io import META_FILE
+
+    meta = Path(heads) / META_FILE
+    if not meta.is_file():
+        raise UsageError(f"--heads {heads}: not a draft-head checkpoint (no {META_FILE}); pass the heads/ directory "
+                         "that `amphista-jax train` wrote")
+    try:
+        num_heads = json.loads(meta.read_text()).get("settings", {}).get("num_heads")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise UsageError(f"--heads {heads}: {META_FILE} is damaged ({e}); retrain or re-save the heads") from None
+    if tree is not None and num_heads is not None and tree.depth > num_heads:
+        raise UsageError(f"the tree has depth {tree.depth} but the heads in {heads} draft {num_heads} tokens deep: "
+                         f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads})")
+
+
 def _task_range(text: str) -> tuple[int, int]:
     """argparse type of --tasks: `START:STOP`."""
     start, sep, stop = text.partition(":")
@@ -121,27 +169,23 @@ def _tree_search(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from amphista_jax.demo import humaneval_prompts
-    from amphista_jax.drafters.io import META_FILE
-    from amphista_jax.tree_search import TreeSearchError, output_paths, search
+    from amphista_jax.tree_search import output_paths, search
     from amphista_jax.trees import searched_tree_path
 
     for name in ("max_nodes", "ranks", "runs"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.max_new_tokens < 2:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: must be >= 2 (decode steps are timed)")
-    if not (Path(args.heads) / META_FILE).is_file():
-        raise SystemExit(f"--heads {args.heads}: not a draft-head checkpoint (no {META_FILE})")
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 2 (decode steps are timed)")
+    _check_heads(args.heads)
     out = Path(args.out) if args.out else searched_tree_path(args.heads)
     if (taken := [str(p) for p in output_paths(out) if p.exists()]) and not args.replace:
-        raise SystemExit(f"{', '.join(taken)} exist: pass --replace to search again and replace them, or --out "
+        raise UsageError(f"{', '.join(taken)} exist: pass --replace to search again and replace them, or --out "
                          "another file")
-    try:
-        prompts = humaneval_prompts(*args.tasks)
-        result, tree = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
-                              max_new_tokens=args.max_new_tokens, runs=args.runs)
-    except (TreeSearchError, ValueError) as e:
-        raise SystemExit(f"tree-search: {e}") from None
+    check_writable_dir(out.parent, "--out")
+    prompts = humaneval_prompts(*args.tasks)
+    result, tree = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
+                          max_new_tokens=args.max_new_tokens, runs=args.runs)
     print(out.with_suffix(".report.md").read_text())
     best = result.speedups[result.best]
     print(f"wrote {out} ({tree.num_nodes - 1} draft nodes, depth {tree.depth}); predicted speed-up {best:.2f}x"
@@ -152,10 +196,14 @@ def _tree_search(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from amphista_jax.assets import shipped_heads_dir
     from amphista_jax.demo import format_result, humaneval_prompt, run_demo
+    from amphista_jax.trees import get_tree
 
     if args.runs < 1:
-        raise SystemExit(f"--runs {args.runs}: the demo needs at least one timed run per decoder")
+        raise UsageError(f"--runs {args.runs}: the demo needs at least one timed run per decoder")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     heads = args.heads or shipped_heads_dir(args.method)
+    _check_heads(str(heads), get_tree(args.tree, heads))
     prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.task)
     result = run_demo(args.model, heads, prompt, args.tree, args.max_new_tokens, args.runs)
     print(format_result(result))
@@ -172,29 +220,40 @@ def _pretrain_target(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     """Re-save a checkpoint (dtype change, re-sharding into files of at most --max-shard-mb), or with --heads
-    a draft-head checkpoint in another dtype (e.g. bf16 heads to ship)."""
+    a draft-head checkpoint in another dtype (e.g. bf16 heads to ship). --out must be new or empty."""
     import shutil
     from pathlib import Path
 
     import jax
 
+    from amphista_jax.errors import OutputExistsError, check_writable_dir
     from amphista_jax.models.hf import load_params, save_params
 
-    source = args.heads or args.model
-    if Path(args.out).resolve() == Path(source).resolve():
-        raise SystemExit("--out must differ from the source checkpoint: convert writes a new checkpoint and never "
+    source, out_dir = args.heads or args.model, Path(args.out)
+    if out_dir.resolve() == Path(source).resolve():
+        raise UsageError("--out must differ from the source checkpoint: convert writes a new checkpoint and never "
                          "overwrites its source")
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
+        raise OutputExistsError(f"--out {args.out} already exists and is not empty; convert never overwrites: pick "
+                                "a new --out")
+    if args.max_shard_mb < 0:
+        raise UsageError(f"--max-shard-mb {args.max_shard_mb}: must be >= 0 (0 = one file)")
+    check_writable_dir(out_dir, "--out")
     params, config = load_params(args.model, dtype="float32" if args.heads else args.dtype)
     if args.heads:
         from amphista_jax.drafters.io import load_draft, save_draft
 
         method, drafter, draft_params = load_draft(args.heads, config, params)
-        dtype = None if args.dtype == "checkpoint" else args.dtype
-        save_draft(args.out, method, drafter, draft_params, config, dtype=dtype)
+        if args.dtype == "checkpoint":
+            draft_params = _as_stored(args.heads, draft_params)
+        save_draft(args.out, method, drafter, draft_params, config,
+                   dtype=None if args.dtype == "checkpoint" else args.dtype)
+        dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(draft_params)}) if args.dtype == "checkpoint" else [
+            args.dtype]
         print(f"saved {method} heads ({sum(x.size for x in jax.tree.leaves(draft_params)):,} parameters, "
-              f"{dtype or 'float32'}) to {args.out}")
+              f"{'/'.join(dtypes)}) to {args.out}")
         return 0
-    out = save_params(params, config, args.out, dtype=args.dtype if args.dtype != "checkpoint" else "bfloat16",
+    out = save_params(params, config, args.out, dtype=args.dtype,
                       max_shard_bytes=args.max_shard_mb * 2**20 if args.max_shard_mb else None)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                  "tokenizer.model", "chat_template.jinja"):
@@ -202,6 +261,21 @@ def _convert(args: argparse.Namespace) -> int:
             shutil.copy(Path(args.model) / name, out / name)
     print(f"saved {config.num_params:,} parameters to {out}")
     return 0
+
+
+def _as_stored(heads: str, params):
+    """`params` with each leaf in the dtype it is stored in under `heads` (`load_draft` restores fp32)."""
+    from pathlib import Path
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckpt:
+        meta = ckpt.metadata(Path(heads).absolute() / "params")
+    meta = getattr(meta, "item_metadata", meta)
+    stored = {jax.tree_util.keystr(k): m.dtype for k, m in jax.tree_util.tree_flatten_with_path(meta)[0]}
+    return jax.tree_util.tree_map_with_path(lambda k, x: x.astype(stored.get(jax.tree_util.keystr(k), x.dtype)),
+                                            params)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -228,7 +302,10 @@ def _eval(args: argparse.Namespace) -> int:
 
     cfg = load_config(EvalConfig, args.config, args.set or [])
     if args.methods:
-        cfg = dataclasses.replace(cfg, methods=tuple(args.methods))
+        try:
+            cfg = dataclasses.replace(cfg, methods=tuple(args.methods))
+        except ValueError as e:
+            raise UsageError(f"--methods: {e}") from None
     summary = run_eval(cfg)
     mismatches = (summary or {}).get("lossless", {}).get("mismatches", [])
     if mismatches:
@@ -240,6 +317,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="amphista-jax", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of bad-input errors "
+                        "(also AMPHISTA_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion with the target model (AR baseline)")
@@ -336,11 +415,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _debug(args: argparse.Namespace) -> bool:
+    return args.debug or os.environ.get("AMPHISTA_DEBUG", "") not in ("", "0")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. Bad input (the project's `UserError`s, and OSErrors that describe the machine:
+    no space, read-only or forbidden paths) prints one line `amphista-jax <command>: error: ...` and exits
+    with `BAD_INPUT_EXIT` / `ENVIRONMENT_EXIT`; `--debug` or `AMPHISTA_DEBUG=1` shows the traceback."""
     args = build_parser().parse_args(argv)
     if getattr(args, "model", "unset") is None:
         args.model = default_model()
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UserError as e:
+        if _debug(args):
+            raise
+        return _one_line(args.command, str(e), BAD_INPUT_EXIT)
+    except OSError as e:
+        if _debug(args) or e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        return _one_line(args.command, f"{e.strerror}: {e.filename or ''}; free space, or pick a writable path",
+                         ENVIRONMENT_EXIT)
+
+
+def _one_line(command: str, message: str, code: int) -> int:
+    first, *rest = message.strip().splitlines() or [""]
+    more = f" (+{len(rest)} more lines: rerun with --debug)" if rest else ""
+    print(f"amphista-jax {command}: error: {first}{more}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -11,30 +11,32 @@ from typing import Any, TypeVar
 
 import yaml
 
+from amphista_jax.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(UserError, ValueError):
     """A config file or override that does not fit its dataclass."""
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     """Build dataclass `cls` from a nested mapping; unknown keys are an error naming the valid ones."""
+    label = where.rstrip(": .") or cls.__name__  # "file.yaml: optim." -> "file.yaml: optim"
     if not isinstance(data, Mapping):
-        raise ConfigFileError(f"{where or cls.__name__}: expected a mapping, got {type(data).__name__}")
+        raise ConfigFileError(f"{label}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(data) - fields
     if unknown:
-        raise ConfigFileError(
-            f"{where or cls.__name__}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(fields)}")
+        raise ConfigFileError(f"{label}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(fields)}")
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _convert(hints[name], value, f"{where}{name}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ConfigFileError(f"{where or cls.__name__}: {e}") from e
+        raise ConfigFileError(f"{label}: {e}") from e
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:
@@ -50,11 +52,22 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         args = typing.get_args(hint)
         item = args[0] if args else Any
         return tuple(_convert(item, v, where) for v in value)
-    if hint is float and isinstance(value, int | str) and not isinstance(value, bool):
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigFileError(f"{where}: expected a mapping (key: value, ...), got {value!r}")
+        key_hint, value_hint = typing.get_args(hint) or (Any, Any)
+        return {_convert(key_hint, k, f"{where}.{k}"): _convert(value_hint, v, f"{where}.{k}")
+                for k, v in value.items()}
+    if hint in (int, float) and isinstance(value, bool):  # bool is an int subclass: `steps=true` is a typo
+        raise ConfigFileError(f"{where}: expected {hint.__name__}, got {value!r}")
+    if hint is float and isinstance(value, int | str):
         try:  # YAML 1.1 reads `1e-4` (no dot) as a string
             return float(value)
         except ValueError:
             raise ConfigFileError(f"{where}: expected float, got {value!r}") from None
+    if hint is str and value is None:
+        raise ConfigFileError(f"{where}: expected str, got nothing (write {where.rpartition(': ')[2]}='' for an "
+                              "empty string)")
     if hint in (int, float, str, bool) and not isinstance(value, hint):
         raise ConfigFileError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value
@@ -69,10 +82,16 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         key, raw = item.split("=", 1)
         node = data
         parts = key.strip().split(".")
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
+            if not isinstance(node.get(p) or {}, Mapping):
+                raise ConfigFileError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
             node[p] = dict(node.get(p) or {})
             node = node[p]
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigFileError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); "
+                                  "quote it, e.g. key='...'") from None
     return data
 
 

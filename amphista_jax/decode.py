@@ -19,6 +19,7 @@ from flax import struct
 
 from amphista_jax.cache import KVCache, compact
 from amphista_jax.drafters.base import DraftContext, PrefillContext, Target, accepted_tokens
+from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
@@ -29,7 +30,7 @@ GREEDY = SamplingConfig()
 DEFAULT_ACCEPTANCE = AcceptanceConfig()
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(UserError, ValueError):
     """A prompt that does not fit in the cache together with the tokens to generate."""
 
 
@@ -64,7 +65,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None, pad
     similar batches share one compiled program). Returns (tokens [B, T] int32, lengths [B] int32)."""
     lengths = np.array([len(p) for p in prompts], np.int32)
     if (lengths == 0).any():
-        raise ValueError("empty prompt: every prompt needs at least one token (e.g. BOS)")
+        raise PromptTooLongError("empty prompt: every prompt needs at least one token (e.g. BOS)")
     longest = int(lengths.max())
     length = length or -(-longest // multiple) * multiple
     if longest > length:
@@ -75,9 +76,18 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None, pad
     return out, lengths
 
 
-def check_fits(prompt_lengths: np.ndarray, max_new_tokens: int, cache_size: int) -> None:
-    """Raise `PromptTooLongError` unless every prompt plus `max_new_tokens` fits in `cache_size` slots."""
+def check_fits(prompt_lengths: np.ndarray, max_new_tokens: int, cache_size: int,
+               config: ModelConfig | None = None) -> None:
+    """Raise `PromptTooLongError` unless every prompt plus `max_new_tokens` fits in `cache_size` slots and,
+    given the target's `config`, in the positions it was trained for."""
     longest = int(np.max(prompt_lengths))
+    if max_new_tokens < 1:
+        raise PromptTooLongError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if config is not None and longest + max_new_tokens > config.max_positions:
+        raise PromptTooLongError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} reaches position "
+            f"{longest + max_new_tokens} but the model was trained for {config.max_positions} positions "
+            "(max_position_embeddings with its rope scaling): shorten the prompt or lower --max-new-tokens")
     if longest + max_new_tokens > cache_size:
         raise PromptTooLongError(
             f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs {longest + max_new_tokens} "

@@ -18,9 +18,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.decode import check_fits, generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.io import load_draft
-from amphista_jax.models.hf import load_params
+from amphista_jax.errors import UsageError
+from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.timing import median_seconds
 from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.trees import get_tree
@@ -38,7 +39,7 @@ def humaneval_prompt(task_id: str) -> str:
     """The prompt of HumanEval task `task_id` (e.g. "HumanEval/0")."""
     tasks = humaneval_tasks()
     if task_id not in tasks:
-        raise ValueError(f"no HumanEval task {task_id!r}: task ids run from HumanEval/0 to HumanEval/{len(tasks) - 1}")
+        raise UsageError(f"no HumanEval task {task_id!r}: task ids run from HumanEval/0 to HumanEval/{len(tasks) - 1}")
     return tasks[task_id]
 
 
@@ -46,7 +47,7 @@ def humaneval_prompts(start: int, stop: int) -> list[str]:
     """The prompts of tasks `HumanEval/start` .. `HumanEval/stop-1`."""
     tasks = humaneval_tasks()
     if not 0 <= start < stop <= len(tasks):
-        raise ValueError(f"HumanEval task range {start}:{stop} must satisfy 0 <= start < stop <= {len(tasks)}")
+        raise UsageError(f"HumanEval task range {start}:{stop} must satisfy 0 <= start < stop <= {len(tasks)}")
     return [tasks[f"HumanEval/{i}"] for i in range(start, stop)]
 
 
@@ -89,12 +90,18 @@ class DemoResult:
 
 def run_demo(model_dir: str | Path, heads_dir: str | Path, prompt: str, tree: str = "auto",
              max_new_tokens: int = 128, runs: int = 3) -> DemoResult:
+    if max_new_tokens < 1 or runs < 1:
+        raise UsageError(f"max_new_tokens={max_new_tokens}, runs={runs}: both must be >= 1")
     spec_tree = get_tree(tree, heads_dir)  # before any loading: a missing searched tree is a quick, clear error
-    params, config = load_params(model_dir, dtype="float32")
+    config = load_config(model_dir)
     tok = load_tokenizer(model_dir)
+    ids = encode_prompt(tok, prompt)
+    check_fits(np.array([len(ids)]), max_new_tokens + spec_tree.num_nodes, len(ids) + max_new_tokens
+               + spec_tree.num_nodes, config)
+    params, config = load_params(model_dir, dtype="float32")
     method, drafter, draft_params = load_draft(heads_dir, config, params)
     pad_id = config.pad_token_id or 0
-    tokens, lengths = pad_prompts([encode_prompt(tok, prompt)], pad_id=pad_id)
+    tokens, lengths = pad_prompts([ids], pad_id=pad_id)
     settings = dict(config=config, max_new_tokens=max_new_tokens, eos_ids=stop_token_ids(model_dir, tok, config),
                     pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + spec_tree.num_nodes)
     ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), **settings)

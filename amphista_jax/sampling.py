@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from amphista_jax.errors import UsageError
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -19,11 +21,11 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"{self.temperature=} must be >= 0 (0 = greedy)")
+            raise UsageError(f"{self.temperature=} must be >= 0 (0 = greedy)")
         if self.top_k < 0:
-            raise ValueError(f"{self.top_k=} must be >= 0 (0 = no top-k filter)")
+            raise UsageError(f"{self.top_k=} must be >= 0 (0 = no top-k filter)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"{self.top_p=} must be in (0, 1]")
+            raise UsageError(f"{self.top_p=} must be in (0, 1]")
 
     @property
     def greedy(self) -> bool:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """A checkpoint directory whose tokenizer cannot be used as asked."""
 
 
@@ -38,7 +39,7 @@ def stop_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase, config:
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool = False) -> list[int]:
     """Token ids of `text`; with `chat`, as one user turn through the tokenizer's chat template."""
     if not chat:
-        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
     return encode_conversation(tokenizer, [{"role": "user", "content": text}])
 
 

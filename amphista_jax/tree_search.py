@@ -26,11 +26,12 @@ import jax
 import numpy as np
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.trees import TreeSpec
 
 
-class TreeSearchError(ValueError):
+class TreeSearchError(UserError, ValueError):
     """Statistics that cannot grow a tree (heads whose drafts are never accepted)."""
 
 
@@ -54,7 +55,7 @@ def grow_trees(rates: np.ndarray, max_nodes: int) -> list[tuple[TreeSpec, float]
     remaining candidate has probability 0."""
     rates = np.asarray(rates, np.float64)
     if rates.ndim != 2 or rates.size == 0 or ((rates < 0) | (rates > 1)).any():
-        raise ValueError(f"rates must be a non-empty [depth, ranks] array of probabilities, got {rates.shape}")
+        raise TreeSearchError(f"rates must be a non-empty [depth, ranks] array of probabilities, got {rates.shape}")
     depth, ranks = rates.shape
     heap = [(-rates[0, r], (r,)) for r in range(ranks)]
     heapq.heapify(heap)

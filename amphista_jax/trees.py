@@ -27,7 +27,13 @@ import jax
 import numpy as np
 from flax import struct
 
+from amphista_jax.errors import UserError
+
 PRESET_DIR = Path(__file__).parent / "assets" / "trees"
+
+
+class TreeError(UserError, ValueError):
+    """A draft tree that is not a usable tree."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +45,12 @@ class TreeSpec:
     def __post_init__(self) -> None:
         paths = tuple(sorted({tuple(int(i) for i in p) for p in self.choices}, key=lambda p: (len(p), p)))
         if len(paths) != len(self.choices):
-            raise ValueError(f"tree has duplicate paths: {len(self.choices) - len(paths)} duplicates")
+            raise TreeError(f"tree has duplicate paths: {len(self.choices) - len(paths)} duplicates")
         for p in paths:
             if not p or min(p) < 0:
-                raise ValueError(f"tree path {p} must be a non-empty tuple of top-k ranks >= 0")
+                raise TreeError(f"tree path {p} must be a non-empty tuple of top-k ranks >= 0")
             if len(p) > 1 and p[:-1] not in set(paths):
-                raise ValueError(f"tree path {p} has no parent {p[:-1]}: every prefix must be a node")
+                raise TreeError(f"tree path {p} has no parent {p[:-1]}: every prefix must be a node")
         object.__setattr__(self, "choices", paths)
 
     @property
@@ -119,10 +125,20 @@ def chain(depth: int) -> TreeSpec:
 
 
 def load_tree(path: str | Path) -> TreeSpec:
-    """A tree from a JSON list of paths (e.g. `[[0], [0, 0], [1]]`)."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, list) or not all(isinstance(p, list) for p in data):
-        raise ValueError(f"{path} must hold a JSON list of paths, e.g. [[0], [1], [0, 0]]")
+    """A tree from a JSON list of paths (e.g. `[[0], [0, 0], [1]]`) with at least one draft node."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise TreeError(f"tree file {path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}): it must "
+                        "hold a list of paths, e.g. [[0], [1], [0, 0]]") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TreeError(f"tree file {path} cannot be read ({e}): pass a JSON file of paths") from None
+    if not isinstance(data, list) or not all(isinstance(p, list) and all(isinstance(i, int) for i in p)
+                                             for p in data):
+        raise TreeError(f"{path} must hold a JSON list of paths of integer ranks, e.g. [[0], [1], [0, 0]]")
+    if not data:
+        raise TreeError(f"tree file {path} has no draft nodes (an empty tree is autoregressive decoding): add "
+                        "paths, e.g. [[0], [1], [0, 0]], or use a preset")
     return TreeSpec(tuple(tuple(p) for p in data))
 
 
@@ -158,6 +174,9 @@ def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> TreeSpec
         return PRESETS[AUTO_FALLBACK]
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
+    if name_or_path.startswith("chain-") and name_or_path[6:].isdigit() and int(name_or_path[6:]) >= 1:
+        return chain(int(name_or_path[6:]))
     if Path(name_or_path).is_file():
         return load_tree(name_or_path)
-    raise ValueError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}) or a JSON file of paths")
+    raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N) or a JSON file "
+                    "of paths")

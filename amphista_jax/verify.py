@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from amphista_jax.errors import UsageError
 from amphista_jax.sampling import SamplingConfig, warp_logits
 from amphista_jax.trees import TreeArrays
 
@@ -47,13 +48,13 @@ class AcceptanceConfig:
 
     def __post_init__(self) -> None:
         if self.rule is not None and self.rule not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance rule {self.rule!r} is not one of {', '.join(ACCEPTANCE_RULES)}")
+            raise UsageError(f"acceptance rule {self.rule!r} is not one of {', '.join(ACCEPTANCE_RULES)}")
 
     def resolve(self, sampling: SamplingConfig) -> str:
         if self.rule is None:
             return "greedy" if sampling.greedy else "rejection"
         if self.rule == "greedy" and not sampling.greedy:
-            raise ValueError("greedy acceptance needs temperature 0; use 'rejection' (lossless) or 'typical'")
+            raise UsageError("greedy acceptance needs temperature 0; use 'rejection' (lossless) or 'typical'")
         return self.rule
 
 

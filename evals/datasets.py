@@ -14,6 +14,9 @@ Malformed lines (bad JSON, missing fields, duplicate ids) are skipped and report
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,15 +84,21 @@ def _parse(kind: str, record: Any, line: int) -> Prompt:
     return Prompt(str(key), str(record.get("category", "-")), tuple(turns))
 
 
-def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
-    """The prompts of `cfg` in file order (the first `cfg.limit`), and what was skipped, by line number."""
+def dataset_file(cfg: DatasetConfig) -> Path:
+    """The file `cfg` reads; DataError when there is none."""
     path = Path(cfg.path) if cfg.path else humaneval_path()
     if not path.is_file():
         raise DataError(f"{cfg.kind} file {path} does not exist: point dataset.path at a local file")
+    return path
+
+
+def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
+    """The prompts of `cfg` in file order (the first `cfg.limit`), and what was skipped, by line number."""
+    path = dataset_file(cfg)
     report = DataReport(str(path))
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for line, record in read_records(path, report):
+    for line, record in _records(path, report):
         try:
             prompt = _parse(cfg.kind, record, line)
         except ValueError as e:
@@ -104,8 +113,19 @@ def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
         if cfg.limit and len(prompts) == cfg.limit:
             break
     if not prompts:
-        raise DataError(f"{path} yields no prompt:\n{report.summary()}")
+        first = report.problems[0] if report.problems else "the file is empty"
+        raise DataError(f"{path} yields no prompt ({first}; {sum(report.skipped.values())} lines skipped): fix the "
+                        f"file or point dataset.path at another {cfg.kind} file")
     return prompts, report
+
+
+def _records(path: Path, report: DataReport) -> Iterator[tuple[int, Any]]:
+    """`read_records`, with unreadable files (not text, not gzip) as one-line `DataError`s."""
+    try:
+        yield from read_records(path, report)
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path} cannot be read as {'gzipped ' if path.suffix == '.gz' else ''}UTF-8 JSONL ({e}): "
+                        "point dataset.path at a JSONL file") from None
 
 
 def render_turn(tok: PreTrainedTokenizerBase, prompt: Prompt, answers: list[str], chat: bool) -> list[int]:

@@ -8,11 +8,15 @@ A spec is `[label=]source[@tree]`:
 
 `@tree` overrides the run's tree (a preset name or a JSON file of paths). The label names the method in
 results and reports (default: `ar`, the method's name, or `<method>-untrained`, plus `@tree` when given).
+
+`resolve_methods` checks every spec and reads each checkpoint's `draft.json` (cheap: no params, no target);
+`load_methods` then loads or initialises the heads against the target.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +24,15 @@ import jax
 
 from amphista_jax.decode import generate, speculative_generate
 from amphista_jax.drafters import DRAFTERS, Target
-from amphista_jax.drafters.io import load_draft
+from amphista_jax.drafters.io import META_FILE, load_draft
+from amphista_jax.errors import UserError
+from amphista_jax.identity import heads_identity
 from amphista_jax.trees import TreeSpec, get_tree
 
 AR = "ar"
 
 
-class MethodSpecError(ValueError):
+class MethodSpecError(UserError, ValueError):
     """A method spec that names nothing usable."""
 
 
@@ -39,6 +45,8 @@ class Method:
     draft_params: Any = None
     tree: TreeSpec | None = None
     tree_name: str = "-"
+    heads_dir: str | None = None  # the draft-head checkpoint; None for `ar` and untrained heads
+    heads_files: dict[str, str] | None = None  # sha256 of each of its files (amphista_jax.identity)
 
     @property
     def tree_nodes(self) -> int:
@@ -60,7 +68,8 @@ class Method:
         settings = dataclasses.asdict(self.drafter) if self.drafter is not None else {}
         choices = [list(p) for p in self.tree.choices] if self.tree is not None else None
         return {"label": self.label, "spec": self.spec, "method": self.method, "tree": self.tree_name,
-                "tree_nodes": self.tree_nodes, "tree_choices": choices, "settings": settings}
+                "tree_nodes": self.tree_nodes, "tree_choices": choices, "settings": settings} | (
+                    {"heads_files": self.heads_files} if self.heads_dir is not None else {})
 
 
 def split_label(spec: str) -> tuple[str, str]:
@@ -72,39 +81,88 @@ def split_label(spec: str) -> tuple[str, str]:
     return label, rest
 
 
-def resolve_method(spec: str, default_tree: str, target: Target, seed: int = 0) -> Method:
-    """One spec (see the module docstring) -> Method, with its heads loaded and checked against `target`."""
+def resolve_method(spec: str, default_tree: str, target: Target | None = None, seed: int = 0) -> Method:
+    """One spec (see the module docstring) -> Method; with `target`, its heads loaded and checked against it,
+    else only checked (`load_methods` loads them)."""
     label, rest = split_label(spec)
     source, _, tree_name = rest.partition("@")
+    if not source:
+        raise MethodSpecError(f"method spec {spec!r} names no source: use `ar`, `<method>:untrained` or a "
+                              "draft-head checkpoint directory")
     if source == AR:
         if tree_name:
             raise MethodSpecError(f"method spec {spec!r}: the AR baseline has no tree")
         return Method(label or AR, spec, AR)
     heads = source if Path(source).is_dir() else None
-    tree = get_tree(tree_name or default_tree, heads)
+    try:
+        tree = get_tree(tree_name or default_tree, heads)
+    except (UserError, ValueError) as e:
+        raise MethodSpecError(f"method spec {spec!r}: {e}") from None
     suffix = f"@{tree_name}" if tree_name else ""
     if source.endswith(":untrained"):
         name = source.removesuffix(":untrained")
         if name not in DRAFTERS:
             raise MethodSpecError(f"method spec {spec!r}: unknown method {name!r}; registered: {', '.join(DRAFTERS)}")
-        drafter = DRAFTERS[name]()
-        params = jax.jit(drafter.init)(jax.random.key(seed), target)  # one compile beats op-by-op init
-        label = label or f"{name}-untrained{suffix}"
-        return Method(label, spec, name, drafter, params, tree, tree_name or default_tree)
-    if not Path(source).is_dir():
+        method = Method(label or f"{name}-untrained{suffix}", spec, name, DRAFTERS[name](), None, tree,
+                        tree_name or default_tree)
+    elif heads is None:
         raise MethodSpecError(f"method spec {spec!r}: {source!r} is neither `ar`, `<method>:untrained` (methods: "
                               f"{', '.join(DRAFTERS)}) nor a draft-head checkpoint directory")
-    name, drafter, params = load_draft(source, target.config, target.params)
-    return Method(label or f"{name}{suffix}", spec, name, drafter, params, tree, tree_name or default_tree)
+    else:
+        name, drafter = _read_meta(spec, Path(source))
+        method = Method(label or f"{name}{suffix}", spec, name, drafter, None, tree, tree_name or default_tree,
+                        heads_dir=source, heads_files=heads_identity(source))
+    return load_methods([method], target, seed)[0] if target is not None else method
 
 
-def resolve_methods(specs: tuple[str, ...], default_tree: str, target: Target, seed: int = 0) -> list[Method]:
-    """The AR baseline first (added when missing), then each spec in order; labels must be unique."""
+def _read_meta(spec: str, heads: Path) -> tuple[str, object]:
+    """(method name, drafter) from a checkpoint's draft.json, without its params."""
+    meta_file = heads / META_FILE
+    if not meta_file.is_file():
+        raise MethodSpecError(f"method spec {spec!r}: {heads} is not a draft-head checkpoint (no {META_FILE}); "
+                              "point it at the `heads` directory that `amphista-jax train` wrote")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise MethodSpecError(f"method spec {spec!r}: {meta_file} is not valid JSON ({where}); re-save the heads "
+                              "or restore that file") from None
+    method = meta.get("method") if isinstance(meta, dict) else None
+    if method not in DRAFTERS:
+        raise MethodSpecError(f"method spec {spec!r}: {meta_file} names unknown method {method!r}; known: "
+                              f"{', '.join(DRAFTERS)}")
+    try:
+        return method, DRAFTERS[method](**meta.get("settings", {}))
+    except (TypeError, ValueError) as e:
+        raise MethodSpecError(f"method spec {spec!r}: the {method} settings in {meta_file} are invalid ({e}); "
+                              "re-save the heads") from None
+
+
+def load_methods(methods: list[Method], target: Target, seed: int = 0) -> list[Method]:
+    """Each method with its draft params: restored from its checkpoint (checked against `target`) or freshly
+    initialised (untrained)."""
+    out = []
+    for m in methods:
+        if m.drafter is None or m.draft_params is not None:
+            out.append(m)
+        elif m.heads_dir is None:
+            params = jax.jit(m.drafter.init)(jax.random.key(seed), target)  # one compile beats op-by-op init
+            out.append(dataclasses.replace(m, draft_params=params))
+        else:
+            name, drafter, params = load_draft(m.heads_dir, target.config, target.params)
+            out.append(dataclasses.replace(m, method=name, drafter=drafter, draft_params=params))
+    return out
+
+
+def resolve_methods(specs: tuple[str, ...], default_tree: str, target: Target | None = None, seed: int = 0
+                    ) -> list[Method]:
+    """The AR baseline first (added when missing), then each spec in order; labels must be unique. Without
+    `target` the heads are checked but not loaded (see `load_methods`)."""
     ar_specs = [s for s in specs if split_label(s)[1] == AR]
     specs = tuple(s for s in specs if split_label(s)[1] != AR)
-    methods = [resolve_method(ar_specs[0] if ar_specs else AR, default_tree, target, seed)]
-    methods += [resolve_method(s, default_tree, target, seed) for s in specs]
+    methods = [resolve_method(ar_specs[0] if ar_specs else AR, default_tree, None, seed)]
+    methods += [resolve_method(s, default_tree, None, seed) for s in specs]
     labels = [m.label for m in methods]
     if dupes := sorted({x for x in labels if labels.count(x) > 1}):
         raise MethodSpecError(f"method labels {dupes} are used twice: name them, e.g. `medusa-a=runs/a/heads`")
-    return methods
+    return load_methods(methods, target, seed) if target is not None else methods

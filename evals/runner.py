@@ -8,6 +8,10 @@ the timed runs. One JSON line per finished prompt goes to `results/<label>.proce
 (`evals.results`); a rerun skips finished prompts. Several processes (`jax.distributed`, see
 `evals.launch_local`) split the unfinished prompts; they share `out_dir` on one filesystem, and process 0
 merges every file into `summary.json`, `report.md` and the plots (`evals.report`).
+
+Every input is checked before the target is loaded: the config, the dataset, each method spec and, when
+resuming, that `run.json` records the same settings and the same content (sha256) of the target, the heads
+and the dataset (`amphista_jax.identity`).
 """
 
 from __future__ import annotations
@@ -24,15 +28,18 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from amphista_jax.assets import default_model_dir
-from amphista_jax.decode import pad_prompts
+from amphista_jax.decode import check_fits, pad_prompts
 from amphista_jax.drafters import Target
-from amphista_jax.models.hf import load_params
+from amphista_jax.errors import OutputExistsError, check_writable_dir
+from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
+from amphista_jax.models.hf import DTYPES, load_config, load_params
+from amphista_jax.models.llama import ATTENTION_IMPLS
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
 from amphista_jax.verify import AcceptanceConfig
-from evals.datasets import DatasetConfig, Prompt, load_prompts, render_turn
+from evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
 from evals.head_accuracy import head_accuracy, heldout_batches
-from evals.methods import Method, resolve_methods
+from evals.methods import Method, load_methods, resolve_methods
 from evals.metrics import breakdown, lossless_mismatches, tree_statistics
 from evals.report import write_reports
 from evals.results import ResultWriter, process_file, read_results, safe_label
@@ -67,15 +74,17 @@ class EvalConfig:
                              f"pad_multiple={self.pad_multiple} must all be >= 1")
         if not self.methods:
             raise ValueError("methods is empty: give at least `ar`")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention {self.attention!r} must be one of {', '.join(ATTENTION_IMPLS)}")
+        if self.heldout_batches < 0:
+            raise ValueError(f"heldout_batches={self.heldout_batches} must be >= 0 (0 = skip per-head accuracy)")
         AcceptanceConfig(self.acceptance).resolve(SamplingConfig(self.temperature, self.top_k, self.top_p))
 
     @property
     def lossless_checked(self) -> bool:
         return self.temperature == 0.0
-
-
-class RunMismatchError(ValueError):
-    """An out_dir whose finished results were made with other settings."""
 
 
 # Settings that change what a prompt's result is; a rerun into the same out_dir must keep them.
@@ -84,26 +93,63 @@ RESULT_SETTINGS = ("model", "max_new_tokens", "temperature", "top_k", "top_p", "
                    "seed", "pad_multiple", "attention", "heldout", "heldout_batches")
 
 
-def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list[Method]) -> None:
-    """Compare with `run.json` of earlier runs into `out_dir` (resuming must not mix settings); process 0
-    then records this run's settings and methods."""
+def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list[Method],
+                   dataset_path: Path | None = None) -> dict[str, Any]:
+    """Compare with `run.json` of earlier runs into `out_dir` (resuming must not mix settings, nor results of
+    a target, heads or dataset that changed under the same path); returns what `write_run_file` records."""
     path = out_dir / "run.json"
     dataset = {"kind": cfg.dataset.kind, "path": cfg.dataset.path, "chat": cfg.dataset.use_chat}
+    if dataset_path is not None:
+        dataset["sha256"] = sha256_file(dataset_path)
     values = {k: getattr(cfg, k) for k in RESULT_SETTINGS}
     settings = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()} | {
-        "model": model_dir, "dataset": dataset}
+        "model": model_dir, "model_files": target_identity(model_dir), "dataset": dataset}
     described = json.loads(json.dumps({m.label: m.describe() for m in methods}))  # as stored (tuples -> lists)
-    previous = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "methods": {}}
-    changed = {k: (previous["settings"].get(k), v) for k, v in settings.items() if previous["settings"].get(k) != v}
-    changed |= {f"method {k}": (previous["methods"][k], v) for k, v in described.items()
-                if k in previous["methods"] and previous["methods"][k] != v}
+    if not path.is_file() and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise OutputExistsError(f"out_dir {out_dir} holds files but no run.json, so it is not an eval run: pick a "
+                                "new out_dir (eval writes report.md, summary.json, results/ ... into it)")
+    try:
+        previous = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "methods": {}}
+    except json.JSONDecodeError as e:
+        raise RunMismatchError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}): restore it, or use a new "
+                               "out_dir") from None
+    if not isinstance(previous, dict) or not isinstance(previous.get("settings"), dict):
+        raise RunMismatchError(f"{path} is not an eval run record: restore it, or use a new out_dir")
+    changed = changes(previous.get("settings"), settings)
+    for label, now in described.items():
+        if label in previous.get("methods", {}):
+            changed |= changes(previous["methods"][label], now, f"method {label}")
     if changed:
-        raise RunMismatchError(f"{out_dir} holds results made with other settings (before, now): {changed}; use a "
-                               "new out_dir (or delete this one) to evaluate with these settings")
+        raise RunMismatchError(f"{out_dir} holds results made with other settings or inputs (before, now): "
+                               f"{_format_changes(changed)}; use a new out_dir (or delete this one) to evaluate "
+                               "with these")
+    return {"settings": settings, "methods": previous.get("methods", {}) | described}
+
+
+def _format_changes(changed: dict[str, tuple[Any, Any]], limit: int = 4) -> str:
+    """`key: (before, now)` items with long values cut; the files of one checkpoint (`model_files`, a
+    method's `heads_files`) as one item naming the first file that differs."""
+    def short(v: Any) -> str:
+        text = repr(v[:12] + "..." if isinstance(v, str) and len(v) == 64 else v)  # a sha256
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    items, files = [], {}
+    for k, (before, now) in changed.items():
+        group = next((k[: k.index(g) + len(g)] for g in ("model_files.", "heads_files.") if g in k), None)
+        if group:
+            files.setdefault(group.rstrip(".").replace(".heads_files", " heads_files"), []).append(
+                k.removeprefix(group))
+        else:
+            items.append(f"{k}: ({short(before)}, {short(now)})")
+    items = [f"{g}: content changed ({len(n)} file(s) differ, e.g. {n[0]})" for g, n in files.items()] + items
+    return "; ".join(items[:limit]) + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def write_run_file(out_dir: Path, run: dict[str, Any]) -> None:
+    """Process 0 records this run's settings and methods (after every process checked the old ones)."""
     _barrier("eval-run-file")
     if jax.process_index() == 0:
-        merged = {"settings": settings, "methods": previous["methods"] | described}
-        path.write_text(json.dumps(merged, indent=2) + "\n")
+        (out_dir / "run.json").write_text(json.dumps(run, indent=2) + "\n")
 
 
 def _barrier(name: str) -> None:
@@ -132,6 +178,7 @@ def _run_batch(s: _Session, method: Method, batch: list[tuple[int, Prompt]], pro
         ids = [render_turn(s.tok, p, [x["text"] for x in turns[i]], chat) for i, p in rows]
         ids += [ids[0]] * (cfg.batch_size - len(ids))  # fixed batch shape; padding rows are discarded
         tokens, lengths = pad_prompts(ids, pad_id=s.settings["pad_id"], multiple=cfg.pad_multiple)
+        check_fits(lengths, cfg.max_new_tokens, tokens.shape[1] + cfg.max_new_tokens, s.settings["config"])
         rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), rows[0][0]), t)
         args = method.args(s.params, tokens, lengths, rng)
         if tokens.shape not in programs:
@@ -241,16 +288,21 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     process 0 and None elsewhere."""
     maybe_initialize_distributed()
     model_dir = cfg.model or str(default_model_dir())
-    params, config = load_params(model_dir, dtype=cfg.dtype)
-    tok = load_tokenizer(model_dir)
+    out_dir = Path(cfg.out_dir)
+    # Bad input is found here, before any model is loaded.
+    load_config(model_dir)
+    check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)
+    methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed)
+    run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))
     if jax.process_index() == 0:
         print(report.summary())
-    methods = resolve_methods(cfg.methods, cfg.tree, Target(config, params), cfg.seed)
-    out_dir = Path(cfg.out_dir)
+    params, config = load_params(model_dir, dtype=cfg.dtype)
+    tok = load_tokenizer(model_dir)
+    methods = load_methods(methods, Target(config, params), cfg.seed)
     results_dir = out_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    check_run_file(out_dir, cfg, model_dir, methods)
+    write_run_file(out_dir, run)
     settings = dict(config=config, max_new_tokens=cfg.max_new_tokens, attention=cfg.attention,
                     sampling=SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
                     eos_ids=stop_token_ids(model_dir, tok, config), pad_id=config.pad_token_id or 0)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
 from amphista_jax.cli import main
-from amphista_jax.decode import PromptTooLongError
 
 
 def test_generate_prints_completion_and_speed(smoke_model, capsys):
@@ -22,12 +19,6 @@ def test_generate_chat_and_sampling(smoke_model, capsys):
     assert main(["generate", "--model", str(run_dir / "export"), "--prompt", "hello", "--chat",
                  "--temperature", "0.7", "--top-k", "5", "--max-new-tokens", "4"]) == 0
     assert "tokens/s" in capsys.readouterr().err
-
-
-def test_prompt_longer_than_max_len_is_a_clear_error(smoke_model):
-    run_dir, _ = smoke_model
-    with pytest.raises(PromptTooLongError, match="raise --max-len"):
-        main(["generate", "--model", str(run_dir / "export"), "--prompt", "x = 1\n" * 40, "--max-len", "32"])
 
 
 def test_speculative_generate_equals_ar_and_reports_tau(smoke_model, capsys, tmp_path):
@@ -50,24 +41,6 @@ def test_speculative_generate_equals_ar_and_reports_tau(smoke_model, capsys, tmp
     assert out == ar_text and "tau = " in err
     main(args + ["--draft", "medusa", "--tree", "chain-4", "--show-drafts"])
     assert "untrained medusa heads" in capsys.readouterr().err
-
-
-def test_heads_for_another_target_are_refused(smoke_model, tmp_path):
-    import dataclasses
-
-    import jax
-
-    from amphista_jax.drafters import Medusa, Target
-    from amphista_jax.drafters.io import DraftCheckpointError, save_draft
-    from amphista_jax.models.hf import load_params
-
-    run_dir, _ = smoke_model
-    params, config = load_params(run_dir / "export", dtype="float32")
-    medusa = Medusa(num_heads=2)
-    other = dataclasses.replace(config, hidden_size=config.hidden_size * 2)
-    save_draft(tmp_path / "heads", "medusa", medusa, medusa.init(jax.random.key(0), Target(config, params)), other)
-    with pytest.raises(DraftCheckpointError, match="were trained for another target"):
-        main(["generate", "--model", str(run_dir / "export"), "--prompt", "x", "--heads", str(tmp_path / "heads")])
 
 
 def test_convert_reshards_and_keeps_the_tokenizer(smoke_model, tmp_path):

@@ -154,11 +154,11 @@ def test_rerun_with_other_settings_is_refused(reference, prompts_file, tmp_path)
     from evals.runner import RunMismatchError
 
     with pytest.raises(RunMismatchError, match=r"max_new_tokens.*\(8, 9\).*use a new out_dir"):
-        cli.main(_args(prompts_file, out) + ["--set", "max_new_tokens=9"])
+        cli.main(["--debug", *_args(prompts_file, out), "--set", "max_new_tokens=9"])  # --debug: raise
     with pytest.raises(RunMismatchError, match="method medusa-untrained@small-8"):
         args = _args(prompts_file, out)
         args[args.index("medusa:untrained@small-8")] = "medusa-untrained@small-8=medusa:untrained@chain-4"
-        cli.main(args)
+        cli.main(["--debug", *args])
 
 
 def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_path):

@@ -2,14 +2,64 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
 
+from amphista_jax.errors import UserError
 
-class CheckpointRestoreError(RuntimeError):
+
+class CheckpointRestoreError(UserError, RuntimeError):
     """A checkpoint step that exists but cannot be restored."""
+
+
+class CheckpointSaveError(UserError, RuntimeError):
+    """A checkpoint that could not be written (disk full, read-only or vanished directory): training stops at
+    once rather than running on without a way to resume."""
+
+
+def saved_steps(directory: str | Path) -> list[int]:
+    """The finished checkpoint steps under `directory` (orbax names each by its step; unfinished saves carry a
+    temporary suffix), ascending; [] when there is none or no directory."""
+    directory = Path(directory)
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def _reason(e: BaseException) -> str:
+    """The OS's words for an I/O failure (tensorstore reports `[os_error_code='28']` inside a long message),
+    else the first line of the message."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and (m := re.search(r"os_error_code='?(\d+)", str(e))):
+        code = int(m.group(1))
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return os.strerror(code) if code else text if len(text) <= 300 else text[:300] + "..."
+
+
+class _DropOrbaxTracebacks(logging.Filter):
+    """Orbax logs a background save's failure with its traceback before the failure is re-raised to us; we
+    report it once, as `CheckpointSaveError`, so the log copy is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "orbax" in record.pathname)
+
+
+@contextlib.contextmanager
+def _save_errors(directory: Path) -> Iterator[None]:
+    """Turn any failure of orbax's saving into one `CheckpointSaveError` naming the reason and the fix."""
+    try:
+        yield
+    except Exception as e:  # orbax and tensorstore raise ValueError/OSError/RuntimeError for I/O failures
+        steps = saved_steps(directory)
+        rerun = f"to resume from step {steps[-1]}" if steps else "to start over (no checkpoint was complete)"
+        raise CheckpointSaveError(
+            f"saving a checkpoint in {directory} failed, training stopped: {_reason(e)}. Free space or make the "
+            f"directory writable, then rerun the same command {rerun}") from e
 
 
 class Checkpointer:
@@ -22,6 +72,8 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every,
                                                  enable_async_checkpointing=True),
         )
+        self._filter = _DropOrbaxTracebacks()
+        logging.getLogger("absl").addFilter(self._filter)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -29,13 +81,27 @@ class Checkpointer:
     def save(self, step: int, state: Any, extra: dict[str, Any], force: bool = False) -> bool:
         """Save `state` (a pytree of arrays) and `extra` (JSON: data-iterator state, counters).
 
-        A step that is already saved is left as it is (orbax also saves a run's first step).
+        A step that is already saved is left as it is (orbax also saves a run's first step). Raises
+        `CheckpointSaveError` as soon as an earlier background save is seen to have failed (checked at every
+        call, without waiting for a save in progress).
         """
+        self.check()
         if step == self.latest_step():
             return False
-        return self.manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)),
-            force=force)
+        with _save_errors(self.directory):
+            saved = self.manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)),
+                force=force)
+            self.manager.check_for_errors()
+        return saved
+
+    def check(self) -> None:
+        """Raise `CheckpointSaveError` if a finished background save failed; never blocks on one in progress."""
+        if self.manager.is_saving_in_progress():
+            return
+        with _save_errors(self.directory):
+            self.manager.wait_until_finished()  # returns at once here, re-raising a finished save's error
+            self.manager.check_for_errors()
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore (state, extra) from `step` (default: the latest) into the structure of `abstract_state`."""
@@ -50,6 +116,16 @@ class Checkpointer:
                 "belongs to another model or config, point the run at a fresh directory") from e
         return out.state, dict(out.extra)
 
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+    def close(self, check: bool = True) -> None:
+        """Wait for the last save and release orbax's threads; `check=False` (closing after another error)
+        does not raise the save's own failure."""
+        failed = True
+        try:
+            with _save_errors(self.directory) if check else contextlib.suppress(Exception):
+                self.manager.wait_until_finished()
+                self.manager.check_for_errors()
+            failed = False
+        finally:
+            with contextlib.suppress(Exception) if failed or not check else contextlib.nullcontext():
+                self.manager.close()
+            logging.getLogger("absl").removeFilter(self._filter)

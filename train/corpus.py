@@ -19,6 +19,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from amphista_jax.errors import UserError
+
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # A minimal template so `--chat` works; the embedded model is a code model, not an instruction model.
 CHAT_TEMPLATE = (
@@ -29,7 +31,7 @@ TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 VENDORED_DIRS = frozenset({"_vendor", "vendor", "_vendored"})
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A corpus source that is not installed, or a split that leaves nothing to train or evaluate on."""
 
 

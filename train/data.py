@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from amphista_jax.errors import UserError
+
 
 def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, seq_len: int, pad_id: int | None = None
                    ) -> np.ndarray:
@@ -27,18 +29,23 @@ def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, seq_len: int, pad
         stream = np.pad(stream, (0, (-(len(stream) - 1)) % seq_len), constant_values=pad_id)
     n = (len(stream) - 1) // seq_len
     if n == 0:
-        raise ValueError(f"{len(stream)} tokens are too few for one sequence of {seq_len=} + 1")
+        raise DataError(f"{len(stream)} tokens are too few for one sequence of {seq_len=} + 1: add data or lower the "
+                        "sequence length (data.max_len / seq_len)")
     idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return stream[idx]
 
 
-def packed_dataset(windows: np.ndarray, batch_size: int, seed: int) -> grain.MapDataset:
-    """Shuffled, repeated batches `[batch_size, seq_len + 1]` of this process's share of `windows`.
+def packed_dataset(windows: np.ndarray, batch_size: int, seed: int, skip: int = 0) -> grain.MapDataset:
+    """Shuffled, repeated batches `[batch_size, seq_len + 1]` of this process's share of `windows`; the first
+    `skip` windows of the shuffled order (those an earlier stage read) come at the end of each epoch instead.
 
     Each JAX process reads a disjoint slice; the iterator's `get_state()` is JSON and resumes exactly.
     """
-    ds = grain.MapDataset.source(windows)[jax.process_index()::jax.process_count()]
-    return ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)
+    ds = grain.MapDataset.source(windows)[jax.process_index()::jax.process_count()].shuffle(seed=seed)
+    skip %= len(ds)
+    if skip:
+        ds = grain.MapDataset.concatenate([ds[skip:], ds[:skip]])
+    return ds.repeat().batch(batch_size, drop_remainder=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -48,7 +55,7 @@ ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant"
                 "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset that yields no usable example, or cannot be read at all."""
 
 

@@ -5,11 +5,18 @@
 Prompts come from JSONL (`prompt`, `turns` (first turn) or a ShareGPT/messages record (first user turn));
 each record's `id` (or `question_id`, else its line number) identifies it. Answers are appended to `--out`
 as ShareGPT JSONL, one line per finished prompt, so a rerun skips what is already answered.
+
+`--out` must be a new file or an earlier distill output: any line that is not a distilled record is refused
+and the file is left as it is. Only a torn last line (a run killed mid-write: no newline, the start of a
+record) is cut before appending.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +25,8 @@ import numpy as np
 from tqdm import tqdm
 
 from amphista_jax.decode import check_fits, generate, pad_prompts
-from amphista_jax.models.hf import load_params
+from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
+from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from train.data import DataError, DataReport, normalize_messages, read_records
@@ -31,7 +39,7 @@ def read_prompts(path: str | Path) -> tuple[list[tuple[str, str]], DataReport]:
         raise DataError(f"prompts file {path} does not exist")
     report = DataReport(str(path))
     prompts = []
-    for line, record in read_records(path, report):
+    for line, record in _records(path, report):
         text = _prompt_text(record)
         if text is None:
             report.skip(line, "no prompt (expected `prompt`, `turns` or a conversation with a user turn)")
@@ -40,8 +48,18 @@ def read_prompts(path: str | Path) -> tuple[list[tuple[str, str]], DataReport]:
         prompts.append((str(key), text))
         report.kept += 1
     if not prompts:
-        raise DataError(f"{path} yields no prompt:\n{report.summary()}")
+        first = report.problems[0] if report.problems else "the file is empty"
+        raise DataError(f"{path} yields no prompt ({first}; {sum(report.skipped.values())} lines skipped): fix "
+                        "the file or pass other --prompts")
     return prompts, report
+
+
+def _records(path: Path, report: DataReport) -> Iterator[tuple[int, Any]]:
+    """`read_records`, with unreadable files (not text, not gzip) as one-line `DataError`s."""
+    try:
+        yield from read_records(path, report)
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path} cannot be read as UTF-8 JSONL ({e}): pass a JSONL file of prompts") from None
 
 
 def _prompt_text(record: Any) -> str | None:
@@ -57,30 +75,75 @@ def _prompt_text(record: Any) -> str | None:
         return None
 
 
-def _answered_ids(out: Path) -> set[str]:
-    """Ids already answered in `out`. A torn last line (a run killed mid-write) is dropped from the file."""
+_RECORD_START = '{"id": '  # how every line distill writes begins (json.dumps of a dict with `id` first)
+
+
+def _answered_ids(out: Path) -> tuple[set[str], int | None]:
+    """(ids already answered in `out`, the byte length to cut it to before appending, or None to keep it).
+
+    Only a torn last line (a run killed mid-write: no newline, the start of a distilled record) may be cut;
+    any other line that is not a distilled record means `out` is not a distill output: refused, untouched."""
+    if not out.exists():
+        return set(), None
     if not out.is_file():
-        return set()
-    lines = out.read_text().splitlines()
+        raise OutputExistsError(f"--out {out} is a directory, not a JSONL file: pick a new --out file")
+    data = out.read_bytes()
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" when the file ends with a newline
     ids = set()
-    for i, line in enumerate(lines):
-        try:
-            ids.add(str(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError):
-            if i != len(lines) - 1:
-                raise DataError(f"{out}:{i + 1} is not a distilled record; fix or remove that line") from None
-            print(f"warning: dropping the incomplete last line of {out} (an interrupted run); it is redone")
-            out.write_text("".join(line + "\n" for line in lines[:-1]))
-    return ids
+    for i, raw in enumerate(lines, start=1):
+        key = _record_id(raw)
+        if key is None:
+            raise OutputExistsError(f"--out {out}:{i} is not a record written by distill (expected "
+                                    '{"id": ..., "conversations": [...]}), so the file is not a distill output; '
+                                    "pick a new --out (it was left as it is)")
+        ids.add(key)
+    if not torn:
+        return ids, None
+    if _record_id(torn) is not None:  # complete but for the newline
+        return ids | {_record_id(torn)}, None
+    if not torn.startswith(_RECORD_START.encode()):
+        raise OutputExistsError(f"--out {out}:{len(lines) + 1} is not a record written by distill, so the file is "
+                                "not a distill output; pick a new --out (it was left as it is)")
+    return ids, len(data) - len(torn)
+
+
+def _record_id(raw: bytes) -> str | None:
+    """The id of one line written by distill, else None."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or "id" not in record or not isinstance(record.get("conversations"), list):
+        return None
+    return str(record["id"])
+
+
+def check_distill_args(model: str, prompts_file: str, out_file: str, batch_size: int, max_new_tokens: int,
+                       prompt_len: int, temperature: float) -> None:
+    """UsageError (or the checkpoint's own error) for arguments that cannot work, before anything is loaded."""
+    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("prompt_len", prompt_len)):
+        if value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    if temperature < 0:
+        raise UsageError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
+    if Path(prompts_file).resolve() == Path(out_file).resolve():
+        raise UsageError(f"--out {out_file} is the --prompts file: answers go to a separate file; pick another --out")
+    config = load_config(model)  # a checkpoint directory with a config.json
+    if prompt_len + max_new_tokens > config.max_positions:
+        raise UsageError(f"--prompt-len {prompt_len} + --max-new-tokens {max_new_tokens} exceed the "
+                         f"{config.max_positions} positions {model} was trained for: lower them")
+    check_writable_dir(Path(out_file).parent, "--out directory")
 
 
 def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 8, max_new_tokens: int = 256,
             prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0) -> int:
     """Answer every prompt not yet in `out_file`; returns how many were answered in this run."""
+    check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature)
+    out = Path(out_file)
+    done, cut = _answered_ids(out)
     prompts, report = read_prompts(prompts_file)
     print(report.summary())
-    out = Path(out_file)
-    done = _answered_ids(out)
     todo = [(k, p) for k, p in prompts if k not in done]
     print(f"{len(done)} prompts already answered in {out}; {len(todo)} to go")
     if not todo:
@@ -93,6 +156,10 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 8, m
     kw = dict(config=config, max_new_tokens=max_new_tokens, cache_size=prompt_len + max_new_tokens,
               sampling=SamplingConfig(temperature), eos_ids=eos, pad_id=pad)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if cut is not None:
+        print(f"warning: cutting the torn last line of {out} (an interrupted run); that prompt is redone")
+        with out.open("r+b") as f:
+            f.truncate(cut)
     with out.open("a") as f, tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
         for i in range(0, len(todo), batch_size):
             chunk = todo[i: i + batch_size]

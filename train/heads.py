@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +22,28 @@ import numpy as np
 from amphista_jax import config_io
 from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import DRAFTERS, Target
-from amphista_jax.drafters.io import save_draft
-from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.models.llama import Transformer
+from amphista_jax.drafters.io import META_FILE, save_draft
+from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
+from amphista_jax.identity import files_digest, json_digest, matching_files, target_identity
+from amphista_jax.models.hf import DTYPES, load_config, load_params
+from amphista_jax.models.llama import Transformer, param_shapes
 from amphista_jax.sharding import make_mesh, param_shardings
 from amphista_jax.tokenizer import load_tokenizer
-from train.corpus import build_corpus
+from train.checkpoint import saved_steps
+from train.corpus import build_corpus, package_version
 from train.data import DataError, conversation_examples, example_dataset, packed_examples, text_examples
 from train.loop import LoopConfig, maybe_initialize_distributed, mean_metrics, read_metrics, run_loop
 from train.optim import OptimConfig, make_optimizer
 from train.pretrain_target import PretrainConfig
+from train.run_identity import RUN_FILE, check_same_run, read_identity, write_identity
 from train.step import make_steps, target_forward
 
 DATA_KINDS = ("text", "sharegpt", "stdlib")
+OUTPUTS = ("checkpoints", "metrics.jsonl", "heads", "summary.json", "training_curve.png")  # what a run writes
+
+
+class TrainConfigError(UserError, ValueError):
+    """A train config that cannot work with its target, data, devices or out_dir: found before any slow work."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +68,12 @@ class DataConfig:
             raise ValueError(f"data.kind {self.kind!r} must be one of {', '.join(DATA_KINDS)}")
         if not self.train and self.kind != "stdlib":
             raise ValueError("data.train is empty: set it to a conversations file, a directory or a glob")
+        if self.max_len < 2:
+            raise ValueError(f"data.max_len={self.max_len} must be >= 2 (a token and the next one to predict)")
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size={self.batch_size} must be >= 1")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +81,11 @@ class MeshConfig:
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("data", "fsdp", "tensor"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +110,30 @@ class TrainConfig:
             raise ValueError(f"method_settings {sorted(unknown)} are not {self.method} settings; "
                              f"known: {', '.join(sorted(known))}")
         DRAFTERS[self.method](**self.method_settings)  # the method validates its own values
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if bad := {k: v for k, v in self.part_lrs.items() if not v > 0}:
+            raise ValueError(f"part_lrs {bad}: every learning rate must be > 0")
+        if self.eval_batches < 1:
+            raise ValueError(f"eval_batches={self.eval_batches} must be >= 1")
+
+
+def _corpus_recipe(cfg: DataConfig) -> PretrainConfig | None:
+    """The target recipe whose corpus kind "stdlib" reads (None: the standard library alone)."""
+    if not cfg.corpus:
+        return None
+    summary = Path(cfg.corpus) / "training_summary.json"
+    if summary.is_file():
+        return config_io.from_dict(PretrainConfig, json.loads(summary.read_text())["config"], f"{summary}: ")
+    if not Path(cfg.corpus).is_file():
+        raise TrainConfigError(f"data.corpus {cfg.corpus} is neither a target recipe YAML nor an exported target "
+                               "directory (with training_summary.json): fix the path, or set data.corpus='' for "
+                               "the standard library alone")
+    return config_io.load_config(PretrainConfig, cfg.corpus, [])
 
 
 def _stdlib_texts(cfg: DataConfig) -> tuple[list[str], list[str]]:
-    if cfg.corpus:
-        summary = Path(cfg.corpus) / "training_summary.json"
-        t = (config_io.from_dict(PretrainConfig, json.loads(summary.read_text())["config"]) if summary.is_file()
-             else config_io.load_config(PretrainConfig, cfg.corpus, []))
+    if t := _corpus_recipe(cfg):
         corpus = build_corpus(t.stdlib, t.packages, t.exclude_tests, t.heldout_fraction, t.max_source_mb)
     else:
         corpus = build_corpus(True, (), False, cfg.heldout_fraction)
@@ -153,9 +191,99 @@ def _with_hidden(examples: list[dict], model: Transformer, target_params: dict, 
     return out
 
 
+def _check_data(cfg: DataConfig) -> None:
+    if cfg.kind == "stdlib":
+        for package in (t := _corpus_recipe(cfg)) and t.packages or ():
+            package_version(package)  # installed, or a one-line error naming it
+        return
+    for name, path in (("data.train", cfg.train), ("data.heldout", cfg.heldout)):
+        if not path:
+            continue
+        if cfg.kind == "sharegpt" and not Path(path).is_file():
+            raise TrainConfigError(f"{name} {path} is not a file: point it at a conversations JSON / JSONL file")
+        if not matching_files(path):
+            raise TrainConfigError(f"{name} {path} matches no file: point it at a file, a directory or a glob of "
+                                   "text files")
+
+
+def _data_identity(cfg: DataConfig) -> dict[str, Any]:
+    if cfg.kind == "stdlib":  # the recipe of a corpus read from installed sources, and those sources' versions
+        t = _corpus_recipe(cfg)
+        recipe = ({k: getattr(t, k) for k in ("stdlib", "packages", "exclude_tests", "heldout_fraction",
+                                              "max_source_mb")} if t else
+                  {"stdlib": True, "packages": (), "exclude_tests": False, "heldout_fraction": cfg.heldout_fraction})
+        versions = {"python": platform.python_version()} | {p: package_version(p) for p in recipe["packages"]}
+        return {"data.corpus": {"sha256": json_digest([recipe, versions]), "recipe": recipe, "versions": versions}}
+    return {name: files_digest(matching_files(path), Path(path) if Path(path).is_dir() else None)
+            for name, path in (("data.train", cfg.train), ("data.heldout", cfg.heldout)) if path}
+
+
+def run_identity(cfg: TrainConfig, model_dir: str) -> dict[str, Any]:
+    """What this run is: its config and digests of the target's files and of the data (`train/run_identity`)."""
+    return {"config": dataclasses.asdict(cfg),
+            "target": target_identity(model_dir),
+            "data": _data_identity(cfg.data)}
+
+
+def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
+    """Everything that can be checked before loading the target and tokenising data, so that a bad setting fails
+    in the first seconds: the target, the data files, the mesh, the method on this target, `part_lrs`, that
+    `out_dir` is writable with room for the checkpoints, and that it holds no other run. Returns (model dir,
+    this run's identity)."""
+    model_dir = cfg.model or str(default_model_dir())
+    target_config = load_config(model_dir)
+    if not any(Path(model_dir).glob("*.safetensors")):
+        raise TrainConfigError(f"model {model_dir} has no *.safetensors weights (PyTorch .bin checkpoints are not "
+                               "supported: re-save with safe_serialization=True)")
+    if cfg.mesh and (n := cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor) != jax.device_count():
+        raise TrainConfigError(f"mesh {cfg.mesh.data} x {cfg.mesh.fsdp} x {cfg.mesh.tensor} = {n} devices, but "
+                               f"{jax.device_count()} are available: choose sizes whose product is the device "
+                               "count, or set mesh=null for one device")
+    if cfg.data.max_len > target_config.max_positions:
+        raise TrainConfigError(f"data.max_len={cfg.data.max_len} exceeds the target's {target_config.max_positions} "
+                               "positions: lower it")
+    _check_data(cfg.data)
+    drafter = DRAFTERS[cfg.method](**cfg.method_settings)
+    try:
+        heads = jax.eval_shape(lambda p: drafter.init(jax.random.key(0), Target(target_config, p)),
+                               param_shapes(target_config)[0])
+    except ValueError as e:
+        raise TrainConfigError(f"method {cfg.method} {cfg.method_settings} does not fit the target {model_dir}: "
+                               f"{e}") from e
+    if unknown := set(cfg.part_lrs) - set(heads):
+        raise TrainConfigError(f"part_lrs {sorted(unknown)} are not {cfg.method} parameter groups; groups: "
+                               f"{', '.join(sorted(heads))}")
+    head_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(heads))
+    # checkpoints of params + Adam's two moments (one more while the oldest is replaced), and the saved heads
+    check_writable_dir(cfg.out_dir, "out_dir", head_bytes * (3 * (cfg.loop.keep_checkpoints + 1) + 1))
+    out = Path(cfg.out_dir)
+    taken = [n for n in OUTPUTS if (out / n).exists() and (n != "checkpoints" or saved_steps(out / n))]
+    if taken and read_identity(out) is None:
+        raise OutputExistsError(f"out_dir {out} already holds {', '.join(taken)} but no {RUN_FILE} (a run of an older "
+                                "amphista-jax, or not a train run): its settings cannot be checked against these, "
+                                "so it is left as it is; use a new out_dir")
+    identity = run_identity(cfg, model_dir)
+    if taken:  # a run.json with nothing trained is from a start that failed early: this start replaces it
+        check_same_run(out, identity)
+    return model_dir, identity
+
+
+def _finished(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The summary of `out_dir` when it holds this run, trained to the end and saved; else None."""
+    out = Path(cfg.out_dir)
+    steps = saved_steps(out / "checkpoints")
+    done = steps and steps[-1] >= cfg.loop.steps and (out / "heads" / META_FILE).is_file()
+    return json.loads((out / "summary.json").read_text()) if done and (out / "summary.json").is_file() else None
+
+
 def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     maybe_initialize_distributed()
-    model_dir = cfg.model or str(default_model_dir())
+    model_dir, identity = preflight(cfg)
+    if (summary := _finished(cfg)) is not None:
+        print(f"{cfg.out_dir} is already trained ({summary['steps']} steps with these settings, target and data): "
+              f"its heads are in {Path(cfg.out_dir) / 'heads'}; nothing was changed (use a new out_dir to train "
+              "again)")
+        return summary
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) if cfg.mesh else None
     target_config = load_config(model_dir)
     shardings = param_shardings(target_config, mesh) if mesh else None
@@ -182,6 +310,10 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     print(f"target {model_dir}: {target_config.num_params:,} parameters; method {cfg.method} "
           f"{dataclasses.asdict(drafter)}; {len(train_examples)} train / {len(heldout)} held-out examples")
     out_dir = Path(cfg.out_dir)
+    if jax.process_index() == 0 and not saved_steps(out_dir / "checkpoints"):
+        write_identity(out_dir, identity)  # at the first start; a resume has just been checked against it
+        # rows of this same run (checked above) from a start killed before its first checkpoint: redone now
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     before = evaluate(init_state())
     state, extra = run_loop(
         run_dir=out_dir, cfg=cfg.loop, init_state=init_state,
@@ -193,7 +325,8 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
         "steps": extra["steps"], "tokens_seen": extra["tokens_seen"], "train_seconds": round(extra["train_seconds"], 1),
         "heldout_before": before, "heldout_after": extra["eval"],
     }
-    save_draft(out_dir / "heads", cfg.method, drafter, state["params"], target_config)  # collective in orbax
+    save_draft(out_dir / "heads", cfg.method, drafter, state["params"], target_config,
+               target_params=target_params)  # collective in orbax
     if jax.process_index() == 0:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_curve(out_dir)

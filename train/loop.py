@@ -22,7 +22,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from train.checkpoint import Checkpointer
+from amphista_jax.errors import OutputExistsError
+from train.checkpoint import Checkpointer, saved_steps
 
 PREEMPTED_EXIT = 143
 
@@ -44,10 +45,11 @@ class LoopConfig:
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"{self.steps=} must be >= 1")
-        if self.checkpoint_every < 1:
-            raise ValueError(f"{self.checkpoint_every=} must be >= 1")
+        for name, low, why in (("steps", 1, ""), ("checkpoint_every", 1, ""),
+                               ("keep_checkpoints", 1, ": a run keeps at least its latest checkpoint to resume from"),
+                               ("eval_every", 0, " (0 = only at the end)"), ("log_every", 1, "")):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {low}{why}")
 
 
 def maybe_initialize_distributed() -> None:
@@ -78,6 +80,7 @@ def run_loop(
     steps, last metrics, last eval).
     """
     run_dir = Path(run_dir)
+    check_no_foreign_log(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints, every=cfg.checkpoint_every)
     extra: dict[str, Any] = {"tokens_seen": 0, "train_seconds": 0.0}
@@ -96,6 +99,7 @@ def run_loop(
                disable=jax.process_index() != 0)
     last: dict[str, float] = {}
     last_eval: dict[str, float] = {}
+    discard_log = False
 
     def save(force: bool) -> None:
         ckpt.save(step, state, extra | {"data": data.get_state()}, force=force)
@@ -124,11 +128,18 @@ def run_loop(
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             save(force=step == cfg.steps)
+    except BaseException:
+        ckpt.close(check=False)  # let a pending save finish; the error being raised is the one to report
+        # A start that never completed a checkpoint leaves no metric rows: a rerun starts over, on a clean log.
+        discard_log = log is not None and not saved_steps(ckpt.directory)
+        raise
     finally:
         bar.close()
         signal.signal(signal.SIGTERM, previous)
         if log is not None:
             log.close()
+            if discard_log:
+                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     if stop["signal"] is not None:
         save(force=True)
         ckpt.close()
@@ -141,6 +152,17 @@ def run_loop(
             with (run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps({"step": step} | {f"eval/{k}": v for k, v in last_eval.items()}) + "\n")
     return state, extra | {"steps": step, "last_metrics": last, "eval": last_eval}
+
+
+def check_no_foreign_log(run_dir: str | Path) -> None:
+    """Refuse a fresh start (no checkpoint) in a run directory whose `metrics.jsonl` has rows: another run's log,
+    which appending would corrupt. Cheap: call it before any slow work."""
+    run_dir = Path(run_dir)
+    if not saved_steps(run_dir / "checkpoints") and (rows := read_metrics(run_dir)):
+        raise OutputExistsError(
+            f"{run_dir / 'metrics.jsonl'} holds {len(rows)} metric rows but {run_dir / 'checkpoints'} has no "
+            "checkpoint to resume from: it is another run's log; use a new run directory, or move metrics.jsonl "
+            "away to start this one over")
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:

@@ -20,10 +20,13 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"{self.lr=} must be > 0")
-        if self.warmup_steps < 0:
-            raise ValueError(f"{self.warmup_steps=} must be >= 0")
+        checks = ((self.lr > 0, "lr", "> 0"), (self.warmup_steps >= 0, "warmup_steps", ">= 0"),
+                  (0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]"), (0 <= self.b1 < 1, "b1", "in [0, 1)"),
+                  (0 <= self.b2 < 1, "b2", "in [0, 1)"), (self.weight_decay >= 0, "weight_decay", ">= 0"),
+                  (self.clip_norm > 0, "clip_norm", "> 0 (the global gradient norm is clipped to it)"))
+        for ok, name, rule in checks:
+            if not ok:  # NaN fails every rule
+                raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int,

@@ -26,12 +26,13 @@ import optax
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from amphista_jax.decode import check_fits, generate, pad_prompts
+from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.hf import save_params
+from amphista_jax.models.hf import load_params, save_params
 from amphista_jax.models.llama import Transformer, init_params
 from train.corpus import CorpusError, build_corpus, package_texts, package_version, train_tokenizer
 from train.data import pack_documents, packed_dataset
-from train.loop import LoopConfig, run_loop
+from train.loop import LoopConfig, check_no_foreign_log, run_loop
 from train.optim import OptimConfig, make_optimizer
 
 
@@ -44,6 +45,17 @@ class TargetArch:
     num_kv_heads: int = 2
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads} "
+                             "(each head gets hidden_size / num_heads dimensions)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +87,9 @@ class PretrainConfig:
     )
     sample_tokens: int = 48
     seed: int = 0
+    # A second stage: start from this exported model (its tokenizer and weights; `arch` must match) with a fresh
+    # schedule of `steps`, continuing its data stream (same seed: the windows it saw come last).
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.heldout_fraction < 1:
@@ -83,6 +98,21 @@ class PretrainConfig:
             raise ValueError(f"{self.vocab_size=} must be >= 260 (256 bytes + special tokens)")
         if self.bpb_package and self.bpb_package in self.packages:
             raise ValueError(f"{self.bpb_package=} is a training source: pick a package that is not in `packages`")
+        LoopConfig(steps=self.steps, checkpoint_every=self.checkpoint_every, keep_checkpoints=self.keep_checkpoints)
+        for name, low in (("batch_size", 1), ("seq_len", 1), ("eval_windows", 1), ("sample_tokens", 1),
+                          ("max_files", 0), ("max_source_mb", 0), ("heldout_sample_chars", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {low}")
+        if not self.bpb_max_mb > 0:
+            raise ValueError(f"bpb_max_mb={self.bpb_max_mb} must be > 0")
+        if self.seq_len > self.arch.max_position_embeddings:
+            raise ValueError(f"seq_len={self.seq_len} exceeds arch.max_position_embeddings="
+                             f"{self.arch.max_position_embeddings}: lower seq_len or raise the positions")
+        if not self.stdlib and not self.packages:
+            raise ValueError("stdlib is false and packages is empty: the corpus would be empty; name a source")
+        if self.init_from and Path(self.init_from).resolve() == Path(self.export_dir).resolve():
+            raise ValueError(f"export_dir {self.export_dir} is init_from: the export would overwrite the model this "
+                             "stage starts from; pick another export_dir")
 
 
 def token_nll(model: Transformer, params: Any, windows: jax.Array, ignore: tuple[int, ...] = ()
@@ -127,7 +157,8 @@ def _tokenizer(cfg: PretrainConfig, train_texts: list[str]) -> PreTrainedTokeniz
     path = Path(cfg.run_dir) / "tokenizer"
     if (path / "tokenizer.json").is_file():  # resume: never retrain, the checkpoints depend on it
         return AutoTokenizer.from_pretrained(path)
-    tok = train_tokenizer(train_texts, cfg.vocab_size)
+    tok = AutoTokenizer.from_pretrained(cfg.init_from) if cfg.init_from else train_tokenizer(
+        train_texts, cfg.vocab_size)
     tok.save_pretrained(path)
     return tok
 
@@ -146,10 +177,50 @@ def model_config(cfg: PretrainConfig, tok: PreTrainedTokenizerBase) -> ModelConf
         bos_token_id=tok.bos_token_id, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
 
 
+def _init_stage(cfg: PretrainConfig) -> tuple[dict[str, Any] | None, int]:
+    """(the summary of the model a second stage starts from, the number of its windows to skip), checked
+    against this config before any slow work."""
+    if not cfg.init_from:
+        return None, 0
+    path = Path(cfg.init_from)
+    if not (path / "config.json").is_file() or not (path / "training_summary.json").is_file():
+        raise CorpusError(f"init_from {path} is not a model exported by pretrain-target (no config.json or "
+                          "training_summary.json): point it at the first stage's export_dir")
+    summary = json.loads((path / "training_summary.json").read_text())
+    first = summary["config"]
+    if first["arch"] != dataclasses.asdict(cfg.arch) or first["seq_len"] != cfg.seq_len:
+        raise CorpusError(f"init_from {path} was trained with arch {first['arch']} and seq_len {first['seq_len']}: "
+                          "set the same arch and seq_len in this stage")
+    skip = summary["steps"] * first["batch_size"] if first["seed"] == cfg.seed else 0
+    return summary, skip
+
+
+def _check_outputs(cfg: PretrainConfig) -> None:
+    """Before any slow work: run_dir and export_dir writable with room to spare, and export_dir holding nothing
+    but this run's own export (it is rewritten at the end)."""
+    a = cfg.arch
+    n = ModelConfig(vocab_size=cfg.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                    num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                    head_dim=a.hidden_size // a.num_heads).num_params
+    # fp32 params + Adam's two moments per checkpoint (one more while the oldest is replaced); a bf16 export
+    check_writable_dir(cfg.run_dir, "run_dir", 12 * n * (cfg.keep_checkpoints + 1))
+    check_writable_dir(cfg.export_dir, "export_dir", 2 * n)
+    check_no_foreign_log(cfg.run_dir)
+    export, run_dir = Path(cfg.export_dir).resolve(), Path(cfg.run_dir).resolve()
+    if export.is_dir() and any(export.iterdir()) and run_dir not in export.parents:
+        summary = export / "training_summary.json"
+        made_by = json.loads(summary.read_text()).get("config", {}).get("run_dir") if summary.is_file() else None
+        if made_by is None or Path(made_by).resolve() != run_dir:
+            raise OutputExistsError(f"export_dir {cfg.export_dir} already holds files that this run did not make: "
+                                    "they would be overwritten; pick another export_dir")
+
+
 def run(cfg: PretrainConfig) -> dict[str, Any]:
     """Train (or resume) and export. Returns the summary written to `export_dir/training_summary.json`."""
     if cfg.bpb_package:  # before any slow work: the held-out package must be installed
         package_version(cfg.bpb_package)
+    first_stage, skip = _init_stage(cfg)
+    _check_outputs(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(cfg.stdlib, cfg.packages, cfg.exclude_tests, cfg.heldout_fraction, cfg.max_source_mb,
@@ -171,7 +242,10 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     optimizer = make_optimizer(cfg.optim, cfg.steps)
 
     def init_state() -> dict[str, Any]:
-        params = init_params(mcfg, jax.random.key(cfg.seed))
+        if first_stage is not None:
+            params = load_params(cfg.init_from, mcfg, dtype="float32")[0]
+        else:
+            params = init_params(mcfg, jax.random.key(cfg.seed))
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
     @jax.jit
@@ -189,9 +263,12 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
     loop = LoopConfig(steps=cfg.steps, checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.keep_checkpoints,
                       log_every=1)
     state, extra = run_loop(run_dir=run_dir, cfg=loop, init_state=init_state, train_step=step_fn,
-                            data=iter(packed_dataset(train_windows, cfg.batch_size, cfg.seed)),
+                            data=iter(packed_dataset(train_windows, cfg.batch_size, cfg.seed, skip)),
                             tokens_per_batch=cfg.batch_size * cfg.seq_len, desc="pretrain")
     extra = extra | {"corpus": corpus.manifest}
+    if first_stage is not None:
+        extra |= {"first_stage": {k: first_stage[k] for k in ("tokens_seen", "steps", "train_seconds")}
+                  | {"init_from": cfg.init_from, "windows_skipped": skip}}
     return export(cfg, mcfg, tok, state["params"], heldout_windows, heldout_texts, extra)
 
 
@@ -230,6 +307,9 @@ def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase,
         "tokens_seen": extra["tokens_seen"],
         "steps": extra["steps"],
         "train_seconds": round(extra["train_seconds"], 1),
+        "first_stage": extra.get("first_stage"),
+        "total_tokens_seen": extra["tokens_seen"] + (extra["first_stage"]["tokens_seen"] if "first_stage" in extra
+                                                     else 0),
         "heldout_loss_nats_per_token": round(loss, 4),
         "heldout_windows": int(len(heldout_windows)),
         "heldout_package_bpb": bpb,

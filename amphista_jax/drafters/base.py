@@ -29,7 +29,7 @@ from flax import struct
 
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
-from amphista_jax.trees import TreeArrays
+from amphista_jax.trees import TreeArrays, TreeError
 from amphista_jax.verify import Verdict, last_accepted_node
 
 
@@ -107,7 +107,7 @@ def check_tree_depth(tree: TreeArrays, num_heads: int, method: str) -> int:
     """Trace-time: a static tree of depth D needs D heads (head k drafts depth k + 1). Returns D (>= 1)."""
     depth = int(np.asarray(tree.depth).max())
     if depth > num_heads:
-        raise ValueError(f"tree depth {depth} needs {depth} heads but these {method} heads have {num_heads=}: "
+        raise TreeError(f"tree depth {depth} needs {depth} heads but these {method} heads have {num_heads=}: "
                          f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads}) or train more heads")
     return max(depth, 1)
 

@@ -12,17 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.drafters.base import Target
+from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 
 META_FILE = "draft.json"
 TARGET_KEYS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
 
 
-class DraftCheckpointError(ValueError):
+class DraftCheckpointError(UserError, ValueError):
     """Draft heads that cannot be loaded for this target."""
 
 
@@ -30,16 +32,33 @@ def target_fingerprint(config: ModelConfig) -> dict[str, Any]:
     return {k: getattr(config, k) for k in TARGET_KEYS}
 
 
+def target_sample(params: dict) -> list[float]:
+    """16 of the target's weights at fixed places (embedding rows spread over the vocabulary, the last layer's
+    query projection): tells apart two targets of one shape, and survives a dtype conversion or re-sharding
+    (compared with a relative tolerance)."""
+
+    def pick(p: dict) -> jax.Array:
+        embed, q = p["embed"]["embedding"], p["layers"]["attn"]["q_proj"]["kernel"]  # [V, D], [L, D, H*Dh]
+        rows = jax.numpy.arange(8) * (embed.shape[0] // 8)
+        cols = jax.numpy.arange(8) % embed.shape[1]
+        return jax.numpy.concatenate([embed[rows, cols], q[-1, cols, cols % q.shape[2]]]).astype(jax.numpy.float32)
+
+    return [float(x) for x in np.asarray(jax.jit(pick)(params))]
+
+
 def save_draft(path: str | Path, method: str, drafter: Any, params: Any, target_config: ModelConfig,
-               dtype: str | None = None) -> Path:
+               dtype: str | None = None, target_params: dict | None = None) -> Path:
     """Write `draft.json` and the params (floating leaves cast to `dtype` when given, e.g. "bfloat16" for
-    shipping; `load_draft` restores them in the drafter's own fp32)."""
+    shipping; `load_draft` restores them in the drafter's own fp32). With `target_params`, `draft.json` also
+    records `target_sample` so that loading refuses another target of the same shape."""
     path = Path(path).absolute()
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x,
                               params)
     path.mkdir(parents=True, exist_ok=True)
     meta = {"method": method, "settings": dataclasses.asdict(drafter), "target": target_fingerprint(target_config)}
+    if target_params is not None:
+        meta["target_sample"] = target_sample(target_params)
     with ocp.StandardCheckpointer() as ckpt:  # every process takes part; orbax writes once
         ckpt.save(path / "params", params, force=True)
     if jax.process_index() == 0:
@@ -63,6 +82,11 @@ def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict
         raise DraftCheckpointError(
             f"the {method} heads in {path} were trained for another target (trained for / this target: {diff}); "
             "train heads for this target, or pass the --model they were trained on")
+    if "target_sample" in meta and not np.allclose(target_sample(target_params), meta["target_sample"],
+                                                   rtol=2**-6, atol=1e-6):
+        raise DraftCheckpointError(
+            f"the {method} heads in {path} were trained for another target of the same shape (its weights "
+            "differ); train heads for this target, or pass the --model they were trained on")
     drafter = DRAFTERS[method](**meta["settings"])
     abstract = jax.eval_shape(lambda: drafter.init(jax.random.key(0), Target(target_config, target_params)))
     try:

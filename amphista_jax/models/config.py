@@ -8,11 +8,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from amphista_jax.errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A model configuration that this library cannot run."""
 
 
@@ -73,6 +75,14 @@ class ModelConfig:
             object.__setattr__(self, "sliding_windows", (0,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
             raise ConfigError(f"{len(self.sliding_windows)=} must equal {self.num_layers=}")
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the model can attend over: `max_position_embeddings`, stretched by a linear or dynamic rope
+        `factor` (HF keeps the pre-scaling length there); llama3 configs already state the extended length."""
+        if self.rope_scaling.rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * self.rope_scaling.factor)
+        return self.max_position_embeddings
 
     @property
     def num_params(self) -> int:

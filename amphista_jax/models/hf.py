@@ -19,6 +19,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
 
@@ -51,7 +52,7 @@ _TOP_TENSORS = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint directory that cannot be loaded, with what is wrong and how to fix it."""
 
 
@@ -216,7 +217,12 @@ def save_params(
     max_shard_bytes: int | None = None,
 ) -> Path:
     """Save params as a HF checkpoint (`config.json` + safetensors, sharded with an index when over
-    `max_shard_bytes`) that `transformers` loads as the same architecture."""
+    `max_shard_bytes`) that `transformers` loads as the same architecture.
+
+    `dtype`: "checkpoint" keeps each array's own dtype (as `load_params(dtype="checkpoint")` read it);
+    "bfloat16" / "float32" / "float16" cast. `config.json`'s `torch_dtype` is the dtype of most bytes."""
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cast = DTYPES[dtype]
@@ -229,7 +235,10 @@ def save_params(
         for i, layer in enumerate(arr if stacked else [arr]):
             tensors[name.format(i)] = np.ascontiguousarray(layer.T if transposed else layer)
     hf = config.to_hf_dict()
-    hf["torch_dtype"] = str(next(iter(tensors.values())).dtype)
+    nbytes: dict[str, int] = {}
+    for arr in tensors.values():
+        nbytes[str(arr.dtype)] = nbytes.get(str(arr.dtype), 0) + arr.nbytes
+    hf["torch_dtype"] = max(nbytes, key=nbytes.get)
     hf["dtype"] = hf["torch_dtype"]
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     shards: list[dict[str, np.ndarray]] = [{}]

@@ -1,0 +1,50 @@
+"""The project's error types for bad input: the CLI prints their message as one line and exits with
+`BAD_INPUT_EXIT` (no traceback unless `--debug` or `AMPHISTA_DEBUG=1`).
+
+A message says what is wrong and how to fix it. Every module's own error class derives from `UserError`
+(and from the builtin it refines, so `except ValueError` callers keep working).
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+BAD_INPUT_EXIT = 2  # as argparse's usage errors
+ENVIRONMENT_EXIT = 3  # the machine refused: no space, read-only or forbidden path
+
+
+class UserError(Exception):
+    """Bad input: an argument, config, file or checkpoint the user can fix."""
+
+
+class UsageError(UserError, ValueError):
+    """A command-line argument that cannot work."""
+
+
+class OutputExistsError(UserError, FileExistsError):
+    """An output path that holds something the user made: refused, never overwritten."""
+
+
+# OSErrors that describe the machine rather than a bug: reported as one line.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
+
+
+def check_writable_dir(path: str | Path, what: str, need_bytes: int = 0) -> None:
+    """Raise `UsageError` unless `path` (a directory, created later if missing) can be written, with
+    `need_bytes` free where that can be estimated. Call before any slow work."""
+    path = Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{what} {path}: {existing} is a file, not a directory; pick another path")
+    probe = existing / f".amphista-write-probe-{id(path)}"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{what} {path} cannot be written ({e.strerror}): pick a writable directory") from None
+    free = shutil.disk_usage(existing).free
+    if need_bytes and free < need_bytes:
+        raise UsageError(f"{what} {path}: {free / 2**20:.0f} MiB free but about {need_bytes / 2**20:.0f} MiB are "
+                         "needed; free space or pick another disk")
