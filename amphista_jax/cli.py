@@ -247,7 +247,7 @@ def _convert(args: argparse.Namespace) -> int:
         if args.dtype == "checkpoint":
             draft_params = _as_stored(args.heads, draft_params)
         save_draft(args.out, method, drafter, draft_params, config,
-                   dtype=None if args.dtype == "checkpoint" else args.dtype)
+                   dtype=None if args.dtype == "checkpoint" else args.dtype, target_params=params)
         dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(draft_params)}) if args.dtype == "checkpoint" else [
             args.dtype]
         print(f"saved {method} heads ({sum(x.size for x in jax.tree.leaves(draft_params)):,} parameters, "
