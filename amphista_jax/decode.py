@@ -1,13 +1,17 @@
 """Generation: prefill, then a `lax.while_loop` of steps, all inside one `jax.jit` with static shapes.
 
-`generate` is the autoregressive baseline every speed-up is measured against. Shapes are fixed by
-(batch, prompt_len, cache_size, max_new_tokens), so a new batch of prompts of the same padded shape
-reuses the compiled program. Rows of a batch have their own prompt lengths (`prompt_lengths [B]`): the
-prompts are right-padded and each row continues from its own length, with no re-padding.
+`generate` is the autoregressive baseline every speed-up is measured against; `speculative_generate` is
+`spec_init` (prefill of the target and the drafter) followed by `spec_step` (propose, verify, accept,
+compact, commit, emit) until every row is done. Shapes are fixed by (batch, prompt_len, cache_size,
+max_new_tokens) and, for speculative decoding, the tree budget (N nodes, depth D): a tree's content (its
+tokens and, for drafters that build trees on device, its shape) is data, so a new batch of prompts of the
+same padded shape reuses the compiled program. Rows of a batch have their own prompt lengths
+(`prompt_lengths [B]`): the prompts are right-padded and each row continues from its own length, with no
+re-padding.
 """
-
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -18,12 +22,12 @@ import numpy as np
 from flax import struct
 
 from amphista_jax.cache import KVCache, compact
-from amphista_jax.drafters.base import DraftContext, PrefillContext, Target, accepted_tokens
+from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal, Target, accepted_tokens
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
-from amphista_jax.trees import TreeSpec, tree_arrays
+from amphista_jax.trees import Tree, tree_statistics
 from amphista_jax.verify import AcceptanceConfig, verify
 
 GREEDY = SamplingConfig()
@@ -186,8 +190,33 @@ def generate(
     return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step, jnp.zeros_like(final.tokens, bool))
 
 
+@dataclasses.dataclass(frozen=True)
+class SpecSettings:
+    """The static settings of speculative decoding (hashable: static under `jax.jit`)."""
+
+    config: ModelConfig
+    drafter: Any
+    tree: Tree  # a static tree the drafter fills, or the budget of the trees it builds
+    max_new_tokens: int
+    sampling: SamplingConfig = GREEDY
+    acceptance: AcceptanceConfig = DEFAULT_ACCEPTANCE
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    attention: str = "xla"
+
+    @property
+    def stat_shape(self) -> tuple[int, int]:
+        """(D, R) of the tree statistics."""
+        return max(self.tree.depth, 1), self.tree.num_ranks
+
+    def model(self) -> Transformer:
+        return Transformer(self.config, attention=self.attention)
+
+
 @struct.dataclass
-class _SpecState:
+class SpecState:
+    """Everything one speculative step reads and writes (the `while_loop` carry)."""
+
     cache: KVCache
     draft_state: Any
     root: jax.Array  # [B] target's next token, not yet in the cache
@@ -203,13 +232,89 @@ class _SpecState:
     rng: jax.Array
 
 
-def _depth_rank_onehot(depth: np.ndarray, rank: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """`[N, D * R]` 1 where draft node n sits at depth d + 1 with rank r (column d * R + r); root, padding 0."""
-    d_max, r_max = int(depth.max()), int(rank.max()) + 1
-    onehot = np.zeros((len(depth), max(d_max, 1) * r_max), np.int32)
-    for node in np.nonzero(valid & (depth > 0))[0]:
-        onehot[node, (depth[node] - 1) * r_max + rank[node]] = 1
-    return onehot
+def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
+              cache_size: int, settings: SpecSettings) -> SpecState:
+    """Prefill the target and the drafter on the right-padded prompts `[B, T]`; the first token comes from
+    the target."""
+    st = settings
+    b, t = prompt.shape
+    _check_static_fit(t, st.max_new_tokens, st.tree.num_nodes, cache_size)
+    dtype = jax.tree.leaves(params)[0].dtype
+    out, cache, hidden, logits = prefill(st.model(), params, prompt, prompt_lengths,
+                                         new_cache(st.config, b, cache_size, dtype))
+    first = select_token(logits, jax.random.fold_in(rng, 0), st.sampling)
+    draft_state = st.drafter.prefill(draft_params, Target(st.config, params),
+                                     PrefillContext(out, prompt, prompt_lengths, first),
+                                     st.drafter.init_state(st.config, b, cache_size))
+    stats = jnp.zeros((b, st.stat_shape[0] * st.stat_shape[1]), jnp.int32)
+    return SpecState(
+        cache=cache, draft_state=draft_state, root=first, hidden=hidden,
+        tokens=jnp.full((b, st.max_new_tokens), st.pad_id, jnp.int32).at[:, 0].set(first),
+        drafted=jnp.zeros((b, st.max_new_tokens), bool),
+        num_tokens=jnp.ones((b,), jnp.int32),
+        done=is_stop(first, st.eos_ids) | (st.max_new_tokens <= 1),
+        accept_lengths=jnp.zeros((b, st.max_new_tokens), jnp.int32),
+        node_tries=stats, node_hits=stats, steps=jnp.zeros((), jnp.int32), rng=rng)
+
+
+def _check_proposal(proposal: Proposal, tree: Tree, batch: int) -> None:
+    """Trace-time: the drafter's tree fits the static budget the engine was compiled for."""
+    n, d = tree.num_nodes, tree.depth
+    want = {"tokens": (batch, n), "tree.mask": (batch, n, n), "tree.parent": (batch, n),
+            "tree.paths": (batch, proposal.tree.paths.shape[1], d + 1)}
+    got = {"tokens": proposal.tokens.shape, "tree.mask": proposal.tree.mask.shape,
+           "tree.parent": proposal.tree.parent.shape, "tree.paths": proposal.tree.paths.shape}
+    wrong = [f"{k} {got[k]} (want {want[k]})" for k in want if tuple(got[k]) != want[k]]
+    if wrong or proposal.tree.num_ranks != tree.num_ranks:
+        raise ValueError(f"the drafter's proposal does not fit the tree budget {tree}: {', '.join(wrong)}"
+                         f"{'' if proposal.tree.num_ranks == tree.num_ranks else ', num_ranks differs'}")
+
+
+def spec_step(params: dict, draft_params: Any, s: SpecState, settings: SpecSettings) -> SpecState:
+    """One speculative step: propose, verify forward, accept, compact, commit, emit, stop.
+
+    The drafter proposes the tree's tokens and the tree itself (per row); one target forward verifies all
+    nodes under the tree's ancestor mask (positions = length + depth); the acceptance rule picks a path; its
+    keys/values are compacted into the committed cache; the path's tokens and the bonus token are emitted up
+    to an EOS or `max_new_tokens`. Rows already done change nothing but stay in the batch.
+    """
+    st = settings
+    depth = st.tree.depth
+    key = jax.random.fold_in(s.rng, s.steps + 1)
+    frozen = Target(st.config, params)
+    ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)
+    proposal = st.drafter.propose(draft_params, frozen, ctx, st.tree, jax.random.fold_in(key, 0))
+    _check_proposal(proposal, st.tree, s.root.shape[0])
+    tree = proposal.tree
+    positions = s.cache.lengths[:, None] + tree.depth
+    verified = st.model().apply({"params": params}, proposal.tokens, positions, s.cache, tree.mask)
+    verdict = verify(proposal.tokens, verified.logits, tree, st.sampling, st.acceptance, jax.random.fold_in(key, 1),
+                     proposal.q)
+    n_acc = jnp.where(s.done, 0, verdict.n_accepted)
+    verdict = verdict.replace(n_accepted=jnp.maximum(n_acc, 1))
+    cache = compact(verified.cache, verdict.accepted_nodes, n_acc)
+    draft_state, hidden = st.drafter.commit(draft_params, frozen, proposal, verdict, verified, s.draft_state)
+    # Emitted this step: the accepted draft tokens (path nodes 1..n-1), then the bonus token.
+    emit = accepted_tokens(proposal, verdict.replace(n_accepted=n_acc))  # [B, D+1]
+    idx = jnp.arange(depth + 1)[None]
+    stop = is_stop(emit, st.eos_ids) & (idx < n_acc[:, None])
+    hit = stop.any(1)
+    first_stop = jnp.where(hit, jnp.argmax(stop, 1) + 1, depth + 1)  # tokens up to and including an EOS
+    count = jnp.minimum(jnp.minimum(n_acc, first_stop), st.max_new_tokens - s.num_tokens)
+    count = jnp.where(s.done, 0, count)
+    dest = jnp.where(idx < count[:, None], s.num_tokens[:, None] + idx, st.max_new_tokens)
+    scatter = jax.vmap(lambda row, d, e: row.at[d].set(e, mode="drop"))
+    num_tokens = s.num_tokens + count
+    # Tree-search statistics: nodes whose parent is on the accepted path were tried; on it, hit.
+    tried, hits = tree_statistics(tree, verdict.accepted_nodes)
+    live = (~s.done)[:, None].astype(jnp.int32)
+    return SpecState(
+        cache=cache, draft_state=draft_state, root=verdict.bonus, hidden=hidden,
+        tokens=scatter(s.tokens, dest, emit), drafted=scatter(s.drafted, dest, idx < n_acc[:, None] - 1),
+        num_tokens=num_tokens,
+        done=s.done | (hit & (first_stop <= count)) | (num_tokens >= st.max_new_tokens),
+        accept_lengths=s.accept_lengths.at[:, s.steps].set(count, mode="drop"),
+        node_tries=s.node_tries + tried * live, node_hits=s.node_hits + hits * live, steps=s.steps + 1, rng=s.rng)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -224,7 +329,7 @@ def speculative_generate(
     *,
     config: ModelConfig,
     drafter: Any,
-    tree: TreeSpec,
+    tree: Tree,
     max_new_tokens: int,
     cache_size: int,
     sampling: SamplingConfig = GREEDY,
@@ -233,74 +338,13 @@ def speculative_generate(
     pad_id: int = 0,
     attention: str = "xla",
 ) -> GenerateOutput:
-    """Draft-tree / verify generation; greedy output equals `generate`'s token for token.
-
-    Each step: the drafter proposes the tree's tokens, one target forward verifies all of them with the tree
-    mask (positions = length + depth), the acceptance rule picks a path, the accepted keys/values are
-    compacted into the committed cache, and the path's tokens plus the bonus token are emitted. Needs
-    `cache_size >= prompt.shape[1] + max_new_tokens + tree.num_nodes` (checked at trace time).
-    """
-    b, t = prompt.shape
-    arrays = tree_arrays(tree)
-    n, depth = tree.num_nodes, tree.depth
-    _check_static_fit(t, max_new_tokens, n, cache_size)
-    onehot = _depth_rank_onehot(np.asarray(arrays.depth), np.asarray(arrays.topk_index), np.asarray(arrays.valid))
-    stat_shape = (max(depth, 1), onehot.shape[1] // max(depth, 1))  # (D, R)
-    model = Transformer(config, attention=attention)
-    dtype = jax.tree.leaves(params)[0].dtype
-    out, cache, hidden, logits = prefill(model, params, prompt, prompt_lengths,
-                                         new_cache(config, b, cache_size, dtype))
-    first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
-    frozen = Target(config, params)
-    draft_state = drafter.prefill(draft_params, frozen, PrefillContext(out, prompt, prompt_lengths, first),
-                                  drafter.init_state(config, b, cache_size))
-    state = _SpecState(
-        cache=cache, draft_state=draft_state, root=first, hidden=hidden,
-        tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
-        drafted=jnp.zeros((b, max_new_tokens), bool),
-        num_tokens=jnp.ones((b,), jnp.int32),
-        done=is_stop(first, eos_ids) | (max_new_tokens <= 1),
-        accept_lengths=jnp.zeros((b, max_new_tokens), jnp.int32),
-        node_tries=jnp.zeros((b, stat_shape[0] * stat_shape[1]), jnp.int32),
-        node_hits=jnp.zeros((b, stat_shape[0] * stat_shape[1]), jnp.int32),
-        steps=jnp.zeros((), jnp.int32), rng=rng)
-    tree_mask = jnp.broadcast_to(jnp.asarray(arrays.mask), (b, n, n))
-
-    def body(s: _SpecState) -> _SpecState:
-        key = jax.random.fold_in(s.rng, s.steps + 1)
-        ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)
-        proposal = drafter.propose(draft_params, frozen, ctx, arrays, jax.random.fold_in(key, 0))
-        positions = s.cache.lengths[:, None] + jnp.asarray(arrays.depth)[None]
-        verified = model.apply({"params": params}, proposal.tokens, positions, s.cache, tree_mask)
-        verdict = verify(proposal.tokens, verified.logits, arrays, sampling, acceptance, jax.random.fold_in(key, 1),
-                         proposal.q)
-        n_acc = jnp.where(s.done, 0, verdict.n_accepted)
-        verdict = verdict.replace(n_accepted=jnp.maximum(n_acc, 1))
-        cache = compact(verified.cache, verdict.accepted_nodes, n_acc)
-        draft_state, hidden = drafter.commit(draft_params, frozen, proposal, verdict, verified, s.draft_state)
-        # Emitted this step: the accepted draft tokens (path nodes 1..n-1), then the bonus token.
-        emit = accepted_tokens(proposal, verdict.replace(n_accepted=n_acc))  # [B, D+1]
-        idx = jnp.arange(depth + 1)[None]
-        stop = is_stop(emit, eos_ids) & (idx < n_acc[:, None])
-        hit = stop.any(1)
-        first_stop = jnp.where(hit, jnp.argmax(stop, 1) + 1, depth + 1)  # tokens up to and including an EOS
-        count = jnp.minimum(jnp.minimum(n_acc, first_stop), max_new_tokens - s.num_tokens)
-        count = jnp.where(s.done, 0, count)
-        dest = jnp.where(idx < count[:, None], s.num_tokens[:, None] + idx, max_new_tokens)
-        scatter = jax.vmap(lambda row, d, e: row.at[d].set(e, mode="drop"))
-        tokens = scatter(s.tokens, dest, emit)
-        drafted = scatter(s.drafted, dest, idx < n_acc[:, None] - 1)
-        num_tokens = s.num_tokens + count
-        done = s.done | (hit & (first_stop <= count)) | (num_tokens >= max_new_tokens)
-        accept_lengths = s.accept_lengths.at[:, s.steps].set(count, mode="drop")
-        # Tree-search statistics: nodes whose parent is on the accepted path were tried; on it, hit.
-        on_path = (verdict.accepted_nodes[:, :, None] == jnp.arange(n)[None, None]).any(1)  # [B, N]
-        tried = on_path[:, jnp.asarray(arrays.parent)] & ~s.done[:, None]
-        node_tries = s.node_tries + tried.astype(jnp.int32) @ onehot
-        node_hits = s.node_hits + (tried & on_path).astype(jnp.int32) @ onehot
-        return _SpecState(cache, draft_state, verdict.bonus, hidden, tokens, drafted, num_tokens, done,
-                          accept_lengths, node_tries, node_hits, s.steps + 1, s.rng)
-
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    """Draft-tree / verify generation (`spec_init`, then `spec_step` until every row is done); greedy output
+    equals `generate`'s token for token. Needs `cache_size >= prompt.shape[1] + max_new_tokens +
+    tree.num_nodes` (checked at trace time)."""
+    settings = SpecSettings(config, drafter, tree, max_new_tokens, sampling, acceptance, eos_ids, pad_id, attention)
+    state = spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, settings)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                               lambda s: spec_step(params, draft_params, s, settings), state)
+    stats = (prompt.shape[0],) + settings.stat_shape
     return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths, final.drafted,
-                          final.node_tries.reshape(b, *stat_shape), final.node_hits.reshape(b, *stat_shape))
+                          final.node_tries.reshape(stats), final.node_hits.reshape(stats))

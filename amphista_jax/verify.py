@@ -28,12 +28,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from amphista_jax.errors import UsageError
 from amphista_jax.sampling import SamplingConfig, warp_logits
-from amphista_jax.trees import TreeArrays
+from amphista_jax.trees import TreeArrays, children
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
 
@@ -65,27 +64,17 @@ class Verdict:
     bonus: jax.Array  # [B] the target's token after the last accepted node
 
 
-def children_table(tree: TreeArrays) -> np.ndarray:
-    """`[N, C]` children of each node in rank order, padded with -1 (for static, numpy trees)."""
-    parent, valid, topk = np.asarray(tree.parent), np.asarray(tree.valid), np.asarray(tree.topk_index)
-    kids = [sorted((int(topk[c]), c) for c in range(1, len(parent)) if valid[c] and parent[c] == n)
-            for n in range(len(parent))]
-    width = max(1, max(len(k) for k in kids))
-    table = np.full((len(parent), width), -1, np.int32)
-    for n, k in enumerate(kids):
-        table[n, : len(k)] = [c for _, c in k]
-    return table
-
-
 def _longest_path(node_ok: jax.Array, tree: TreeArrays) -> tuple[jax.Array, jax.Array]:
     """node_ok [B, N]: node's token accepted given its parent. Returns (accepted_nodes, n_accepted)."""
-    paths = jnp.asarray(tree.paths)  # [P, D+1]
-    ok = jnp.where(paths[None, :, 1:] >= 0, node_ok[:, jnp.maximum(paths[:, 1:], 0)], False)  # [B, P, D]
+    paths = tree.paths  # [B, P, D+1]
+    b, p, width = paths.shape
+    along = jnp.take_along_axis(node_ok, jnp.maximum(paths[:, :, 1:], 0).reshape(b, -1), 1).reshape(b, p, -1)
+    ok = (paths[:, :, 1:] >= 0) & along  # [B, P, D]
     run = jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1)  # [B, P] accepted drafts along each path
     best = jnp.argmax(run, axis=-1)  # [B] first longest
     n_accepted = jnp.take_along_axis(run, best[:, None], 1)[:, 0] + 1
-    nodes = paths[best]  # [B, D+1]
-    nodes = jnp.where(jnp.arange(paths.shape[1])[None] < n_accepted[:, None], nodes, -1)
+    nodes = jnp.take_along_axis(paths, best[:, None, None], 1)[:, 0]  # [B, D+1]
+    nodes = jnp.where(jnp.arange(width)[None] < n_accepted[:, None], nodes, -1)
     return nodes, n_accepted
 
 
@@ -96,7 +85,7 @@ def last_accepted_node(verdict: Verdict) -> jax.Array:
 
 def verify_greedy(tokens: jax.Array, logits: jax.Array, tree: TreeArrays) -> Verdict:
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N] target's choice after each node
-    node_ok = tokens == jnp.take_along_axis(best, jnp.asarray(tree.parent)[None].repeat(tokens.shape[0], 0), 1)
+    node_ok = tree.valid & (tokens == jnp.take_along_axis(best, tree.parent, 1))
     nodes, n = _longest_path(node_ok, tree)
     last = last_accepted_node(Verdict(nodes, n, n))
     return Verdict(nodes, n, jnp.take_along_axis(best, last[:, None], 1)[:, 0])
@@ -107,10 +96,11 @@ def verify_typical(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampl
     warped = warp_logits(logits, sampling)  # [B, N, V]
     logp = jax.nn.log_softmax(warped, axis=-1)
     entropy = -jnp.sum(jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0), axis=-1)  # [B, N]
-    parent = jnp.asarray(tree.parent)
-    token_p = jnp.exp(jnp.take_along_axis(logp[:, parent], tokens[:, :, None], -1)[..., 0])  # [B, N]
-    limit = jnp.minimum(cfg.posterior_threshold, cfg.posterior_alpha * jnp.exp(-entropy[:, parent]))
-    nodes, n = _longest_path(token_p > limit, tree)
+    parent_logp = jnp.take_along_axis(logp, tree.parent[:, :, None], 1)  # [B, N, V] the target after the parent
+    token_p = jnp.exp(jnp.take_along_axis(parent_logp, tokens[:, :, None], -1)[..., 0])  # [B, N]
+    limit = jnp.minimum(cfg.posterior_threshold,
+                        cfg.posterior_alpha * jnp.exp(-jnp.take_along_axis(entropy, tree.parent, 1)))
+    nodes, n = _longest_path(tree.valid & (token_p > limit), tree)
     last = last_accepted_node(Verdict(nodes, n, n))
     bonus_logits = jnp.take_along_axis(warped, last[:, None, None], 1)[:, 0]
     return Verdict(nodes, n, jax.random.categorical(rng, bonus_logits).astype(jnp.int32))
@@ -119,20 +109,19 @@ def verify_typical(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampl
 def verify_rejection(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampling: SamplingConfig,
                      rng: jax.Array, q: jax.Array | None = None) -> Verdict:
     probs = jax.nn.softmax(warp_logits(logits, sampling), axis=-1)  # [B, N, V]
-    kids = jnp.asarray(children_table(tree))  # [N, C]
-    depth = int(np.asarray(tree.paths).shape[1]) - 1
+    depth, width = tree.max_depth, tree.max_children
 
-    def one(tok: jax.Array, p_all: jax.Array, q_all: jax.Array | None, key: jax.Array):
+    def one(tok: jax.Array, p_all: jax.Array, q_all: jax.Array | None, kids: jax.Array, key: jax.Array):
         cur, p, alive = jnp.int32(0), p_all[0], jnp.bool_(True)
         path = jnp.full((depth + 1,), -1, jnp.int32).at[0].set(0)
         count = jnp.int32(1)
         for d in range(depth):
             chosen = jnp.int32(-1)
-            for c in range(kids.shape[1]):
+            for c in range(width):
                 child = kids[cur, c]
                 trying = alive & (child >= 0) & (chosen < 0)
                 x = tok[jnp.maximum(child, 0)]
-                u = jax.random.uniform(jax.random.fold_in(key, d * kids.shape[1] + c))
+                u = jax.random.uniform(jax.random.fold_in(key, d * width + c))
                 if q_all is None:  # point mass on x: accept with p(x); residual = p without x
                     accept = trying & (u < p[x])
                     residual = p.at[x].set(0.0) / jnp.maximum(1.0 - p[x], 1e-20)
@@ -153,7 +142,8 @@ def verify_rejection(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sam
         return path, count, bonus.astype(jnp.int32)
 
     keys = jax.random.split(rng, tokens.shape[0])
-    path, count, bonus = jax.vmap(one, in_axes=(0, 0, None if q is None else 0, 0))(tokens, probs, q, keys)
+    path, count, bonus = jax.vmap(one, in_axes=(0, 0, None if q is None else 0, 0, 0))(tokens, probs, q,
+                                                                                   children(tree), keys)
     return Verdict(path, count, bonus)
 
 

@@ -16,7 +16,7 @@ from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.base import PrefillContext, Proposal, Target
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer
-from amphista_jax.trees import TreeSpec
+from amphista_jax.trees import TreeSpec, batched, chain, tree_arrays
 from amphista_jax.verify import Verdict
 from train.step import make_steps, target_forward
 
@@ -25,6 +25,12 @@ PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]
 
 # chi-square critical values at p = 0.001 for the degrees of freedom the tests use
 CHI2_999 = {7: 24.32, 15: 37.70}
+
+
+def chi2_999(dof: int) -> float:
+    """The chi-square critical value at p = 0.001 (Wilson-Hilferty; within 1% of the table for dof >= 7)."""
+    h = 2.0 / (9.0 * dof)
+    return dof * (1.0 - h + 3.0902 * np.sqrt(h)) ** 3
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -119,7 +125,7 @@ def replay_commits(drafter: Any, params: Any, target: Target, tokens: jax.Array,
     for step_counts in counts:
         a = jnp.asarray(step_counts)
         node_pos = lengths[:, None] + jnp.arange(depth + 1)[None]  # [B, D+1] node i = the token at lengths + i
-        proposal = Proposal(jnp.take_along_axis(tokens, node_pos, 1))
+        proposal = Proposal(jnp.take_along_axis(tokens, node_pos, 1), batched(tree_arrays(chain(depth)), b))
         verify_out = Output(jnp.take_along_axis(hidden, node_pos[:, :, None], 1), None, None)
         nodes = jnp.where(jnp.arange(depth + 1)[None] < a[:, None], jnp.arange(depth + 1)[None], -1)
         bonus = jnp.take_along_axis(tokens, (lengths + a)[:, None], 1)[:, 0]

@@ -11,7 +11,7 @@ from amphista_jax.drafters import Medusa, Target
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.trees import TreeSpec, tree_arrays
+from amphista_jax.trees import TreeSpec, batched, tree_arrays
 from amphista_jax.verify import AcceptanceConfig, verify_typical
 
 CONFIG = tiny_llama_config()
@@ -31,7 +31,7 @@ def test_fresh_heads_equal_the_target_lm_head():
 def test_typical_acceptance_literal():
     """Root's distribution puts 0.6 on token 1: child token 1 is typical, token 3 (p=0.02) is not."""
     vocab = 4
-    tree = tree_arrays(TreeSpec(((0,), (1,))))
+    tree = batched(tree_arrays(TreeSpec(((0,), (1,)))), 1)
     root = jnp.log(jnp.array([0.3, 0.6, 0.08, 0.02]))
     logits = jnp.stack([root, root, root])[None]  # [1, 3, V]
     cfg = AcceptanceConfig("typical", posterior_threshold=0.09, posterior_alpha=0.3)

@@ -15,7 +15,7 @@ from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.trees import PRESETS, TreeSpec, tree_arrays
+from amphista_jax.trees import PRESETS, TreeSpec, batched, tree_arrays
 from amphista_jax.verify import verify_rejection
 from tests.helpers import CHI2_999, CONFIG, PROMPTS, chi_square, count_compiles, reference_rows
 
@@ -33,9 +33,10 @@ class Oracle:
         return state
 
     def propose(self, params, target, ctx: DraftContext, tree, rng):
-        pos = ctx.lengths[:, None] + jnp.asarray(tree.depth)[None]  # [B, N] position of each node's token
+        arrays = batched(tree_arrays(tree), ctx.root.shape[0])
+        pos = ctx.lengths[:, None] + arrays.depth  # [B, N] position of each node's token
         tokens = jnp.take_along_axis(params, jnp.minimum(pos, params.shape[1] - 1), axis=1)
-        return Proposal(tokens.at[:, 0].set(ctx.root))
+        return Proposal(tokens.at[:, 0].set(ctx.root), arrays)
 
     def commit(self, params, target, proposal, verdict, verify_out, state):
         return state, accepted_hidden(verdict, verify_out)
@@ -49,9 +50,9 @@ class NoisyOracle(Oracle):
     p: float = 0.35
 
     def propose(self, params, target, ctx: DraftContext, tree, rng):
-        good = super().propose(params, target, ctx, tree, rng).tokens
-        corrupt = jax.random.bernoulli(rng, self.p, good.shape).at[:, 0].set(False)
-        return Proposal(jnp.where(corrupt, (good + 1) % CONFIG.vocab_size, good))
+        good = super().propose(params, target, ctx, tree, rng)
+        corrupt = jax.random.bernoulli(rng, self.p, good.tokens.shape).at[:, 0].set(False)
+        return good.replace(tokens=jnp.where(corrupt, (good.tokens + 1) % CONFIG.vocab_size, good.tokens))
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,7 @@ def test_tree_rejection_sampling_keeps_the_target_distribution(proposal):
     target's distribution at the root, and the second its distribution at the first token."""
     vocab = 8
     spec = TreeSpec(((0,), (1,), (2,), (0, 0), (1, 0), (2, 0)))
-    arrays = tree_arrays(spec)
+    arrays = batched(tree_arrays(spec), 1)
     rng = np.random.RandomState(0)
     logits = jnp.asarray(rng.normal(size=(1, spec.num_nodes, vocab)) * 1.5, jnp.float32)
     probs = np.asarray(jax.nn.softmax(logits[0], -1))
@@ -207,7 +208,7 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     follows the target's root distribution."""
     vocab = 8
     spec = TreeSpec(((0,), (1,), (2,)))
-    arrays = tree_arrays(spec)
+    arrays = batched(tree_arrays(spec), 1)
     rng = np.random.RandomState(1)
     logits = jnp.asarray(rng.normal(size=(1, spec.num_nodes, vocab)) * 1.5, jnp.float32)
     probs = np.asarray(jax.nn.softmax(logits[0], -1))

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amphista_jax.trees import PRESETS, TreeSpec, get_tree, tree_arrays
-from amphista_jax.verify import children_table
+from amphista_jax.trees import PRESETS, TreeSpec, batched, children, get_tree, tree_arrays
 
 
 def test_mc_sim_7b_63_preset():
@@ -31,12 +30,11 @@ def test_small_tree_literal_arrays():
     ])
     np.testing.assert_array_equal(arrays.parent, [0, 0, 0, 1, 0, 0])
     np.testing.assert_array_equal(arrays.depth, [0, 1, 1, 2, 0, 0])
-    np.testing.assert_array_equal(arrays.head_index, [-1, 0, 0, 1, -1, -1])
-    np.testing.assert_array_equal(arrays.topk_index, [0, 0, 1, 0, 0, 0])
+    np.testing.assert_array_equal(arrays.rank, [0, 0, 1, 0, 0, 0])
     np.testing.assert_array_equal(arrays.paths, [[0, 2, -1], [0, 1, 3], [-1, -1, -1]])
     np.testing.assert_array_equal(arrays.valid, [1, 1, 1, 1, 0, 0])
-    np.testing.assert_array_equal(children_table(arrays), [[1, 2], [3, -1], [-1, -1], [-1, -1], [-1, -1],
-                                                           [-1, -1]])
+    np.testing.assert_array_equal(children(batched(arrays, 1))[0], [[1, 2], [3, -1], [-1, -1], [-1, -1], [-1, -1],
+                                                                    [-1, -1]])
 
 
 def test_invalid_trees_are_rejected():

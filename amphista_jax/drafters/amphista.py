@@ -52,7 +52,7 @@ from amphista_jax.drafters.causal_layers import at_last, block_config, layer_cac
 from amphista_jax.drafters.medusa import target_lm_head
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, decoder_stack, run_stack
-from amphista_jax.trees import TreeArrays
+from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 
 MAX_STAGES = 4
@@ -134,10 +134,9 @@ class Amphista:
         nxt = jnp.where(t == (prompt.lengths - 1)[:, None], prompt.root[:, None], nxt)
         return self._adapt_and_cache(params, target, prompt.out.hidden, nxt, prompt.lengths, state)
 
-    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: TreeArrays,
-                rng: jax.Array) -> Proposal:
-        depth = check_tree_depth(tree, self.num_heads, "Amphista")
-        return topk_proposal(self.head_logits(params, target, ctx.state["adapted"], depth), ctx.root, tree)
+    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
+        tree = check_tree_depth(tree, self.num_heads, "Amphista")
+        return topk_proposal(self.head_logits(params, target, ctx.state["adapted"], max(tree.depth, 1)), ctx.root, tree)
 
     def head_logits(self, params: dict, target: Target, adapted: jax.Array, depth: int | None = None) -> jax.Array:
         """Adapted states `[..., S, D]` -> fp32 draft logits `[..., depth, V]` of the first `depth` heads

@@ -8,7 +8,10 @@ frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
 * `init_state(target_config, batch, cache_size) -> state`: the method's own caches (zeros) or `()`.
 * `prefill(params, target, prompt: PrefillContext, state) -> state`: run the method's own layers
   over the prompt (Amphista's staged adaptation layers fill their caches here).
-* `propose(params, target, ctx, tree, rng) -> Proposal`: fill the tree's `N` node tokens.
+* `propose(params, target, ctx, tree, rng) -> Proposal`: the tree's `N` node tokens and the tree itself as
+  per-row device data (`TreeArrays [B, ...]`). `tree` is the static `TreeSpec` (a preset, JSON or searched
+  tree: the drafter fills it) or a `TreeBudget` (a drafter that grows its own tree every step stays inside
+  it); both are static under `jax.jit`.
 * `commit(params, target, proposal, verdict, verify_out, state) -> (state, next_hidden)`: catch the
   method's caches up with the accepted tokens (the path `verdict.accepted_nodes` of `proposal.tokens`, then
   `verdict.bonus`) and choose the hidden state `[B, D]` the next proposal starts from (usually the
@@ -23,13 +26,12 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import jax
-import numpy as np
 import optax
 from flax import struct
 
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
-from amphista_jax.trees import TreeArrays, TreeError
+from amphista_jax.trees import Tree, TreeArrays, TreeError, TreeSpec, batched, fill_tree_from_topk, tree_arrays
 from amphista_jax.verify import Verdict, last_accepted_node
 
 
@@ -60,6 +62,7 @@ class PrefillContext:
 @struct.dataclass
 class Proposal:
     tokens: jax.Array  # [B, N] node tokens; node 0 is the root
+    tree: TreeArrays  # [B, ...] per row: what the verify forward, acceptance and compaction read
     # [B, N, V] the distribution each node's token was drawn from; siblings must be i.i.d. draws from their
     # shared q. None = deterministic (top-k) drafts (see verify.py).
     q: jax.Array | None = None
@@ -72,8 +75,7 @@ class Drafter(Protocol):
 
     def prefill(self, params: Any, target: Target, prompt: PrefillContext, state: Any) -> Any: ...
 
-    def propose(self, params: Any, target: Target, ctx: DraftContext, tree: TreeArrays,
-                rng: jax.Array) -> Proposal: ...
+    def propose(self, params: Any, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal: ...
 
     def commit(self, params: Any, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: Any) -> tuple[Any, jax.Array]: ...
@@ -86,14 +88,6 @@ def accepted_hidden(verdict: Verdict, verify_out: Output) -> jax.Array:
     return jax.numpy.take_along_axis(verify_out.hidden, last_accepted_node(verdict)[:, None, None], axis=1)[:, 0]
 
 
-def fill_tree_from_topk(root: jax.Array, topk: jax.Array, tree: TreeArrays) -> jax.Array:
-    """Node tokens `[B, N]` for heads that draft independently: node n gets rank `topk_index[n]` of head
-    `head_index[n]` (`topk [B, K, k]`); node 0 gets the root."""
-    head = jax.numpy.maximum(jax.numpy.asarray(tree.head_index), 0)
-    tokens = topk[:, head, jax.numpy.asarray(tree.topk_index)]  # [B, N]
-    return tokens.at[:, 0].set(root)
-
-
 def accepted_tokens(proposal: Proposal, verdict: Verdict) -> jax.Array:
     """`[B, D + 1]` the tokens that follow each accepted node: the next accepted node's token, and the bonus
     after the last one (entries past `n_accepted` are the bonus too; callers mask them)."""
@@ -103,20 +97,23 @@ def accepted_tokens(proposal: Proposal, verdict: Verdict) -> jax.Array:
                            verdict.bonus[:, None])
 
 
-def check_tree_depth(tree: TreeArrays, num_heads: int, method: str) -> int:
-    """Trace-time: a static tree of depth D needs D heads (head k drafts depth k + 1). Returns D (>= 1)."""
-    depth = int(np.asarray(tree.depth).max())
+def check_tree_depth(tree: Tree, num_heads: int, method: str) -> TreeSpec:
+    """Trace-time: heads that fill a static tree need one (not a `TreeBudget`), and a tree of depth D needs D
+    heads (head k drafts depth k + 1). Returns the tree."""
+    if not isinstance(tree, TreeSpec):
+        raise TreeError(f"{method} heads fill a static tree (a preset, a JSON file of paths or a searched tree), "
+                        f"not a budget for trees built on device: got {tree}")
+    depth = tree.depth
     if depth > num_heads:
         raise TreeError(f"tree depth {depth} needs {depth} heads but these {method} heads have {num_heads=}: "
                          f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads}) or train more heads")
-    return max(depth, 1)
+    return tree
 
 
-def topk_proposal(logits: jax.Array, root: jax.Array, tree: TreeArrays) -> Proposal:
-    """Deterministic top-k drafts (`q = None`) from per-head logits `[B, K, V]`."""
-    k = int(np.asarray(tree.topk_index).max()) + 1  # widest rank any head must supply
-    topk = jax.lax.top_k(logits, k)[1].astype(jax.numpy.int32)  # [B, K, k]
-    return Proposal(fill_tree_from_topk(root, topk, tree))
+def topk_proposal(logits: jax.Array, root: jax.Array, tree: TreeSpec) -> Proposal:
+    """Deterministic top-k drafts (`q = None`) of a static tree from per-head logits `[B, K, V]`."""
+    topk = jax.lax.top_k(logits, tree.num_ranks)[1].astype(jax.numpy.int32)  # [B, K, R]
+    return Proposal(fill_tree_from_topk(root, topk, tree), batched(tree_arrays(tree), root.shape[0]))
 
 
 def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -52,7 +52,7 @@ from amphista_jax.drafters.causal_layers import block_config, layer_caches, path
 from amphista_jax.drafters.medusa import target_lm_head
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, run_stack
-from amphista_jax.trees import TreeArrays
+from amphista_jax.trees import Tree, batched, tree_arrays, tree_levels
 from amphista_jax.verify import Verdict
 
 
@@ -132,11 +132,10 @@ class Hydra:
         x = jnp.concatenate([base, embed.reshape(embed.shape[:-2] + (-1,))], axis=-1)
         return self._net(target.config).apply({"params": params}, head, x, method=_HydraNet.head)
 
-    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: TreeArrays,
-                rng: jax.Array) -> Proposal:
+    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         """Deterministic top-k drafts (`q = None`), depth by depth: each node's children are the top-k of the
         next head applied to that node's own path."""
-        check_tree_depth(tree, self.num_heads, "Hydra")
+        tree = check_tree_depth(tree, self.num_heads, "Hydra")
         net = self._net(target.config)
         embed = target.params["embed"]["embedding"]
         b, n = ctx.root.shape[0], tree.num_nodes
@@ -151,7 +150,7 @@ class Hydra:
             tokens = tokens.at[:, level.nodes].set(children)
             inputs = jnp.concatenate([inputs[:, level.parent_slot[level.expand]],
                                       embed[children[:, level.expand]].astype(jnp.float32)], axis=-1)
-        return Proposal(tokens)
+        return Proposal(tokens, batched(tree_arrays(tree), b))
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array,
                      rng: jax.Array | None = None) -> jax.Array:
@@ -185,32 +184,6 @@ class Hydra:
                 total = total + self.teacher_weight * teacher
                 metrics[f"head{k}/teacher"] = teacher
         return total, metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeLevel:
-    """The nodes of one depth of a static tree, in the layout `propose` uses (numpy, trace-time)."""
-
-    nodes: np.ndarray  # [C] node ids at this depth
-    parent_slot: np.ndarray  # [C] each node's parent among the previous level's expanded nodes
-    rank: np.ndarray  # [C] its top-k rank under that parent
-    expand: np.ndarray  # [M] indices into `nodes` of the nodes that have children (the next level's parents)
-
-
-def tree_levels(tree: TreeArrays) -> list[TreeLevel]:
-    """Depth 1 .. D of a static tree; depth 1's parent is the root (the single expanded node of depth 0)."""
-    depth, parent, valid = (np.asarray(a) for a in (tree.depth, tree.parent, tree.valid))
-    rank = np.asarray(tree.topk_index)
-    expanded = np.asarray([0])  # node ids of the previous level's nodes that have children
-    levels = []
-    for d in range(1, int(depth[valid].max(initial=0)) + 1):
-        nodes = np.flatnonzero(valid & (depth == d))
-        slot = {int(p): i for i, p in enumerate(expanded)}
-        has_children = {int(p) for p in parent[valid & (depth == d + 1)]}
-        expand = np.asarray([i for i, node in enumerate(nodes) if node in has_children], np.int64)
-        levels.append(TreeLevel(nodes, np.asarray([slot[int(parent[c])] for c in nodes]), rank[nodes], expand))
-        expanded = nodes[expand]
-    return levels
 
 
 def _pass_first(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:

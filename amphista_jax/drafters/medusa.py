@@ -24,7 +24,7 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
-from amphista_jax.trees import TreeArrays
+from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 
 
@@ -68,10 +68,9 @@ class Medusa:
     def prefill(self, params, target: Target, prompt: PrefillContext, state) -> tuple:
         return state
 
-    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: TreeArrays,
-                rng: jax.Array) -> Proposal:
-        depth = check_tree_depth(tree, self.num_heads, "Medusa")
-        return topk_proposal(self.head_logits(params, ctx.hidden, heads=depth), ctx.root, tree)
+    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
+        tree = check_tree_depth(tree, self.num_heads, "Medusa")
+        return topk_proposal(self.head_logits(params, ctx.hidden, heads=max(tree.depth, 1)), ctx.root, tree)
 
     def commit(self, params, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state) -> tuple:

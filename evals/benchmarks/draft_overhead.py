@@ -29,7 +29,7 @@ from amphista_jax.drafters import Amphista, Hydra, Medusa, Target
 from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Output
-from amphista_jax.trees import TreeSpec, get_tree, tree_arrays
+from amphista_jax.trees import TreeSpec, batched, get_tree, tree_arrays
 from amphista_jax.verify import Verdict
 from evals.benchmarks.common import median_seconds, write_report
 
@@ -55,19 +55,18 @@ def _context(drafter: Any, params: Any, target: Target, batch: int, committed: i
 
 
 def propose_ms(drafter: Any, params: Any, target: Target, ctx: DraftContext, spec: TreeSpec, runs: int) -> float:
-    arrays = tree_arrays(spec)
-    fn = jax.jit(lambda p, t, c: drafter.propose(p, t, c, arrays, jax.random.key(0)).tokens)
+    fn = jax.jit(lambda p, t, c: drafter.propose(p, t, c, spec, jax.random.key(0)).tokens)
     return median_seconds(functools.partial(fn, params, target, ctx), runs) * 1e3
 
 
 def commit_ms(drafter: Any, params: Any, target: Target, ctx: DraftContext, spec: TreeSpec, runs: int) -> float:
     """One commit of a fully accepted first path (D + 1 tokens)."""
-    arrays = tree_arrays(spec)
+    arrays = batched(tree_arrays(spec), ctx.root.shape[0])
     b, n = ctx.root.shape[0], spec.num_nodes
-    path = jnp.broadcast_to(jnp.asarray(arrays.paths[0]), (b, spec.depth + 1))
+    path = arrays.paths[:, 0]
     verdict = Verdict(path, jnp.full((b,), spec.depth + 1, jnp.int32), ctx.root)
     verify_out = Output(jax.random.normal(jax.random.key(3), (b, n, target.config.hidden_size)), None, None)
-    proposal = Proposal(jnp.broadcast_to(ctx.root[:, None], (b, n)))
+    proposal = Proposal(jnp.broadcast_to(ctx.root[:, None], (b, n)), arrays)
     fn = jax.jit(lambda p, t, s: drafter.commit(p, t, proposal, verdict, verify_out, s))
     return median_seconds(functools.partial(fn, params, target, ctx.state), runs) * 1e3
 
