@@ -19,8 +19,8 @@ from amphista_jax.errors import (
     UserError,
     check_writable_dir,
 )
-from amphista_jax.models.llama import ATTENTION_IMPLS
-from amphista_jax.verify import ACCEPTANCE_RULES
+from amphista_jax.models.attention import AttentionBackend
+from amphista_jax.verify import AcceptanceRule
 
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")
 
@@ -336,9 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
     g.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
                    "preset name or a JSON file of top-k paths")
-    g.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default=None,
+    g.add_argument("--acceptance", choices=[r.value for r in AcceptanceRule], default=None,
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
-    g.add_argument("--attention", choices=ATTENTION_IMPLS, default="xla",
+    g.add_argument("--attention", choices=[b.value for b in AttentionBackend], default="xla",
                    help="cached attention: dense XLA, or the Pallas tree-attention kernel (interpreted on CPU)")
     g.add_argument("--show-drafts", action="store_true", help="colour the tokens that came from the draft heads")
     g.set_defaults(func=_generate)

@@ -22,10 +22,11 @@ import numpy as np
 from flax import struct
 
 from amphista_jax.cache import KVCache, compact
-from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal, Target, accepted_tokens
+from amphista_jax.drafters.base import DraftContext, Extras, PrefillContext, Proposal, Target, accepted_tokens
 from amphista_jax.errors import UserError
+from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, Transformer, new_cache
+from amphista_jax.models.llama import Output, PrefixKV, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
 from amphista_jax.trees import Tree, tree_statistics
 from amphista_jax.verify import AcceptanceConfig, verify
@@ -99,33 +100,57 @@ def check_fits(prompt_lengths: np.ndarray, max_new_tokens: int, cache_size: int,
             "--max-len")
 
 
-def prefill(
-    model: Transformer, params: dict, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache
-) -> tuple[Output, KVCache, jax.Array, jax.Array]:
-    """Run the padded prompts `[B, T]` through the model; commit each row's own length.
+def forward(model: Transformer, params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+            new_mask: jax.Array, extras: Extras | None, return_logits: bool = True) -> Output:
+    """The target over `tokens [B, T]` at `positions [B, T]` with visibility `new_mask [B, T, T]` among them, plus
+    a drafter's `extras` after them: the output's hidden states (and logits) are `[B, T + E, ...]`, the new
+    tokens' first. The tokens never see the extras; the extras see the committed prefix, `extras.sees_new`,
+    `extras.sees_extras` and their own prefix keys/values."""
+    if extras is None:
+        return model.apply({"params": params}, tokens, positions, cache, new_mask, return_logits)
+    b, t = tokens.shape
+    e = extras.count
+    mask = jnp.concatenate([jnp.concatenate([new_mask, jnp.zeros((b, t, e), bool)], 2),
+                            jnp.concatenate([extras.sees_new, extras.sees_extras], 2)], 1)  # [B, T + E, T + E]
+    prefix = None
+    if extras.prefix_k is not None:
+        visible = jnp.broadcast_to((jnp.arange(t + e) >= t)[None, :, None], (b, t + e, extras.prefix_k.shape[2]))
+        prefix = PrefixKV(extras.prefix_k, extras.prefix_v, visible)
+    return model.apply({"params": params}, tokens, jnp.concatenate([positions, extras.positions], 1), cache, mask,
+                       return_logits, extras.embeds, prefix)
 
-    Returns (output over all prompt slots, committed cache, hidden state `[B, D]` and fp32 logits `[B, V]`
-    at each row's last prompt token).
+
+def prefill(
+    model: Transformer, params: dict, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache,
+    extras: Extras | None = None,
+) -> tuple[Output, KVCache, jax.Array, jax.Array]:
+    """Run the padded prompts `[B, T]` (and a drafter's prefill `extras`) through the model; commit each
+    row's own length.
+
+    Returns (output over all prompt slots, then the extras', committed cache, hidden state `[B, D]` and fp32
+    logits `[B, V]` at each row's last prompt token).
     """
     b, t = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = model.apply({"params": params}, prompt, positions, cache, return_logits=False)
+    out = forward(model, params, prompt, positions, cache, causal_mask(b, t), extras, return_logits=False)
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = model.apply({"params": params}, last_hidden, method=Transformer.logits)
     cache = out.cache.replace(lengths=prompt_lengths.astype(jnp.int32))
     return out, cache, last_hidden, logits
 
 
-def _check_static_fit(prompt_len: int, max_new_tokens: int, tree_nodes: int, cache_size: int) -> None:
+def _check_static_fit(prompt_len: int, max_new_tokens: int, scratch: int, cache_size: int) -> None:
     """Trace-time guard: every cache write must land inside the cache (XLA would otherwise clamp the write
-    onto committed slots). Sized on the padded prompt length, which bounds every row's length."""
+    onto committed slots). Sized on the padded prompt length, which bounds every row's length; `scratch`:
+    the slots a verify forward writes past the committed ones (tree nodes and extras)."""
     if max_new_tokens < 1:
         raise ValueError(f"{max_new_tokens=} must be >= 1")
-    need = prompt_len + max_new_tokens + tree_nodes
+    need = prompt_len + max_new_tokens + scratch
     if need > cache_size:
         raise PromptTooLongError(
-            f"padded prompt length {prompt_len} + max_new_tokens={max_new_tokens} + {tree_nodes} tree nodes = {need} "
-            f"cache slots, but {cache_size=}: raise the cache size (--max-len) or lower --max-new-tokens")
+            f"padded prompt length {prompt_len} + max_new_tokens={max_new_tokens} + {scratch} scratch slots (tree "
+            f"nodes and extras) = {need} cache slots, but {cache_size=}: raise the cache size (--max-len) or lower "
+            "--max-new-tokens")
 
 
 def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -238,14 +263,23 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
     the target."""
     st = settings
     b, t = prompt.shape
-    _check_static_fit(t, st.max_new_tokens, st.tree.num_nodes, cache_size)
     dtype = jax.tree.leaves(params)[0].dtype
+    frozen = Target(st.config, params)
+    extras_fn = getattr(st.drafter, "prefill_extras", None)  # optional in the contract
+    extras = None if extras_fn is None else extras_fn(draft_params, frozen, prompt, prompt_lengths)
+    if extras is not None and t + extras.count > cache_size:
+        raise PromptTooLongError(f"padded prompt length {t} + {extras.count} prefill extras > {cache_size=}: raise "
+                                 "the cache size (--max-len)")
     out, cache, hidden, logits = prefill(st.model(), params, prompt, prompt_lengths,
-                                         new_cache(st.config, b, cache_size, dtype))
+                                         new_cache(st.config, b, cache_size, dtype), extras)
     first = select_token(logits, jax.random.fold_in(rng, 0), st.sampling)
-    draft_state = st.drafter.prefill(draft_params, Target(st.config, params),
-                                     PrefillContext(out, prompt, prompt_lengths, first),
+    draft_state = st.drafter.prefill(draft_params, frozen, PrefillContext(out, prompt, prompt_lengths, first),
                                      st.drafter.init_state(st.config, b, cache_size))
+    # The verify forward writes N + E scratch slots after the committed ones (E: the proposal's extras).
+    ctx = DraftContext(hidden, first, cache.lengths, draft_state)
+    shape = jax.eval_shape(lambda: st.drafter.propose(draft_params, frozen, ctx, st.tree, rng))
+    _check_static_fit(t, st.max_new_tokens, st.tree.num_nodes + (shape.extras.count if shape.extras else 0),
+                      cache_size)
     stats = jnp.zeros((b, st.stat_shape[0] * st.stat_shape[1]), jnp.int32)
     return SpecState(
         cache=cache, draft_state=draft_state, root=first, hidden=hidden,
@@ -285,11 +319,11 @@ def spec_step(params: dict, draft_params: Any, s: SpecState, settings: SpecSetti
     ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)
     proposal = st.drafter.propose(draft_params, frozen, ctx, st.tree, jax.random.fold_in(key, 0))
     _check_proposal(proposal, st.tree, s.root.shape[0])
-    tree = proposal.tree
+    tree, n = proposal.tree, st.tree.num_nodes
     positions = s.cache.lengths[:, None] + tree.depth
-    verified = st.model().apply({"params": params}, proposal.tokens, positions, s.cache, tree.mask)
-    verdict = verify(proposal.tokens, verified.logits, tree, st.sampling, st.acceptance, jax.random.fold_in(key, 1),
-                     proposal.q)
+    verified = forward(st.model(), params, proposal.tokens, positions, s.cache, tree.mask, proposal.extras)
+    verdict = verify(proposal.tokens, verified.logits[:, :n], tree, st.sampling, st.acceptance,
+                     jax.random.fold_in(key, 1), proposal.q)
     n_acc = jnp.where(s.done, 0, verdict.n_accepted)
     verdict = verdict.replace(n_accepted=jnp.maximum(n_acc, 1))
     cache = compact(verified.cache, verdict.accepted_nodes, n_acc)

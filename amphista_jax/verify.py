@@ -25,6 +25,7 @@ target at the last accepted node.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -34,25 +35,33 @@ from amphista_jax.errors import UsageError
 from amphista_jax.sampling import SamplingConfig, warp_logits
 from amphista_jax.trees import TreeArrays, children
 
-ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
+
+class AcceptanceRule(enum.StrEnum):
+    GREEDY = "greedy"
+    TYPICAL = "typical"
+    REJECTION = "rejection"
 
 
 @dataclasses.dataclass(frozen=True)
 class AcceptanceConfig:
-    """How to accept draft tokens. `rule=None` picks greedy at temperature 0 and rejection otherwise."""
+    """How to accept draft tokens. `rule=None` picks greedy at temperature 0 and rejection otherwise; a
+    rule's name is accepted in place of the enum."""
 
-    rule: str | None = None
+    rule: AcceptanceRule | None = None
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
 
     def __post_init__(self) -> None:
-        if self.rule is not None and self.rule not in ACCEPTANCE_RULES:
-            raise UsageError(f"acceptance rule {self.rule!r} is not one of {', '.join(ACCEPTANCE_RULES)}")
+        if self.rule is not None:
+            try:
+                object.__setattr__(self, "rule", AcceptanceRule(self.rule))
+            except ValueError:
+                raise UsageError(f"acceptance rule {self.rule!r} is not one of {', '.join(AcceptanceRule)}") from None
 
-    def resolve(self, sampling: SamplingConfig) -> str:
+    def resolve(self, sampling: SamplingConfig) -> AcceptanceRule:
         if self.rule is None:
-            return "greedy" if sampling.greedy else "rejection"
-        if self.rule == "greedy" and not sampling.greedy:
+            return AcceptanceRule.GREEDY if sampling.greedy else AcceptanceRule.REJECTION
+        if self.rule == AcceptanceRule.GREEDY and not sampling.greedy:
             raise UsageError("greedy acceptance needs temperature 0; use 'rejection' (lossless) or 'typical'")
         return self.rule
 
@@ -151,8 +160,8 @@ def verify(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sampling: Sam
            acceptance: AcceptanceConfig, rng: jax.Array, q: jax.Array | None = None) -> Verdict:
     """Apply the acceptance rule that `acceptance` resolves to for `sampling`."""
     rule = acceptance.resolve(sampling)
-    if rule == "greedy":
+    if rule == AcceptanceRule.GREEDY:
         return verify_greedy(tokens, logits, tree)
-    if rule == "typical":
+    if rule == AcceptanceRule.TYPICAL:
         return verify_typical(tokens, logits, tree, sampling, acceptance, rng)
     return verify_rejection(tokens, logits, tree, sampling, rng, q)

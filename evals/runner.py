@@ -32,8 +32,8 @@ from amphista_jax.decode import check_fits, pad_prompts
 from amphista_jax.drafters import Target
 from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
+from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.hf import DTYPES, load_config, load_params
-from amphista_jax.models.llama import ATTENTION_IMPLS
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
 from amphista_jax.verify import AcceptanceConfig
@@ -76,8 +76,7 @@ class EvalConfig:
             raise ValueError("methods is empty: give at least `ar`")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention {self.attention!r} must be one of {', '.join(ATTENTION_IMPLS)}")
+        AttentionBackend.parse(self.attention)
         if self.heldout_batches < 0:
             raise ValueError(f"heldout_batches={self.heldout_batches} must be >= 0 (0 = skip per-head accuracy)")
         AcceptanceConfig(self.acceptance).resolve(SamplingConfig(self.temperature, self.top_k, self.top_p))

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from amphista_jax.decode import SpecSettings, generate, pad_prompts, spec_init, spec_step, speculative_generate
-from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
+from amphista_jax.drafters.base import DraftContext, Extras, Proposal, Target, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.models.llama import PrefixKV, Transformer, init_params
 from amphista_jax.sampling import SamplingConfig, warp_logits
 from amphista_jax.trees import (
     TreeBudget,
@@ -360,3 +360,113 @@ def test_joint_of_the_first_three_tokens_on_random_per_row_trees(draft, sampling
         sel = after_rejection & (seqs[:, 0] == t1)
         if sel.sum() >= 200:
             assert chi_square(np.bincount(seqs[sel, 1], minlength=VOCAB), probs[1][t1]) < chi2_999(VOCAB - 1)
+
+
+# Verify-time extras -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyExtras(ChainOracle):
+    """A chain oracle whose proposal adds one extra query per tree node: the node's own token embedding at the
+    node's position, seeing the node's strict ancestors and itself (so its hidden state must equal the node's),
+    plus, with `prefix > 0`, random per-layer prefix keys/values. Its prefill adds two extras that see the
+    whole prompt. `commit` and `prefill` keep the extras' hidden states in the state."""
+
+    prefix: int = 0
+
+    def init_state(self, target_config, batch, cache_size):
+        return {"verify": jnp.zeros((batch, 5, target_config.hidden_size)),
+                "prefill": jnp.zeros((batch, 2, target_config.hidden_size))}
+
+    def _prefix(self, target, batch):
+        c = target.config
+        shape = (c.num_layers, batch, self.prefix, c.num_kv_heads, c.head_dim)
+        k1, k2 = jax.random.split(jax.random.key(5))
+        return jax.random.normal(k1, shape), jax.random.normal(k2, shape)
+
+    def prefill_extras(self, params, target, prompt, lengths):
+        b, t = prompt.shape
+        return Extras(target.embed(jnp.stack([prompt[:, 0], prompt[:, 1]], 1)), lengths[:, None] + jnp.arange(2),
+                      jnp.broadcast_to(jnp.arange(t)[None, None] < lengths[:, None, None], (b, 2, t)),
+                      jnp.broadcast_to(jnp.tril(jnp.ones((2, 2), bool)), (b, 2, 2)))
+
+    def prefill(self, params, target, prompt, state):
+        return state | {"prefill": prompt.out.hidden[:, -2:]}
+
+    def propose(self, params, target, ctx, tree, rng):
+        proposal = super().propose(params, target, ctx, tree, rng)
+        b, n = proposal.tokens.shape
+        pk, pv = self._prefix(target, b) if self.prefix else (None, None)
+        eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), (b, n, n))
+        extras = Extras(target.embed(proposal.tokens), ctx.lengths[:, None] + proposal.tree.depth,
+                        proposal.tree.mask & ~eye, eye, pk, pv)
+        return proposal.replace(extras=extras)
+
+    def commit(self, params, target, proposal, verdict, verify_out, state):
+        n = proposal.tokens.shape[1]
+        assert verify_out.hidden.shape[1] == n + proposal.extras.count
+        return state | {"verify": verify_out.hidden[:, n:]}, accepted_hidden(verdict, verify_out)
+
+
+@pytest.mark.parametrize("prefix", [0, 3])
+@pytest.mark.parametrize("wrong", [0, 1])
+def test_extras_change_nothing_the_target_commits(target, reference, prefix, wrong):
+    ar, ref = reference
+    tokens, lengths = pad_prompts(PROMPTS)
+    out = speculative_generate(target, ref, tokens, lengths, jax.random.key(0), config=CONFIG,
+                               drafter=CopyExtras(wrong=wrong, prefix=prefix), tree=chain(4), max_new_tokens=NEW,
+                               cache_size=96)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+    assert int(out.steps) == (-(-(NEW - 1) // 5) if wrong == 0 else NEW - 1)
+
+
+def _direct(target, tokens, positions, mask, embeds, prefix_kv):
+    """An uncached forward of one row over `tokens` then `embeds` with an explicit full visibility mask."""
+    t = tokens.shape[1]
+    prefix = None
+    if prefix_kv is not None:
+        rows = (jnp.arange(mask.shape[1]) >= t)[None, :, None]  # only the extras see the prefix
+        visible = jnp.broadcast_to(rows, mask.shape[:2] + (prefix_kv[0].shape[2],))
+        prefix = PrefixKV(prefix_kv[0], prefix_kv[1], visible)
+    return Transformer(CONFIG).apply({"params": target}, tokens, positions, None, mask, False, embeds, prefix).hidden
+
+
+@pytest.mark.parametrize("prefix", [0, 3])
+def test_extras_hidden_states_reach_commit_equal_to_a_direct_forward(target, reference, prefix):
+    _, ref = reference
+    drafter = CopyExtras(wrong=1, prefix=prefix)
+    settings = SpecSettings(CONFIG, drafter, chain(4), NEW)
+    tokens, lengths = pad_prompts(PROMPTS)
+    s = spec_init(target, ref, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), 96, settings)
+    ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)
+    proposal = drafter.propose(ref, Target(CONFIG, target), ctx, settings.tree, jax.random.key(0))
+    after = jax.jit(spec_step, static_argnums=3)(target, ref, s, settings)
+    n = settings.tree.num_nodes
+    for b, length in enumerate(lengths.tolist()):
+        e = proposal.extras
+        full = length + n + n
+        mask = np.zeros((full, full), bool)
+        mask[:length, :length] = np.tril(np.ones((length, length), bool))
+        mask[length:, :length] = True  # tree nodes and extras see the committed prompt
+        mask[length: length + n, length: length + n] = np.asarray(proposal.tree.mask[b])
+        mask[length + n:, length: length + n] = np.asarray(e.sees_new[b])
+        mask[length + n:, length + n:] = np.asarray(e.sees_extras[b])
+        positions = jnp.concatenate([jnp.arange(length), length + proposal.tree.depth[b], e.positions[b]])[None]
+        row_tokens = jnp.concatenate([jnp.asarray(tokens[b, :length]), proposal.tokens[b]])[None]
+        prefix_kv = None if e.prefix_k is None else (e.prefix_k[:, b: b + 1], e.prefix_v[:, b: b + 1])
+        want = _direct(target, row_tokens, positions, jnp.asarray(mask)[None], e.embeds[b: b + 1], prefix_kv)
+        np.testing.assert_allclose(np.asarray(after.draft_state["verify"][b]), np.asarray(want[0, length + n:]),
+                                   atol=2e-5)
+        if not prefix:  # each extra copies its node: same input, position and visibility
+            inner = jnp.asarray(mask)[None, : length + n, : length + n]
+            nodes = _direct(target, row_tokens, positions[:, : length + n], inner, None, None)
+            np.testing.assert_allclose(np.asarray(after.draft_state["verify"][b]), np.asarray(nodes[0, length:]),
+                                       atol=2e-5)
+    # The prefill's two extras saw the whole prompt: a direct forward of prompt + extras agrees.
+    for b, length in enumerate(lengths.tolist()):
+        mask = np.tril(np.ones((length + 2, length + 2), bool))
+        positions = jnp.arange(length + 2)[None]
+        embeds = Target(CONFIG, target).embed(jnp.asarray(tokens[b: b + 1, :2]))
+        want = _direct(target, jnp.asarray(tokens[b: b + 1, :length]), positions, jnp.asarray(mask)[None], embeds,
+                       None)
+        np.testing.assert_allclose(np.asarray(s.draft_state["prefill"][b]), np.asarray(want[0, length:]), atol=2e-5)

@@ -6,5 +6,8 @@ from amphista_jax.drafters.hydra import Hydra
 from amphista_jax.drafters.medusa import Medusa
 
 DRAFTERS: dict[str, type] = {"amphista": Amphista, "hydra": Hydra, "medusa": Medusa}
+# Each method's default settings, and the named variants that are settings of a method (Hydra++).
+VARIANTS: dict[str, Drafter] = {"medusa": Medusa(), "amphista": Amphista(), "hydra": Hydra(),
+                                "hydra++": Hydra.plus_plus()}
 
-__all__ = ["DRAFTERS", "Amphista", "DraftContext", "Drafter", "Hydra", "Medusa", "Proposal", "Target"]
+__all__ = ["DRAFTERS", "VARIANTS", "Amphista", "DraftContext", "Drafter", "Hydra", "Medusa", "Proposal", "Target"]

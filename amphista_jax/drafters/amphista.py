@@ -44,12 +44,10 @@ from amphista_jax.drafters.base import (
     accepted_hidden,
     accepted_tokens,
     check_tree_depth,
-    head_metrics,
-    teacher_ce,
+    head_losses,
     topk_proposal,
 )
 from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
-from amphista_jax.drafters.medusa import target_lm_head
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, decoder_stack, run_stack
 from amphista_jax.trees import Tree
@@ -95,7 +93,7 @@ class Amphista:
         d, v = target.config.hidden_size, target.config.vocab_size
         zeros = jnp.zeros((1, 1, d), jnp.float32)
         params = nn.unbox(self._net(target.config).init(rng, zeros, zeros, jnp.zeros((1, 1), jnp.int32))["params"])
-        lm_head = target_lm_head(target.params).astype(jnp.float32)  # [D, V]
+        lm_head = target.lm_head()  # [D, V]
         k = self.num_heads
         if self.lm_head_rank:
             u, s, vt = jnp.linalg.svd(lm_head, full_matrices=False)
@@ -118,7 +116,7 @@ class Amphista:
         the first `count [B]` and keep the adapted states of pair `count - 1` for the next proposal."""
         if not self.staged_adaptation:
             return {"adapted": at_last(hidden[:, :, None], count)}
-        embed = target.params["embed"]["embedding"][next_tokens].astype(jnp.float32)
+        embed = target.embed(next_tokens)
 
         def run(positions: jax.Array, caches: tuple[KVCache, ...]) -> tuple[jax.Array, tuple[KVCache, ...]]:
             return self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32), embed, positions,
@@ -152,25 +150,16 @@ class Amphista:
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
         """Training-time drafts over whole sequences: `tokens [B, T]`, target hidden `[B, T, D]` ->
         `[B, T, K, V]` (pair t uses the true token t + 1: teacher forcing; the last position's is a pad)."""
-        embed = target.params["embed"]["embedding"][jnp.roll(tokens, -1, axis=1)].astype(jnp.float32)
+        embed = target.embed(jnp.roll(tokens, -1, axis=1))
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         return self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32), embed, positions)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Eq. 7-9 summed over heads. batch: `tokens [B, T]`, `loss_mask [B, T]`; `target_out` needs logits."""
-        tokens, mask = batch["tokens"], batch["loss_mask"].astype(jnp.float32)
-        logits = self.draft_logits(params, target, tokens, target_out.hidden)  # [B, T, K, V]
-        t = tokens.shape[1]
-        total, metrics = 0.0, {}
-        for k in range(self.num_heads):
-            shift = k + 2  # head k at position t drafts token t + 2 + k; the target predicts it at t + 1 + k
-            lk, m = logits[:, : t - shift, k], mask[:, shift:]
-            lm, head = head_metrics(lk, tokens[:, shift:], m)
-            align = teacher_ce(lk, target_out.logits[:, shift - 1: t - 1], m)
-            total = total + self.lambda_alignment * align + self.lambda_lm * lm
-            metrics |= {f"head{k}/{name}": v for name, v in head.items()} | {f"head{k}/alignment": align}
-        return total, metrics
+        logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden)  # [B, T, K, V]
+        return head_losses(logits, batch, [self.lambda_lm] * self.num_heads, target_out.logits,
+                           self.lambda_alignment, teacher_name="alignment")
 
 
 class _AmphistaNet(nn.Module):

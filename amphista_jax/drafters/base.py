@@ -6,16 +6,19 @@ frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
 
 * `init(rng, target) -> params`
 * `init_state(target_config, batch, cache_size) -> state`: the method's own caches (zeros) or `()`.
+* optional `prefill_extras(params, target, prompt [B, T], lengths [B]) -> Extras | None`: extra queries
+  that ride along the target's prefill forward (a method without it adds none).
 * `prefill(params, target, prompt: PrefillContext, state) -> state`: run the method's own layers
   over the prompt (Amphista's staged adaptation layers fill their caches here).
 * `propose(params, target, ctx, tree, rng) -> Proposal`: the tree's `N` node tokens and the tree itself as
   per-row device data (`TreeArrays [B, ...]`). `tree` is the static `TreeSpec` (a preset, JSON or searched
   tree: the drafter fills it) or a `TreeBudget` (a drafter that grows its own tree every step stays inside
-  it); both are static under `jax.jit`.
+  it); both are static under `jax.jit`. The proposal may carry `extras`: extra queries for the verify forward.
 * `commit(params, target, proposal, verdict, verify_out, state) -> (state, next_hidden)`: catch the
   method's caches up with the accepted tokens (the path `verdict.accepted_nodes` of `proposal.tokens`, then
-  `verdict.bonus`) and choose the hidden state `[B, D]` the next proposal starts from (usually the
-  target's at the last accepted node: `accepted_hidden`).
+  `verdict.bonus`; `verify_out.hidden [B, N + E, D]` holds the tree's nodes, then the extras') and choose
+  the hidden state `[B, D]` the next proposal starts from (usually the target's at the last accepted node:
+  `accepted_hidden`).
 * `loss(params, target, batch, target_out) -> (loss, metrics)`: the training objective. `batch` holds
   `tokens [B, T]` and `loss_mask [B, T]`; in a train step (never in evaluation) also `rng`, a key for
   training-time randomness (Hydra's embedding noise).
@@ -23,6 +26,7 @@ frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
@@ -30,17 +34,26 @@ import optax
 from flax import struct
 
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output
+from amphista_jax.models.llama import Output, input_embeddings, output_projection
 from amphista_jax.trees import Tree, TreeArrays, TreeError, TreeSpec, batched, fill_tree_from_topk, tree_arrays
 from amphista_jax.verify import Verdict, last_accepted_node
 
 
 @struct.dataclass
 class Target:
-    """The frozen target model a drafter works on: its (static) config and its params."""
+    """The frozen target model a drafter works on: its (static) config and its params. Drafters reach the
+    model only through these methods, never by indexing `params`."""
 
     config: ModelConfig = struct.field(pytree_node=False)
     params: dict
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """fp32 input embeddings `[..., D]` of `tokens [...]`."""
+        return input_embeddings(self.params, tokens).astype(jax.numpy.float32)
+
+    def lm_head(self) -> jax.Array:
+        """The fp32 `[D, V]` vocabulary projection (tied embeddings: the embedding transposed)."""
+        return output_projection(self.params).astype(jax.numpy.float32)
 
 
 @struct.dataclass
@@ -52,8 +65,30 @@ class DraftContext:
 
 
 @struct.dataclass
+class Extras:
+    """Extra queries a drafter adds to a target forward (BiTA's mask tokens), given as input embeddings.
+
+    They see the committed prefix, the forward's new tokens they are given (`sees_new`: the tree's nodes at
+    verification, the prompt's slots at prefill) and each other (`sees_extras`), plus optional per-layer
+    prefix keys/values that nothing else sees. The new tokens never see them, and their keys/values are never
+    committed to the cache. Their hidden states follow the new tokens' in the forward's output.
+    """
+
+    embeds: jax.Array  # [B, E, D]
+    positions: jax.Array  # [B, E]
+    sees_new: jax.Array  # [B, E, T] bool
+    sees_extras: jax.Array  # [B, E, E] bool
+    prefix_k: jax.Array | None = None  # [L, B, Pk, KVH, Dh]
+    prefix_v: jax.Array | None = None  # [L, B, Pk, KVH, Dh]
+
+    @property
+    def count(self) -> int:
+        return self.embeds.shape[1]
+
+
+@struct.dataclass
 class PrefillContext:
-    out: Output  # the target over the padded prompt slots: hidden [B, T, D]
+    out: Output  # the target over the padded prompt slots [B, T, D], then the prefill extras' [B, E, D] if any
     prompt: jax.Array  # [B, T] right-padded prompt tokens
     lengths: jax.Array  # [B] prompt lengths
     root: jax.Array  # [B] the target's first generated token (at position `lengths`)
@@ -66,6 +101,7 @@ class Proposal:
     # [B, N, V] the distribution each node's token was drawn from; siblings must be i.i.d. draws from their
     # shared q. None = deterministic (top-k) drafts (see verify.py).
     q: jax.Array | None = None
+    extras: Extras | None = None  # extra queries for the verify forward (seen by no tree node, never committed)
 
 
 class Drafter(Protocol):
@@ -126,6 +162,29 @@ def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> tuple
     loss = (ce * mask).sum() / denom
     return loss, {"loss": loss, "top1": ((rank == 0) * mask).sum() / denom,
                   "top5": ((rank < 5) * mask).sum() / denom}
+
+
+def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], teacher_logits: jax.Array | None = None,
+                teacher_weight: float = 0.0, teacher_name: str = "teacher") -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The draft-head objective every head method shares: head k (0-based) at position t drafts token
+    t + 2 + k, which the target predicts at t + 1 + k. `logits [B, T, K, V]`; `batch` holds `tokens` and
+    `loss_mask [B, T]`. Returns the sum over heads of `lm_weights[k] * CE(truth)` (+ `teacher_weight *
+    CE(softmax(teacher_logits))` when the target's `teacher_logits [B, T, V]` are given) and per-head
+    metrics: `head{k}/loss`, `top1`, `top5` and `head{k}/<teacher_name>`."""
+    tokens, mask = batch["tokens"], batch["loss_mask"].astype(jax.numpy.float32)
+    t = tokens.shape[1]
+    total, metrics = 0.0, {}
+    for k in range(logits.shape[2]):
+        shift = k + 2
+        lk, m = logits[:, : t - shift, k], mask[:, shift:]
+        lm, head = head_metrics(lk, tokens[:, shift:], m)
+        total = total + lm_weights[k] * lm
+        metrics |= {f"head{k}/{name}": v for name, v in head.items()}
+        if teacher_logits is not None:
+            teacher = teacher_ce(lk, teacher_logits[:, shift - 1: t - 1], m)
+            total = total + teacher_weight * teacher
+            metrics[f"head{k}/{teacher_name}"] = teacher
+    return total, metrics
 
 
 def teacher_ce(logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array) -> jax.Array:

@@ -45,11 +45,9 @@ from amphista_jax.drafters.base import (
     Target,
     accepted_hidden,
     check_tree_depth,
-    head_metrics,
-    teacher_ce,
+    head_losses,
 )
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
-from amphista_jax.drafters.medusa import target_lm_head
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, run_stack
 from amphista_jax.trees import Tree, batched, tree_arrays, tree_levels
@@ -87,7 +85,7 @@ class Hydra:
         d, k = target.config.hidden_size, self.num_heads
         params = nn.unbox(self._net(target.config).init(
             rng, jnp.zeros((1, 1, d)), jnp.zeros((1, 1, k, d)), jnp.zeros((1, 1), jnp.int32))["params"])
-        lm_head = target_lm_head(target.params).astype(jnp.float32)  # [D, V]
+        lm_head = target.lm_head()  # [D, V]
         return params | {"lm_head": jnp.broadcast_to(lm_head, (k,) + lm_head.shape).copy()}
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict | tuple:
@@ -127,7 +125,7 @@ class Hydra:
     def head_logits(self, params: dict, target: Target, head: int, base: jax.Array, path: jax.Array) -> jax.Array:
         """Head `head` (0-based) on base states `[..., D]` (broadcast) and path tokens `[..., head + 1]` (the
         root first) -> fp32 logits `[..., V]` for the next token."""
-        embed = target.params["embed"]["embedding"][path].astype(jnp.float32)  # [..., head + 1, D]
+        embed = target.embed(path)  # [..., head + 1, D]
         base = jnp.broadcast_to(base.astype(jnp.float32), embed.shape[:-2] + base.shape[-1:])
         x = jnp.concatenate([base, embed.reshape(embed.shape[:-2] + (-1,))], axis=-1)
         return self._net(target.config).apply({"params": params}, head, x, method=_HydraNet.head)
@@ -137,19 +135,18 @@ class Hydra:
         next head applied to that node's own path."""
         tree = check_tree_depth(tree, self.num_heads, "Hydra")
         net = self._net(target.config)
-        embed = target.params["embed"]["embedding"]
         b, n = ctx.root.shape[0], tree.num_nodes
         tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(ctx.root)
         # Head inputs of the nodes that have children, depth by depth: [B, M, (depth + 2) D].
         inputs = jnp.concatenate([self.base_state(ctx).astype(jnp.float32),
-                                  embed[ctx.root].astype(jnp.float32)], axis=-1)[:, None]
+                                  target.embed(ctx.root)], axis=-1)[:, None]
         for depth, level in enumerate(tree_levels(tree)):
             logits = net.apply({"params": params}, depth, inputs, method=_HydraNet.head)  # [B, M, V]
             top = jax.lax.top_k(logits, int(level.rank.max()) + 1)[1].astype(jnp.int32)  # [B, M, k]
             children = top[:, level.parent_slot, level.rank]  # [B, C]
             tokens = tokens.at[:, level.nodes].set(children)
             inputs = jnp.concatenate([inputs[:, level.parent_slot[level.expand]],
-                                      embed[children[:, level.expand]].astype(jnp.float32)], axis=-1)
+                                      target.embed(children[:, level.expand])], axis=-1)
         return Proposal(tokens, batched(tree_arrays(tree), b))
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array,
@@ -157,7 +154,7 @@ class Hydra:
         """Training-time drafts over whole sequences, teacher-forced: `tokens [B, T]`, target hidden
         `[B, T, D]` -> `[B, T, K, V]` (head k at t reads tokens t + 1 .. t + 1 + k; past the end they wrap
         around and the loss masks them). `rng` adds the embedding noise when `alpha_noise > 0`."""
-        embed = target.params["embed"]["embedding"][tokens].astype(jnp.float32)  # [B, T, D]
+        embed = target.embed(tokens)  # [B, T, D]
         b, t, d = embed.shape
         if rng is not None and self.alpha_noise > 0:
             embed = embed + jax.random.uniform(rng, embed.shape, minval=-1.0, maxval=1.0) * (
@@ -169,21 +166,9 @@ class Hydra:
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Per head, `lm_weight * CE(truth) + teacher_weight * CE(softmax(target))`, summed over heads (the
         reference trainer's sum, no per-head decay). `target_out` needs logits for the teacher term."""
-        tokens, mask = batch["tokens"], batch["loss_mask"].astype(jnp.float32)
-        logits = self.draft_logits(params, target, tokens, target_out.hidden, batch.get("rng"))  # [B, T, K, V]
-        t = tokens.shape[1]
-        total, metrics = 0.0, {}
-        for k in range(self.num_heads):
-            shift = k + 2  # head k at t drafts token t + 2 + k; the target predicts it at t + 1 + k
-            lk, m = logits[:, : t - shift, k], mask[:, shift:]
-            lm, head = head_metrics(lk, tokens[:, shift:], m)
-            total = total + self.lm_weight * lm
-            metrics |= {f"head{k}/{name}": v for name, v in head.items()}
-            if self.teacher_weight:
-                teacher = teacher_ce(lk, target_out.logits[:, shift - 1: t - 1], m)
-                total = total + self.teacher_weight * teacher
-                metrics[f"head{k}/teacher"] = teacher
-        return total, metrics
+        logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden, batch.get("rng"))  # [B,T,K,V]
+        return head_losses(logits, batch, [self.lm_weight] * self.num_heads,
+                           target_out.logits if self.teacher_weight else None, self.teacher_weight)
 
 
 def _pass_first(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:

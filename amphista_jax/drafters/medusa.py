@@ -19,20 +19,13 @@ from amphista_jax.drafters.base import (
     Target,
     accepted_hidden,
     check_tree_depth,
-    head_metrics,
+    head_losses,
     topk_proposal,
 )
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
 from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
-
-
-def target_lm_head(target_params: dict) -> jax.Array:
-    """The target's `[D, V]` output projection (the transposed embedding when tied)."""
-    if "lm_head" in target_params:
-        return target_params["lm_head"]["kernel"]
-    return target_params["embed"]["embedding"].T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +37,7 @@ class Medusa:
     def init(self, rng: jax.Array, target: Target) -> dict:
         d = target.config.hidden_size
         k, n = self.num_heads, self.num_layers
-        lm_head = target_lm_head(target.params).astype(jnp.float32)
+        lm_head = target.lm_head()
         return {
             "w": jnp.zeros((k, n, d, d), jnp.float32),
             "b": jnp.zeros((k, n, d), jnp.float32),
@@ -81,13 +74,5 @@ class Medusa:
 
         batch: `tokens [B, T]`, `loss_mask [B, T]` (1 where a token is a training target).
         """
-        tokens, mask = batch["tokens"], batch["loss_mask"].astype(jnp.float32)
         logits = self.head_logits(params, target_out.hidden)  # [B, T, K, V]
-        total, metrics = 0.0, {}
-        t = tokens.shape[1]
-        for k in range(self.num_heads):
-            shift = k + 2  # head k at position t predicts the token at t + 2 + k
-            ce, head = head_metrics(logits[:, : t - shift, k], tokens[:, shift:], mask[:, shift:])
-            total = total + self.loss_decay**k * ce
-            metrics |= {f"head{k}/{name}": v for name, v in head.items()}
-        return total, metrics
+        return head_losses(logits, batch, [self.loss_decay**k for k in range(self.num_heads)])

@@ -1,9 +1,28 @@
-"""Attention masks (pure functions of positions and lengths) and the dense XLA attention path."""
+"""Attention masks (pure functions of positions and lengths), the dense XLA attention path, and the choice of
+backend for cached forwards."""
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
+
+from amphista_jax.errors import UsageError
+
+
+class AttentionBackend(enum.StrEnum):
+    """How cached forwards (decode, verify) attend; training always uses the dense path."""
+
+    XLA = "xla"  # dense masked attention (`dot_product_attention`)
+    PALLAS = "pallas"  # the tree-attention kernel (`pallas_kernels/tree_attention.py`; interpreted on CPU)
+
+    @classmethod
+    def parse(cls, name: str) -> AttentionBackend:
+        try:
+            return cls(name)
+        except ValueError:
+            raise UsageError(f"attention {name!r} must be one of {', '.join(cls)}") from None
 
 
 def causal_mask(batch: int, t: int) -> jax.Array:

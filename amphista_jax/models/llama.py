@@ -9,6 +9,10 @@ One forward serves prefill, single-token decode, tree verification and training:
   written to slots `[lengths, lengths + T)` (the cache's `lengths` are not advanced). `None` = no cache
   (training): the new tokens attend only to each other.
 * `new_mask [B, T, T]`: visibility among the new tokens (a tree mask for verification); `None` = causal.
+* `extra_embeds [B, E, D]`: extra queries given as input embeddings, appended after the T tokens (a
+  drafter's verify-time extras); `positions` and `new_mask` then cover all `T + E` inputs, and their
+  keys/values land in the scratch slots after the T tokens'. `prefix [L, B, Pk, ...]`: per-layer keys and
+  values visible to the extras alone (a deep prompt), never written to the cache.
 
 Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv_heads`, `mlp`, `norm`, `layers`);
 `amphista_jax.sharding` maps them to a mesh. Layers are stacked on a leading `layers` axis (`nn.scan`), so
@@ -25,13 +29,28 @@ import jax.numpy as jnp
 from flax import struct
 
 from amphista_jax.cache import KVCache, write
-from amphista_jax.models.attention import apply_window, causal_mask, dot_product_attention, key_visibility
+from amphista_jax.models.attention import (
+    AttentionBackend,
+    apply_window,
+    causal_mask,
+    dot_product_attention,
+    key_visibility,
+)
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
 from pallas_kernels.tree_attention import tree_attention
 
 Dtype = Any
-ATTENTION_IMPLS = ("xla", "pallas")
+
+
+@struct.dataclass
+class PrefixKV:
+    """Per-layer keys/values that some of a forward's queries see besides the cache and the new tokens (a
+    deep prompt): no positions are applied to them and they are never written to the cache."""
+
+    k: jax.Array  # [L, B, Pk, KVH, Dh]
+    v: jax.Array  # [L, B, Pk, KVH, Dh]
+    visible: jax.Array  # [B, T, Pk] bool: which of the forward's queries see them
 
 
 @struct.dataclass
@@ -71,7 +90,7 @@ class Attention(nn.Module):
     attention: str = "xla"
 
     @nn.compact
-    def __call__(self, x, positions, new_mask, visible, layer_k, layer_v, lengths, window):
+    def __call__(self, x, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix):
         c = self.config
         b, t, _ = x.shape
         q = _dense(c.num_heads * c.head_dim, ("embed", "heads"), c.qkv_bias, "q_proj", self.param_dtype)(x)
@@ -84,7 +103,12 @@ class Attention(nn.Module):
         if layer_k is not None:
             layer_k, layer_v = write(layer_k, k, lengths), write(layer_v, v, lengths)
             k, v = layer_k.astype(q.dtype), layer_v.astype(q.dtype)
-        if layer_k is not None and self.attention == "pallas":
+        if prefix is not None:  # keys/values that only some queries see: the dense path
+            prefix_k, prefix_v, prefix_visible = prefix  # [B, Pk, Hkv, Dh] x 2, [B, T, Pk]
+            out = dot_product_attention(q, jnp.concatenate([k, prefix_k.astype(k.dtype)], 1),
+                                        jnp.concatenate([v, prefix_v.astype(v.dtype)], 1),
+                                        jnp.concatenate([visible, prefix_visible], -1))
+        elif layer_k is not None and self.attention == AttentionBackend.PALLAS:
             out = tree_attention(q, k, v, lengths, new_mask, positions, window, backend="pallas")
         else:
             out = dot_product_attention(q, k, v, visible)  # [B, T, Hq, Dh]
@@ -107,7 +131,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the scan body. `scanned` is this layer's (k cache, v cache, sliding window)."""
+    """Pre-norm block; the scan body. `scanned` is this layer's (k cache, v cache, sliding window, prefix
+    keys, prefix values); `shared` ends with the prefix keys' visibility `[B, T, Pk]` (None: no prefix)."""
 
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
@@ -115,13 +140,14 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, scanned, shared):
-        layer_k, layer_v, window = scanned
-        positions, new_mask, visible, distance, lengths = shared
+        layer_k, layer_v, window, prefix_k, prefix_v = scanned
+        positions, new_mask, visible, distance, lengths, prefix_visible = shared
         c = self.config
         visible = apply_window(visible, distance, window)
+        prefix = None if prefix_k is None else (prefix_k, prefix_v, prefix_visible)
         h, layer_k, layer_v = Attention(c, self.param_dtype, self.attention, name="attn")(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x), positions, new_mask, visible, layer_k,
-            layer_v, lengths, window)
+            layer_v, lengths, window, prefix)
         x = x + h
         x = x + MLP(c, self.param_dtype, name="mlp")(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="post_attn_norm")(x))
@@ -152,8 +178,10 @@ def run_stack(
     positions: jax.Array,  # [B, T]
     cache: KVCache | None,
     new_mask: jax.Array | None,  # [B, T, T] bool; None = causal
+    prefix: PrefixKV | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """Run a `decoder_stack` over T new tokens (see the module docstring for `cache` and `new_mask`).
+    """Run a `decoder_stack` over T new tokens (see the module docstring for `cache`, `new_mask` and
+    `prefix`).
 
     Returns the last layer's output `[B, T, D]` (before any final norm) and the cache with the new tokens'
     keys/values in its scratch slots (`None` without a cache).
@@ -164,11 +192,12 @@ def run_stack(
     windows = jnp.asarray(config.sliding_windows, jnp.int32)
     lengths = None if cache is None else cache.lengths
     visible, distance = key_visibility(positions, new_mask, lengths, t if cache is None else cache.size)
-    shared = (positions, new_mask, visible, distance, lengths)
+    pk, pv, pvis = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.visible)
+    shared = (positions, new_mask, visible, distance, lengths, pvis)
     if cache is None:
-        x, _ = layers(x, (None, None, windows), shared)
+        x, _ = layers(x, (None, None, windows, pk, pv), shared)
         return x, None
-    x, (k, v) = layers(x, (cache.k, cache.v, windows), shared)
+    x, (k, v) = layers(x, (cache.k, cache.v, windows, pk, pv), shared)
     return x, cache.replace(k=k, v=v)
 
 
@@ -181,8 +210,7 @@ class Transformer(nn.Module):
     attention: str = "xla"
 
     def setup(self) -> None:
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention {self.attention!r} must be one of {', '.join(ATTENTION_IMPLS)}")
+        AttentionBackend.parse(self.attention)
         c = self.config
         self.embed = nn.Embed(
             c.vocab_size, c.hidden_size, param_dtype=self.param_dtype,
@@ -197,10 +225,15 @@ class Transformer(nn.Module):
         tokens: jax.Array,  # [B, T] int
         positions: jax.Array,  # [B, T] int
         cache: KVCache | None = None,
-        new_mask: jax.Array | None = None,  # [B, T, T] bool; None = causal
+        new_mask: jax.Array | None = None,  # [B, T(+E), T(+E)] bool; None = causal
         return_logits: bool = True,
+        extra_embeds: jax.Array | None = None,  # [B, E, D] extra queries after the T tokens
+        prefix: PrefixKV | None = None,  # keys/values only the extras see
     ) -> Output:
-        x, cache = run_stack(self.layers, self.config, self.embed_tokens(tokens), positions, cache, new_mask)
+        x = self.embed_tokens(tokens)
+        if extra_embeds is not None:
+            x = jnp.concatenate([x, extra_embeds.astype(x.dtype)], axis=1)
+        x, cache = run_stack(self.layers, self.config, x, positions, cache, new_mask, prefix)
         hidden = self.final_norm(x)
         return Output(hidden, self.logits(hidden) if return_logits else None, cache)
 
@@ -215,6 +248,18 @@ class Transformer(nn.Module):
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
+
+
+def input_embeddings(params: dict, tokens: jax.Array) -> jax.Array:
+    """`[..., D]` the input embeddings of `tokens [...]` (any shape), in the params' dtype."""
+    return params["embed"]["embedding"][tokens]
+
+
+def output_projection(params: dict) -> jax.Array:
+    """The `[D, V]` vocabulary projection (the transposed input embedding when the two are tied)."""
+    if "lm_head" in params:
+        return params["lm_head"]["kernel"]
+    return params["embed"]["embedding"].T
 
 
 def init_params(config: ModelConfig, rng: jax.Array, param_dtype: Dtype = jnp.float32) -> dict:

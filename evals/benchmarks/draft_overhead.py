@@ -25,15 +25,13 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from amphista_jax.assets import default_model_dir
-from amphista_jax.drafters import Amphista, Hydra, Medusa, Target
+from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Output
 from amphista_jax.trees import TreeSpec, batched, get_tree, tree_arrays
 from amphista_jax.verify import Verdict
 from evals.benchmarks.common import median_seconds, write_report
-
-METHODS = {"medusa": Medusa(), "amphista": Amphista(), "hydra": Hydra(), "hydra++": Hydra.plus_plus()}
 
 
 def cut(spec: TreeSpec, depth: int) -> TreeSpec:
@@ -74,7 +72,7 @@ def commit_ms(drafter: Any, params: Any, target: Target, ctx: DraftContext, spec
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "chain-4"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--runs", type=int, default=20)
@@ -86,7 +84,7 @@ def main() -> None:
     committed = 256
     rows = []
     for method, tree in tqdm(list(itertools.product(args.methods, args.trees)), desc="draft overhead"):
-        drafter, spec = METHODS[method], get_tree(tree)
+        drafter, spec = VARIANTS[method], get_tree(tree)
         params = drafter.init(jax.random.key(0), target)
         ctx = _context(drafter, params, target, args.batch, committed, committed + spec.num_nodes + 1)
         by_depth = [propose_ms(drafter, params, target, ctx, cut(spec, d), args.runs) for d in range(1, spec.depth + 1)]

@@ -21,7 +21,7 @@ import jax
 from tqdm import tqdm
 
 from amphista_jax.assets import default_model_dir, shipped_heads, shipped_heads_dir
-from amphista_jax.drafters import Amphista, Hydra, Medusa, Target
+from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.models.hf import load_params
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
@@ -29,7 +29,6 @@ from amphista_jax.tree_search import measure_step_seconds
 from amphista_jax.trees import get_tree
 from evals.benchmarks.common import write_report
 
-METHODS = {"medusa": Medusa(), "amphista": Amphista(), "hydra": Hydra(), "hydra++": Hydra.plus_plus()}
 SHIPPED_NAME = {"hydra++": "hydra-plus"}
 PROMPT = "def binary_search(items, target):\n"
 
@@ -37,7 +36,7 @@ PROMPT = "def binary_search(items, target):\n"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "chain-4"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
@@ -51,7 +50,7 @@ def main() -> None:
     shipped = shipped_heads() if args.model is None else []
     rows = []
     for method in tqdm(args.methods, desc="step time"):
-        drafter, heads = METHODS[method], "untrained"
+        drafter, heads = VARIANTS[method], "untrained"
         draft_params = drafter.init(jax.random.key(0), target)
         name = SHIPPED_NAME.get(method, method)
         if name in shipped:
