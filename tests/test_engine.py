@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from amphista_jax.decode import SpecSettings, generate, pad_prompts, spec_init, spec_step, speculative_generate
 from amphista_jax.drafters.base import DraftContext, Extras, Proposal, Target, accepted_hidden
@@ -32,6 +31,7 @@ from amphista_jax.trees import (
 )
 from amphista_jax.verify import verify_rejection
 from tests.helpers import CHI2_999, CONFIG, PROMPTS, chi2_999, chi_square, count_compiles, reference_rows
+from tests.test_trees import random_trees
 
 NEW = 40
 BUDGET = TreeBudget(num_nodes=12, depth=4, num_paths=11, max_children=11, num_ranks=11)
@@ -107,25 +107,13 @@ class ChainOracle:
         return state, accepted_hidden(verdict, verify_out)
 
 
-@st.composite
-def specs(draw):
-    nodes: set[tuple[int, ...]] = set()
-    frontier = [()]
-    for _ in range(draw(st.integers(1, 25))):
-        parent = draw(st.sampled_from(frontier))
-        child = parent + (draw(st.integers(0, 4)),)
-        if len(child) <= 5 and child not in nodes:
-            nodes.add(child)
-            frontier.append(child)
-    return TreeSpec(tuple(nodes)), draw(st.integers(0, 4)), draw(st.integers(0, 2))
-
-
 @settings(max_examples=40, deadline=None)
-@given(specs())
+@given(random_trees())
 def test_arrays_from_parents_on_device_equal_the_static_layout(spec_pad):
     """Depth, ancestor mask, paths and children built with jnp from parent pointers equal the static layout
     of the same tree (padded nodes and paths included)."""
-    spec, pad, extra_paths = spec_pad
+    spec, pad = spec_pad
+    extra_paths = pad % 3
     want = tree_arrays(spec, num_nodes=spec.num_nodes + pad, num_paths=spec.num_paths + extra_paths)
     got = jax.jit(arrays_from_parents, static_argnames=("depth", "num_paths", "max_children", "num_ranks"))(
         jnp.asarray(want.parent)[None], jnp.asarray(want.valid)[None], rank=jnp.asarray(want.rank)[None],
