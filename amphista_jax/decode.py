@@ -374,7 +374,7 @@ def speculative_generate(
 ) -> GenerateOutput:
     """Draft-tree / verify generation (`spec_init`, then `spec_step` until every row is done); greedy output
     equals `generate`'s token for token. Needs `cache_size >= prompt.shape[1] + max_new_tokens +
-    tree.num_nodes` (checked at trace time)."""
+    tree.num_nodes + E` (E: the drafter's extras per step, if any; checked at trace time)."""
     settings = SpecSettings(config, drafter, tree, max_new_tokens, sampling, acceptance, eos_ids, pad_id, attention)
     state = spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, settings)
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),

@@ -15,7 +15,6 @@ a warm-up, with a cache of 256 committed tokens. Writes draft_overhead.json and 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 from typing import Any
@@ -24,14 +23,12 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal
-from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Output
 from amphista_jax.trees import TreeSpec, batched, get_tree, tree_arrays
 from amphista_jax.verify import Verdict
-from evals.benchmarks.common import median_seconds, write_report
+from evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 
 
 def cut(spec: TreeSpec, depth: int) -> TreeSpec:
@@ -70,16 +67,12 @@ def commit_ms(drafter: Any, params: Any, target: Target, ctx: DraftContext, spec
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser = benchmark_parser(__doc__, runs=20)
     parser.add_argument("--methods", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "chain-4"])
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--out", default="runs/benchmarks")
     args = parser.parse_args()
-    model = args.model or str(default_model_dir())
-    target_params, config = load_params(model, dtype="float32")
+    model, target_params, config = load_target(args.model)
     target = Target(config, target_params)
     committed = 256
     rows = []

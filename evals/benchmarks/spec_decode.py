@@ -15,7 +15,6 @@ Writes spec_decode.json and spec_decode.md to `--out`.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import statistics
@@ -24,15 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.assets import default_model_dir
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters import Medusa, Target
 from amphista_jax.drafters.io import load_draft
-from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer, new_cache
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.trees import TreeSpec, get_tree, tree_arrays
-from evals.benchmarks.common import median_seconds, write_report
+from evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 
 PROMPTS = (
     "def binary_search(items, target):\n",
@@ -90,17 +87,13 @@ def verify_cost(params, config, sizes: tuple[int, ...], committed: int, runs: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser = benchmark_parser(__doc__, runs=3)
     parser.add_argument("--heads", nargs="+", default=[], help="draft-head checkpoints (default: untrained Medusa)")
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "small-8", "chain-4"],
                         help="presets, JSON files, or `auto` (the tree searched for each set of heads)")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--out", default="runs/benchmarks")
     args = parser.parse_args()
-    model = args.model or str(default_model_dir())
-    params, config = load_params(model, dtype="float32")
+    model, params, config = load_target(args.model)
     tok = load_tokenizer(model)
     drafters = []
     for path in args.heads:

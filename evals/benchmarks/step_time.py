@@ -15,35 +15,28 @@ to `--out`.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 from tqdm import tqdm
 
-from amphista_jax.assets import default_model_dir, shipped_heads, shipped_heads_dir
+from amphista_jax.assets import shipped_heads, shipped_heads_dir
 from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.drafters.io import load_draft
-from amphista_jax.models.hf import load_params
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.tree_search import measure_step_seconds
 from amphista_jax.trees import get_tree
-from evals.benchmarks.common import write_report
+from evals.benchmarks.common import benchmark_parser, load_target, write_report
 
 SHIPPED_NAME = {"hydra++": "hydra-plus"}
 PROMPT = "def binary_search(items, target):\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser = benchmark_parser(__doc__, runs=5)
     parser.add_argument("--methods", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "chain-4"])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--out", default="runs/benchmarks")
     args = parser.parse_args()
-    model = args.model or str(default_model_dir())
-    params, config = load_params(model, dtype="float32")
+    model, params, config = load_target(args.model)
     target = Target(config, params)
     tok = load_tokenizer(model)
     prompt = encode_prompt(tok, PROMPT, chat=False)

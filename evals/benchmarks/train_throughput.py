@@ -10,32 +10,25 @@ backward + AdamW), the target forward alone, and the step on precomputed target 
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import DRAFTERS, Target
-from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
-from evals.benchmarks.common import median_seconds, write_report
+from evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from train.optim import OptimConfig, make_optimizer
 from train.step import make_steps, target_forward
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--method", default="medusa", choices=sorted(DRAFTERS))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", default="runs/benchmarks")
     args = parser.parse_args()
-    model_dir = args.model or str(default_model_dir())
-    params, config = load_params(model_dir, dtype="float32")
+    model_dir, params, config = load_target(args.model)
     model = Transformer(config)
     drafter = DRAFTERS[args.method]()
     optimizer = make_optimizer(OptimConfig(), 1000)
