@@ -69,7 +69,7 @@ def _generate(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from amphista_jax.decode import check_fits, generate, pad_prompts, speculative_generate
+    from amphista_jax.decode import check_fits, generate, pad_prompts, scratch_slots, speculative_generate
     from amphista_jax.models.hf import load_config, load_params
     from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
     from amphista_jax.trees import get_tree
@@ -91,18 +91,20 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--top-k {args.top_k}: larger than the vocabulary ({config.vocab_size} tokens)")
     tok = load_tokenizer(args.model)
     ids = encode_prompt(tok, args.prompt, chat=args.chat)
-    reserve = tree.num_nodes if speculative else 0
+    reserve = tree.num_nodes if speculative else 0  # the drafter's extras are added once it is loaded
     max_len = args.max_len or len(ids) + args.max_new_tokens + reserve
     check_fits(np.array([len(ids)]), args.max_new_tokens + reserve, max_len, config)
     params, config = load_params(args.model, dtype=args.dtype)
     pad_id = config.pad_token_id or 0
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)
-    if not args.max_len:
-        max_len = tokens.shape[1] + args.max_new_tokens + reserve
     kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, attention=args.attention,
                   sampling=sampling, eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
     if speculative:
         drafter, draft_params = _load_drafter(args, heads, config, params)
+        reserve = scratch_slots(drafter, tree)
+    if not args.max_len:
+        max_len = tokens.shape[1] + args.max_new_tokens + reserve
+    if speculative:
         run = functools.partial(speculative_generate, params, draft_params, drafter=drafter, tree=tree,
                                 acceptance=acceptance, **kwargs)
     else:
@@ -212,7 +214,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _pretrain_target(args: argparse.Namespace) -> int:
     from amphista_jax.config_io import load_config
-    from train.pretrain_target import PretrainConfig, run
+    from amphista_jax.train.pretrain_target import PretrainConfig, run
 
     run(load_config(PretrainConfig, args.config, args.overrides))
     return 0
@@ -280,14 +282,14 @@ def _as_stored(heads: str, params):
 
 def _train(args: argparse.Namespace) -> int:
     from amphista_jax.config_io import load_config
-    from train.heads import TrainConfig, train_heads
+    from amphista_jax.train.heads import TrainConfig, train_heads
 
     train_heads(load_config(TrainConfig, args.config, args.set or []))
     return 0
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from train.distill import distill
+    from amphista_jax.train.distill import distill
 
     distill(args.model, args.prompts, args.out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             prompt_len=args.prompt_len, chat=args.chat, temperature=args.temperature, seed=args.seed)
@@ -298,7 +300,7 @@ def _eval(args: argparse.Namespace) -> int:
     import dataclasses
 
     from amphista_jax.config_io import load_config
-    from evals.runner import EvalConfig, run_eval
+    from amphista_jax.evals.runner import EvalConfig, run_eval
 
     cfg = load_config(EvalConfig, args.config, args.set or [])
     if args.methods:

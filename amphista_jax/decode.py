@@ -29,7 +29,7 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, Transformer, new_cache
 from amphista_jax.sampling import SamplingConfig, select_token
 from amphista_jax.trees import Tree, tree_statistics
-from amphista_jax.verify import AcceptanceConfig, verify
+from amphista_jax.verify import AcceptanceConfig, Verdict, verify
 
 GREEDY = SamplingConfig()
 DEFAULT_ACCEPTANCE = AcceptanceConfig()
@@ -137,6 +137,13 @@ def prefill(
     logits = model.apply({"params": params}, last_hidden, method=Transformer.logits)
     cache = out.cache.replace(lengths=prompt_lengths.astype(jnp.int32))
     return out, cache, last_hidden, logits
+
+
+def scratch_slots(drafter: Any, tree: Tree) -> int:
+    """Cache slots a verify forward writes past the committed ones: the tree's nodes and the drafter's extras.
+    A speculative cache needs `padded prompt length + max_new_tokens + scratch_slots(drafter, tree)`."""
+    num_extras = getattr(drafter, "num_extras", None)  # optional in the contract
+    return tree.num_nodes + (0 if num_extras is None else num_extras(tree))
 
 
 def _check_static_fit(prompt_len: int, max_new_tokens: int, scratch: int, cache_size: int) -> None:
@@ -278,8 +285,11 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
     # The verify forward writes N + E scratch slots after the committed ones (E: the proposal's extras).
     ctx = DraftContext(hidden, first, cache.lengths, draft_state)
     shape = jax.eval_shape(lambda: st.drafter.propose(draft_params, frozen, ctx, st.tree, rng))
-    _check_static_fit(t, st.max_new_tokens, st.tree.num_nodes + (shape.extras.count if shape.extras else 0),
-                      cache_size)
+    scratch = scratch_slots(st.drafter, st.tree)
+    if st.tree.num_nodes + (shape.extras.count if shape.extras else 0) != scratch:
+        raise ValueError(f"the drafter's proposals carry {shape.extras.count if shape.extras else 0} extras but its "
+                         f"num_extras(tree) says {scratch - st.tree.num_nodes}")
+    _check_static_fit(t, st.max_new_tokens, scratch, cache_size)
     stats = jnp.zeros((b, st.stat_shape[0] * st.stat_shape[1]), jnp.int32)
     return SpecState(
         cache=cache, draft_state=draft_state, root=first, hidden=hidden,
@@ -304,30 +314,44 @@ def _check_proposal(proposal: Proposal, tree: Tree, batch: int) -> None:
                          f"{'' if proposal.tree.num_ranks == tree.num_ranks else ', num_ranks differs'}")
 
 
-def spec_step(params: dict, draft_params: Any, s: SpecState, settings: SpecSettings) -> SpecState:
-    """One speculative step: propose, verify forward, accept, compact, commit, emit, stop.
+def _step_key(s: SpecState, part: int) -> jax.Array:
+    """The random key of one part of step `s.steps` (0: propose, 1: acceptance)."""
+    return jax.random.fold_in(jax.random.fold_in(s.rng, s.steps + 1), part)
 
-    The drafter proposes the tree's tokens and the tree itself (per row); one target forward verifies all
-    nodes under the tree's ancestor mask (positions = length + depth); the acceptance rule picks a path; its
-    keys/values are compacted into the committed cache; the path's tokens and the bonus token are emitted up
-    to an EOS or `max_new_tokens`. Rows already done change nothing but stay in the batch.
-    """
+
+def spec_propose(params: dict, draft_params: Any, s: SpecState, settings: SpecSettings) -> Proposal:
+    """Step part 1: the drafter proposes each row's tree and its tokens (within the static budget)."""
     st = settings
-    depth = st.tree.depth
-    key = jax.random.fold_in(s.rng, s.steps + 1)
-    frozen = Target(st.config, params)
     ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)
-    proposal = st.drafter.propose(draft_params, frozen, ctx, st.tree, jax.random.fold_in(key, 0))
+    proposal = st.drafter.propose(draft_params, Target(st.config, params), ctx, st.tree, _step_key(s, 0))
     _check_proposal(proposal, st.tree, s.root.shape[0])
-    tree, n = proposal.tree, st.tree.num_nodes
+    return proposal
+
+
+def spec_verify(params: dict, s: SpecState, proposal: Proposal, settings: SpecSettings) -> tuple[Output, Verdict]:
+    """Step part 2: one target forward over every node under the tree's ancestor mask (positions = length +
+    depth; extras ride along), then the acceptance rule picks each row's path and bonus token."""
+    st = settings
+    tree = proposal.tree
     positions = s.cache.lengths[:, None] + tree.depth
     verified = forward(st.model(), params, proposal.tokens, positions, s.cache, tree.mask, proposal.extras)
-    verdict = verify(proposal.tokens, verified.logits[:, :n], tree, st.sampling, st.acceptance,
-                     jax.random.fold_in(key, 1), proposal.q)
+    verdict = verify(proposal.tokens, verified.logits[:, :st.tree.num_nodes], tree, st.sampling, st.acceptance,
+                     _step_key(s, 1), proposal.q)
+    return verified, verdict
+
+
+def spec_commit(params: dict, draft_params: Any, s: SpecState, proposal: Proposal, verified: Output,
+                verdict: Verdict, settings: SpecSettings) -> SpecState:
+    """Step part 3: compact the accepted path's keys/values into the committed cache, the drafter's commit,
+    emit the path's tokens and the bonus token up to an EOS or `max_new_tokens`, and mark finished rows.
+    Rows already done change nothing but stay in the batch."""
+    st = settings
+    depth = st.tree.depth
     n_acc = jnp.where(s.done, 0, verdict.n_accepted)
     verdict = verdict.replace(n_accepted=jnp.maximum(n_acc, 1))
     cache = compact(verified.cache, verdict.accepted_nodes, n_acc)
-    draft_state, hidden = st.drafter.commit(draft_params, frozen, proposal, verdict, verified, s.draft_state)
+    draft_state, hidden = st.drafter.commit(draft_params, Target(st.config, params), proposal, verdict, verified,
+                                            s.draft_state)
     # Emitted this step: the accepted draft tokens (path nodes 1..n-1), then the bonus token.
     emit = accepted_tokens(proposal, verdict.replace(n_accepted=n_acc))  # [B, D+1]
     idx = jnp.arange(depth + 1)[None]
@@ -340,7 +364,7 @@ def spec_step(params: dict, draft_params: Any, s: SpecState, settings: SpecSetti
     scatter = jax.vmap(lambda row, d, e: row.at[d].set(e, mode="drop"))
     num_tokens = s.num_tokens + count
     # Tree-search statistics: nodes whose parent is on the accepted path were tried; on it, hit.
-    tried, hits = tree_statistics(tree, verdict.accepted_nodes)
+    tried, hits = tree_statistics(proposal.tree, verdict.accepted_nodes)
     live = (~s.done)[:, None].astype(jnp.int32)
     return SpecState(
         cache=cache, draft_state=draft_state, root=verdict.bonus, hidden=hidden,
@@ -349,6 +373,14 @@ def spec_step(params: dict, draft_params: Any, s: SpecState, settings: SpecSetti
         done=s.done | (hit & (first_stop <= count)) | (num_tokens >= st.max_new_tokens),
         accept_lengths=s.accept_lengths.at[:, s.steps].set(count, mode="drop"),
         node_tries=s.node_tries + tried * live, node_hits=s.node_hits + hits * live, steps=s.steps + 1, rng=s.rng)
+
+
+def spec_step(params: dict, draft_params: Any, s: SpecState, settings: SpecSettings) -> SpecState:
+    """One speculative step: propose (`spec_propose`), verify forward and accept (`spec_verify`), compact,
+    commit, emit and stop (`spec_commit`). Pure: the `while_loop` of `speculative_generate` only iterates it."""
+    proposal = spec_propose(params, draft_params, s, settings)
+    verified, verdict = spec_verify(params, s, proposal, settings)
+    return spec_commit(params, draft_params, s, proposal, verified, verdict, settings)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -374,7 +406,7 @@ def speculative_generate(
 ) -> GenerateOutput:
     """Draft-tree / verify generation (`spec_init`, then `spec_step` until every row is done); greedy output
     equals `generate`'s token for token. Needs `cache_size >= prompt.shape[1] + max_new_tokens +
-    tree.num_nodes + E` (E: the drafter's extras per step, if any; checked at trace time)."""
+    scratch_slots(drafter, tree)` (the tree's nodes and the drafter's extras; checked at trace time)."""
     settings = SpecSettings(config, drafter, tree, max_new_tokens, sampling, acceptance, eos_ids, pad_id, attention)
     state = spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, settings)
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),

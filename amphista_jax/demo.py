@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from amphista_jax.decode import check_fits, generate, pad_prompts, speculative_generate
+from amphista_jax.decode import check_fits, generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.errors import UsageError
 from amphista_jax.models.hf import load_config, load_params
@@ -103,7 +103,7 @@ def run_demo(model_dir: str | Path, heads_dir: str | Path, prompt: str, tree: st
     pad_id = config.pad_token_id or 0
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)
     settings = dict(config=config, max_new_tokens=max_new_tokens, eos_ids=stop_token_ids(model_dir, tok, config),
-                    pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + spec_tree.num_nodes)
+                    pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + scratch_slots(drafter, spec_tree))
     ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), **settings)
     spec = functools.partial(speculative_generate, params, draft_params, tokens, lengths, jax.random.key(0),
                              drafter=drafter, tree=spec_tree, **settings)

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.trees import TreeSpec
@@ -111,9 +111,10 @@ def collect_rates(params: dict, draft_params: Any, drafter: Any, config: ModelCo
         short = batch_size - len(rows)  # a full last batch: one compile
         rows, lens = np.pad(rows, ((0, short), (0, 0)), constant_values=pad_id), np.pad(lens, (0, short),
                                                                                         constant_values=1)
+        cache_size = tokens.shape[1] + max_new_tokens + scratch_slots(drafter, tree)
         out = speculative_generate(params, draft_params, rows, lens, jax.random.key(0), config=config,
                                    drafter=drafter, tree=tree, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                                   pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + tree.num_nodes)
+                                   pad_id=pad_id, cache_size=cache_size)
         keep = slice(0, batch_size - short)
         tries = tries + np.asarray(out.node_tries)[keep].sum(0)
         hits = hits + np.asarray(out.node_hits)[keep].sum(0)
@@ -130,7 +131,7 @@ def measure_step_seconds(params: dict, draft_params: Any, drafter: Any, config: 
     `max_new_tokens` tokens. The prefill (with the drafter's own, the same for every tree) is timed by the same
     programs with one new token."""
     tokens, lengths = pad_prompts([prompt], pad_id=pad_id, multiple=64)
-    largest = max(t.num_nodes for t in trees)
+    largest = max(scratch_slots(drafter, t) for t in trees)
     common = dict(config=config, pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + largest)
 
     def timed(fn: Callable[[], Any]) -> tuple[float, int]:

@@ -23,7 +23,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from amphista_jax.tokenizer import encode_conversation, encode_prompt
-from train.data import DataError, DataReport, read_records
+from amphista_jax.train.data import DataError, DataReport, read_records
 
 DATASET_KINDS = ("mt_bench", "humaneval", "jsonl")
 _DEFAULT_CHAT = {"mt_bench": True, "humaneval": False, "jsonl": False}

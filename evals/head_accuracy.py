@@ -2,11 +2,11 @@
 
 Head k (0-based) at position t is scored against the held-out text's own token at t + 2 + k, with the
 ground-truth prefix as input (teacher forcing): exactly the `head{k}/top1` / `head{k}/top5` metrics the
-drafter's `loss` reports, computed by the trainer's own eval step (`train.step.make_steps`). The numbers
+drafter's `loss` reports, computed by the trainer's own eval step (`amphista_jax.train.step.make_steps`). The numbers
 are means over full batches of `data_cfg.batch_size` examples (each batch's masked mean, then the mean
 over batches); with the default packed held-out code split every position of every batch counts.
 
-    from evals.head_accuracy import head_accuracy, heldout_batches
+    from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
     batches = heldout_batches(tokenizer, n_batches=4)  # the embedded target's held-out code
     acc = head_accuracy(Target(config, params), drafter, draft_params, batches)  # {0: {"top1": .., "top5": ..}}
 """
@@ -22,9 +22,9 @@ import optax
 from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters.base import Target
 from amphista_jax.models.llama import Transformer
-from train.heads import DataConfig, batch_examples, heldout_examples
-from train.loop import mean_metrics
-from train.step import make_steps
+from amphista_jax.train.heads import DataConfig, batch_examples, heldout_examples
+from amphista_jax.train.loop import mean_metrics
+from amphista_jax.train.step import make_steps
 
 _HEAD_METRIC = re.compile(r"^head(\d+)/(top1|top5)$")
 

@@ -1,9 +1,9 @@
 """Launch N local processes of one command as a `jax.distributed` job on this machine.
 
-    python -m evals.launch_local -n 2 -- amphista-jax eval --config configs/eval/humaneval-code.yaml
+    python -m amphista_jax.evals.launch_local -n 2 -- amphista-jax eval --config configs/eval/humaneval-code.yaml
 
 Each process gets `JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>`, `JAX_NUM_PROCESSES=N` and
-`JAX_PROCESS_ID=i`, which `train.loop.maybe_initialize_distributed` turns into `jax.distributed.initialize`
+`JAX_PROCESS_ID=i`, which `amphista_jax.train.loop.maybe_initialize_distributed` turns into `jax.distributed.initialize`
 (CPU collectives: gloo, JAX's default). On a cluster, set the same three variables per host instead (or let
 your scheduler's `jax.distributed` auto-detection do it); evaluation assumes every process sees `out_dir` on
 one shared filesystem. Output lines are prefixed with `[i]`. Exits with the first non-zero status (or 0).

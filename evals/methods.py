@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from amphista_jax.decode import generate, speculative_generate
+from amphista_jax.decode import generate, scratch_slots, speculative_generate
 from amphista_jax.drafters import DRAFTERS, Target
 from amphista_jax.drafters.io import META_FILE, load_draft
 from amphista_jax.errors import UserError
@@ -51,6 +51,11 @@ class Method:
     @property
     def tree_nodes(self) -> int:
         return self.tree.num_nodes if self.tree is not None else 0
+
+    @property
+    def scratch_slots(self) -> int:
+        """Cache slots past the committed ones that a step writes (tree nodes and the drafter's extras)."""
+        return scratch_slots(self.drafter, self.tree) if self.drafter is not None else 0
 
     def compile(self, params: dict, tokens, lengths, rng, **settings) -> Any:
         """The AOT-compiled program for these shapes; call it with `self.args(params, tokens, lengths, rng)`."""

@@ -5,9 +5,9 @@ generated with identical settings (sampling, max_new_tokens, batch size, dtype, 
 are right-padded to a multiple of `pad_multiple` tokens so that one compiled program serves many prompts;
 each new shape is compiled ahead of time (timed apart as `compile_s`) and run once untimed (warm-up) before
 the timed runs. One JSON line per finished prompt goes to `results/<label>.process<i>.jsonl`
-(`evals.results`); a rerun skips finished prompts. Several processes (`jax.distributed`, see
-`evals.launch_local`) split the unfinished prompts; they share `out_dir` on one filesystem, and process 0
-merges every file into `summary.json`, `report.md` and the plots (`evals.report`).
+(`amphista_jax.evals.results`); a rerun skips finished prompts. Several processes (`jax.distributed`, see
+`amphista_jax.evals.launch_local`) split the unfinished prompts; they share `out_dir` on one filesystem, and process 0
+merges every file into `summary.json`, `report.md` and the plots (`amphista_jax.evals.report`).
 
 Every input is checked before the target is loaded: the config, the dataset, each method spec and, when
 resuming, that `run.json` records the same settings and the same content (sha256) of the target, the heads
@@ -31,26 +31,26 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.decode import check_fits, pad_prompts
 from amphista_jax.drafters import Target
 from amphista_jax.errors import OutputExistsError, check_writable_dir
+from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
+from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
+from amphista_jax.evals.methods import Method, load_methods, resolve_methods
+from amphista_jax.evals.metrics import breakdown, lossless_mismatches, tree_statistics
+from amphista_jax.evals.report import write_reports
+from amphista_jax.evals.results import ResultWriter, process_file, read_results, safe_label
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.hf import DTYPES, load_config, load_params
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
+from amphista_jax.train.heads import DataConfig
+from amphista_jax.train.loop import maybe_initialize_distributed
 from amphista_jax.verify import AcceptanceConfig
-from evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
-from evals.head_accuracy import head_accuracy, heldout_batches
-from evals.methods import Method, load_methods, resolve_methods
-from evals.metrics import breakdown, lossless_mismatches, tree_statistics
-from evals.report import write_reports
-from evals.results import ResultWriter, process_file, read_results, safe_label
-from train.heads import DataConfig
-from train.loop import maybe_initialize_distributed
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     dataset: DatasetConfig = DatasetConfig()
-    methods: tuple[str, ...] = ("ar",)  # specs, see evals.methods; the AR baseline is always run first
+    methods: tuple[str, ...] = ("ar",)  # specs, see amphista_jax.evals.methods; the AR baseline is always run first
     out_dir: str = "runs/eval/default"
     model: str = ""  # HF checkpoint directory; "" = the embedded default
     tree: str = "mc_sim_7b_63"  # default tree of every draft method (a spec's `@tree` overrides it)
@@ -183,7 +183,7 @@ def _run_batch(s: _Session, method: Method, batch: list[tuple[int, Prompt]], pro
         if tokens.shape not in programs:
             t0 = time.perf_counter()
             programs[tokens.shape] = method.compile(
-                s.params, tokens, lengths, rng, cache_size=tokens.shape[1] + cfg.max_new_tokens + method.tree_nodes,
+                s.params, tokens, lengths, rng, cache_size=tokens.shape[1] + cfg.max_new_tokens + method.scratch_slots,
                 **s.settings, **({"acceptance": AcceptanceConfig(cfg.acceptance)} if method.drafter else {}))
             compile_s = time.perf_counter() - t0
             jax.block_until_ready(programs[tokens.shape](*args))  # warm-up, not timed

@@ -1,6 +1,6 @@
 """How good is a target model as a code model: held-out bits per byte and the share of looping completions.
 
-    python -m evals.target_quality --models amphista_jax/assets/code-llama [OTHER_MODEL_DIR ...]
+    python -m amphista_jax.evals.target_quality --models amphista_jax/assets/code-llama [OTHER_MODEL_DIR ...]
 
 * bits per byte (tokenizer-independent) on a package that is in no training source (default: pip's own code,
   tests and vendored packages left out, the first `--bpb-mb` MB in path-hash order), in windows of the
@@ -27,8 +27,8 @@ from amphista_jax.demo import humaneval_prompts
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-from train.corpus import package_texts, package_version
-from train.pretrain_target import bits_per_byte
+from amphista_jax.train.corpus import package_texts, package_version
+from amphista_jax.train.pretrain_target import bits_per_byte
 
 
 def ends_in_loop(tokens: Sequence[int], max_period: int = 32, min_repeats: int = 3, min_span: int = 24) -> bool:

@@ -59,7 +59,7 @@ SMOKE_OVERRIDES = [
 
 def smoke_pretrain_config(run_dir, steps: int):
     from amphista_jax.config_io import load_config
-    from train.pretrain_target import PretrainConfig
+    from amphista_jax.train.pretrain_target import PretrainConfig
 
     return load_config(PretrainConfig, None, SMOKE_OVERRIDES + [
         f"run_dir={run_dir}", f"export_dir={run_dir}/export", f"steps={steps}"])
@@ -68,7 +68,7 @@ def smoke_pretrain_config(run_dir, steps: int):
 @pytest.fixture(scope="session")
 def smoke_model(tmp_path_factory):
     """A tiny target trained for 3 steps by the real recipe: (run dir, summary)."""
-    from train.pretrain_target import run
+    from amphista_jax.train.pretrain_target import run
 
     run_dir = tmp_path_factory.mktemp("pretrain")
     return run_dir, run(smoke_pretrain_config(run_dir, steps=3))

@@ -16,9 +16,9 @@ from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.base import PrefillContext, Proposal, Target
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer
+from amphista_jax.train.step import make_steps, target_forward
 from amphista_jax.trees import TreeSpec, batched, chain, tree_arrays
 from amphista_jax.verify import Verdict
-from train.step import make_steps, target_forward
 
 CONFIG = tiny_llama_config()
 PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]

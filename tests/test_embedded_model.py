@@ -13,7 +13,7 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
 from amphista_jax.tokenizer import load_tokenizer
-from train.pretrain_target import next_token_loss
+from amphista_jax.train.pretrain_target import next_token_loss
 
 MODEL = default_model_dir()
 # Measured on the shipped checkpoint over heldout_sample.txt: 4.143 nats/token (26 windows of 256; stage 1 alone scored
@@ -86,7 +86,7 @@ def test_medusa_heads_learn_on_real_code(shipped):
     import optax
 
     from amphista_jax.drafters import Medusa, Target
-    from train.step import make_steps
+    from amphista_jax.train.step import make_steps
 
     params, config, tok = shipped
     windows = _heldout_windows(tok, length=64)

@@ -8,6 +8,7 @@ compile once. `spec_step` is checked on states built by `spec_init` and then edi
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from amphista_jax.decode import SpecSettings, generate, pad_prompts, spec_init, spec_step, speculative_generate
+from amphista_jax.decode import (
+    PromptTooLongError,
+    SpecSettings,
+    generate,
+    pad_prompts,
+    scratch_slots,
+    spec_init,
+    spec_step,
+    speculative_generate,
+)
 from amphista_jax.drafters.base import DraftContext, Extras, Proposal, Target, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params
@@ -372,6 +382,9 @@ class CopyExtras(ChainOracle):
         k1, k2 = jax.random.split(jax.random.key(5))
         return jax.random.normal(k1, shape), jax.random.normal(k2, shape)
 
+    def num_extras(self, tree):
+        return tree.num_nodes
+
     def prefill_extras(self, params, target, prompt, lengths):
         b, t = prompt.shape
         return Extras(target.embed(jnp.stack([prompt[:, 0], prompt[:, 1]], 1)), lengths[:, None] + jnp.arange(2),
@@ -406,6 +419,30 @@ def test_extras_change_nothing_the_target_commits(target, reference, prefix, wro
                                cache_size=96)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
     assert int(out.steps) == (-(-(NEW - 1) // 5) if wrong == 0 else NEW - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class UndeclaredExtras(CopyExtras):
+    """Proposes extras but says it adds none."""
+
+    def num_extras(self, tree):
+        return 0
+
+
+def test_the_cache_is_sized_with_the_drafters_extras(target, reference):
+    _, ref = reference
+    tokens, lengths = pad_prompts(PROMPTS)
+    tree = chain(4)
+    assert scratch_slots(CopyExtras(), tree) == 2 * tree.num_nodes
+    assert scratch_slots(ChainOracle(), tree) == tree.num_nodes
+    need = tokens.shape[1] + NEW + scratch_slots(CopyExtras(), tree)
+    run = functools.partial(speculative_generate, target, ref, tokens, lengths, jax.random.key(0), config=CONFIG,
+                            tree=tree, max_new_tokens=NEW)
+    assert int(run(drafter=CopyExtras(), cache_size=need).num_tokens.min()) == NEW  # an exact fit decodes
+    with pytest.raises(PromptTooLongError, match="scratch slots"):
+        run(drafter=CopyExtras(), cache_size=need - 1)
+    with pytest.raises(ValueError, match="num_extras"):
+        run(drafter=UndeclaredExtras(), cache_size=need)
 
 
 def _direct(target, tokens, positions, mask, embeds, prefix_kv):

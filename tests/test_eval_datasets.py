@@ -9,9 +9,9 @@ import json
 import pytest
 
 from amphista_jax.assets import default_model_dir
+from amphista_jax.evals.datasets import DatasetConfig, Prompt, humaneval_path, load_prompts, render_turn
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from evals.datasets import DatasetConfig, Prompt, humaneval_path, load_prompts, render_turn
-from train.data import DataError
+from amphista_jax.train.data import DataError
 
 
 @pytest.fixture(scope="module")

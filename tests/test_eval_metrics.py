@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from evals.metrics import breakdown, lossless_mismatches, rates, speedup, tree_statistics
+from amphista_jax.evals.metrics import breakdown, lossless_mismatches, rates, speedup, tree_statistics
 
 
 def turn(tokens, accept_lengths, wall_s):

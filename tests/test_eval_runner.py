@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from amphista_jax import cli
-from evals.results import read_results
+from amphista_jax.evals.results import read_results
 
 ROOT = Path(__file__).parents[1]
 PROMPTS = [
@@ -118,8 +118,8 @@ def test_two_local_processes_merge_to_the_one_process_result(prompts_file, refer
     equal the batch-1 run's."""
     out = tmp_path / "two"
     args = _args(prompts_file, out) + ["--set", "batch_size=2"]
-    result = subprocess.run([sys.executable, "-m", "evals.launch_local", "-n", "2", "--", sys.executable, "-m",
-                             "amphista_jax.cli", *args], cwd=ROOT, env=_subprocess_env(),
+    launch = [sys.executable, "-m", "amphista_jax.evals.launch_local", "-n", "2", "--"]
+    result = subprocess.run([*launch, sys.executable, "-m", "amphista_jax.cli", *args], cwd=ROOT, env=_subprocess_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "2 process(es)" in (out / "report.md").read_text()
@@ -151,7 +151,7 @@ def test_lossless_check_fails_loudly_on_a_wrong_drafter_output(reference, prompt
 def test_rerun_with_other_settings_is_refused(reference, prompts_file, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(reference, out)
-    from evals.runner import RunMismatchError
+    from amphista_jax.evals.runner import RunMismatchError
 
     with pytest.raises(RunMismatchError, match=r"max_new_tokens.*\(8, 9\).*use a new out_dir"):
         cli.main(["--debug", *_args(prompts_file, out), "--set", "max_new_tokens=9"])  # --debug: raise
@@ -165,9 +165,9 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     import jax
 
     from amphista_jax.drafters import DRAFTERS, Target
+    from amphista_jax.evals.methods import MethodSpecError, resolve_methods, split_label
     from amphista_jax.models.config import tiny_llama_config
     from amphista_jax.models.llama import init_params
-    from evals.methods import MethodSpecError, resolve_methods, split_label
 
     config = tiny_llama_config()
     target = Target(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))

@@ -8,11 +8,11 @@ import numpy as np
 
 from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import DRAFTERS, Medusa, Target
+from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
 from amphista_jax.tokenizer import load_tokenizer
-from evals.head_accuracy import head_accuracy, heldout_batches
-from train.heads import DataConfig
+from amphista_jax.train.heads import DataConfig
 
 
 def test_untrained_medusa_heads_equal_the_targets_own_head_shifted():

@@ -20,9 +20,9 @@ import pytest
 
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
+from amphista_jax.train.corpus import build_corpus, is_heldout, is_test_or_vendored, package_files, stdlib_files
+from amphista_jax.train.pretrain_target import run
 from tests.conftest import SMOKE_OVERRIDES, smoke_pretrain_config
-from train.corpus import build_corpus, is_heldout, is_test_or_vendored, package_files, stdlib_files
-from train.pretrain_target import run
 
 
 def test_corpus_is_the_stdlib_with_a_stable_five_percent_split():
@@ -61,7 +61,7 @@ def test_the_default_recipe_reads_the_runtime_dependencies():
     """configs/target/code.yaml's corpus is the project's direct runtime dependencies (pyproject.toml), and its
     bits-per-byte package is in none of them."""
     from amphista_jax.config_io import load_config
-    from train.pretrain_target import PretrainConfig
+    from amphista_jax.train.pretrain_target import PretrainConfig
 
     root = Path(__file__).parents[1]
     deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]

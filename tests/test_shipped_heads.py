@@ -96,7 +96,7 @@ def test_amphista_beats_medusa_on_later_heads(target, heads):
     shipped Amphista heads are more accurate than the shipped Medusa heads on held-out stdlib code for heads
     2..K (teacher-forced top-1 over 8 x 8 x 256 held-out tokens)."""
     from amphista_jax.drafters.base import Target
-    from evals.head_accuracy import head_accuracy, heldout_batches
+    from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
 
     params, config, tok = target
     batches = heldout_batches(tok, n_batches=8)

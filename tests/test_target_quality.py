@@ -7,11 +7,11 @@ import math
 import jax
 import pytest
 
+from amphista_jax.evals.target_quality import ends_in_loop
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Transformer, init_params
-from evals.target_quality import ends_in_loop
-from train.corpus import train_tokenizer
-from train.pretrain_target import bits_per_byte
+from amphista_jax.train.corpus import train_tokenizer
+from amphista_jax.train.pretrain_target import bits_per_byte
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "class Stack:\n    def push(self, x):\n        self.items.append(x)\n",
          "import os\nprint(os.getcwd())\n" * 3]

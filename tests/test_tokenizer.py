@@ -8,7 +8,7 @@ import pytest
 
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.tokenizer import TokenizerError, encode_prompt, load_tokenizer, stop_token_ids
-from train.corpus import train_tokenizer
+from amphista_jax.train.corpus import train_tokenizer
 
 
 @pytest.fixture(scope="module")

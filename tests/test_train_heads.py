@@ -19,11 +19,11 @@ from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sharding import make_mesh, param_shardings
 from amphista_jax.tokenizer import load_tokenizer
-from train.data import DataError, conversation_examples, example_dataset, render_with_mask
-from train.distill import distill
-from train.loop import LoopConfig, Preempted, run_loop
-from train.optim import OptimConfig, make_optimizer
-from train.step import make_steps
+from amphista_jax.train.data import DataError, conversation_examples, example_dataset, render_with_mask
+from amphista_jax.train.distill import distill
+from amphista_jax.train.loop import LoopConfig, Preempted, run_loop
+from amphista_jax.train.optim import OptimConfig, make_optimizer
+from amphista_jax.train.step import make_steps
 
 CONFIG = tiny_llama_config(vocab_size=256)
 

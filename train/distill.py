@@ -29,7 +29,7 @@ from amphista_jax.errors import OutputExistsError, UsageError, check_writable_di
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-from train.data import DataError, DataReport, normalize_messages, read_records
+from amphista_jax.train.data import DataError, DataReport, normalize_messages, read_records
 
 
 def read_prompts(path: str | Path) -> tuple[list[tuple[str, str]], DataReport]:

@@ -3,7 +3,7 @@
 Every draft method trains through here: the method comes from `DRAFTERS[method](**method_settings)` and
 only its `init` and `loss` are used. Data is ShareGPT-style conversations (chat template, assistant-only
 loss) or plain text/code; the target is sharded over a `(data, fsdp, tensor)` mesh; the loop (checkpoints,
-resume, SIGTERM, progress, JSONL metrics) is `train.loop.run_loop`. At the end the heads are saved with the
+resume, SIGTERM, progress, JSONL metrics) is `amphista_jax.train.loop.run_loop`. At the end the heads are saved with the
 target's fingerprint (`out_dir/heads`) and the training curve is plotted (`out_dir/training_curve.png`).
 """
 
@@ -29,14 +29,14 @@ from amphista_jax.models.hf import DTYPES, load_config, load_params
 from amphista_jax.models.llama import Transformer, param_shapes
 from amphista_jax.sharding import make_mesh, param_shardings
 from amphista_jax.tokenizer import load_tokenizer
-from train.checkpoint import saved_steps
-from train.corpus import build_corpus, package_version
-from train.data import DataError, conversation_examples, example_dataset, packed_examples, text_examples
-from train.loop import LoopConfig, maybe_initialize_distributed, mean_metrics, read_metrics, run_loop
-from train.optim import OptimConfig, make_optimizer
-from train.pretrain_target import PretrainConfig
-from train.run_identity import RUN_FILE, check_same_run, read_identity, write_identity
-from train.step import make_steps, target_forward
+from amphista_jax.train.checkpoint import saved_steps
+from amphista_jax.train.corpus import build_corpus, package_version
+from amphista_jax.train.data import DataError, conversation_examples, example_dataset, packed_examples, text_examples
+from amphista_jax.train.loop import LoopConfig, maybe_initialize_distributed, mean_metrics, read_metrics, run_loop
+from amphista_jax.train.optim import OptimConfig, make_optimizer
+from amphista_jax.train.pretrain_target import PretrainConfig
+from amphista_jax.train.run_identity import RUN_FILE, check_same_run, read_identity, write_identity
+from amphista_jax.train.step import make_steps, target_forward
 
 DATA_KINDS = ("text", "sharegpt", "stdlib")
 OUTPUTS = ("checkpoints", "metrics.jsonl", "heads", "summary.json", "training_curve.png")  # what a run writes

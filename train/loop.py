@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from amphista_jax.errors import OutputExistsError
-from train.checkpoint import Checkpointer, saved_steps
+from amphista_jax.train.checkpoint import Checkpointer, saved_steps
 
 PREEMPTED_EXIT = 143
 

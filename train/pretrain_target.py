@@ -30,10 +30,10 @@ from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params, save_params
 from amphista_jax.models.llama import Transformer, init_params
-from train.corpus import CorpusError, build_corpus, package_texts, package_version, train_tokenizer
-from train.data import pack_documents, packed_dataset
-from train.loop import LoopConfig, check_no_foreign_log, run_loop
-from train.optim import OptimConfig, make_optimizer
+from amphista_jax.train.corpus import CorpusError, build_corpus, package_texts, package_version, train_tokenizer
+from amphista_jax.train.data import pack_documents, packed_dataset
+from amphista_jax.train.loop import LoopConfig, check_no_foreign_log, run_loop
+from amphista_jax.train.optim import OptimConfig, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)

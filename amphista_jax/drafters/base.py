@@ -14,6 +14,8 @@ frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
   per-row device data (`TreeArrays [B, ...]`). `tree` is the static `TreeSpec` (a preset, JSON or searched
   tree: the drafter fills it) or a `TreeBudget` (a drafter that grows its own tree every step stays inside
   it); both are static under `jax.jit`. The proposal may carry `extras`: extra queries for the verify forward.
+* optional `num_extras(tree) -> int`: how many extras every proposal on `tree` carries (a method without it
+  adds none); callers size the cache with it (`decode.scratch_slots`) and `spec_init` checks it.
 * `commit(params, target, proposal, verdict, verify_out, state) -> (state, next_hidden)`: catch the
   method's caches up with the accepted tokens (the path `verdict.accepted_nodes` of `proposal.tokens`, then
   `verdict.bonus`; `verify_out.hidden [B, N + E, D]` holds the tree's nodes, then the extras') and choose

@@ -1,6 +1,6 @@
 """Tokens/s of our jitted AR generation vs `transformers` `generate()` (PyTorch, CPU) on the same model.
 
-    python -m evals.benchmarks.ar_decode [--sizes 20m 150m] [--new-tokens 128] [--runs 3] [--out DIR]
+    python -m amphista_jax.evals.benchmarks.ar_decode [--sizes 20m 150m] [--new-tokens 128] [--runs 3] [--out DIR]
 
 Each size is a random-init Llama built in `transformers`, saved as safetensors and loaded by our loader, so
 both sides run identical weights in fp32. Batch 1, greedy, exactly `--new-tokens` tokens (no EOS). Our
@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.evals.benchmarks.common import median_seconds, write_report
 from amphista_jax.models.hf import load_params
-from evals.benchmarks.common import median_seconds, write_report
 
 SIZES = {  # name -> transformers LlamaConfig kwargs
     "20m": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

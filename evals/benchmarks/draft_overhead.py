@@ -1,34 +1,52 @@
-"""Draft overhead per decoding step: the time of each method's `propose` and `commit`, per tree and per depth.
+"""Where a speculative step's time goes: the parts of the real `spec_step`, per method and tree.
 
-    python -m evals.benchmarks.draft_overhead [--model DIR] [--methods medusa amphista hydra hydra++]
-                                              [--trees mc_sim_7b_63 small-16 chain-4] [--batch 1] [--runs 20]
-                                              [--out runs/benchmarks]
+    python -m amphista_jax.evals.benchmarks.draft_overhead [--model DIR] [--methods medusa amphista hydra hydra++]
+        [--trees mc_sim_7b_63 small-16 chain-4] [--batch 1] [--committed 256] [--runs 20] [--out runs/benchmarks]
 
-Hydra's appendix D (Table 1) splits the draft overhead into the prefix attention and each head; here the
-same split comes from timing `propose` on the tree cut at depth 1, 2, ..., D: the increments are what each
-deeper head adds (for Medusa and Amphista, whose heads all run in one pass, they are ~0 apart from the top-k
-gather). `commit` is where the drafters' own causal layers run (Amphista's adaptation layers, Hydra++'s
-prefix layer), once per step over the accepted path's D + 1 slots. Heads are untrained (timing does not
-depend on the weights); each function is jitted on its own and timed as the median of `--runs` calls after
-a warm-up, with a cache of 256 committed tokens. Writes draft_overhead.json and draft_overhead.md to `--out`.
+The state is the engine's own: `spec_init` on random prompts of `--committed` tokens (the target's prefill,
+then the drafter's), then one `spec_step`. On that state each part of the step is jitted on its own and timed
+(median of `--runs` calls after a warm-up):
+- propose: `spec_propose`, the drafter's tree and tokens;
+- verify: `spec_verify`, one target forward over the tree and the acceptance rule;
+- commit: the drafter's `commit` alone (its own causal layers: Amphista's adaptation layers, Hydra++'s prefix
+  layer), on that step's real proposal and verdict;
+- engine commit: `spec_commit`, i.e. KV compaction + the drafter's commit + emit;
+- step: the whole `spec_step`. The parts are jitted apart, so they need not add up to it exactly;
+- draft share: (propose + commit) / step, the drafter's part of a step.
+Hydra's appendix D (Table 1) splits the draft overhead into each head; here that split comes from timing
+`spec_propose` with the tree cut at depth 1, 2, ..., D: the increments are what each deeper head adds (for
+Medusa and Amphista, whose heads all run in one pass, they are ~0 apart from the top-k gather). Heads are
+untrained (a step's time depends on the tree's shape, not on the weights). Writes draft_overhead.json and
+draft_overhead.md to `--out`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from amphista_jax.decode import (
+    SpecSettings,
+    SpecState,
+    scratch_slots,
+    spec_commit,
+    spec_init,
+    spec_propose,
+    spec_step,
+    spec_verify,
+)
 from amphista_jax.drafters import VARIANTS, Target
-from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal
-from amphista_jax.models.llama import Output
-from amphista_jax.trees import TreeSpec, batched, get_tree, tree_arrays
-from amphista_jax.verify import Verdict
-from evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
+from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
+from amphista_jax.trees import TreeSpec, get_tree
+
+MAX_NEW_TOKENS = 64
 
 
 def cut(spec: TreeSpec, depth: int) -> TreeSpec:
@@ -36,34 +54,36 @@ def cut(spec: TreeSpec, depth: int) -> TreeSpec:
     return TreeSpec(tuple(p for p in spec.choices if len(p) <= depth))
 
 
-def _context(drafter: Any, params: Any, target: Target, batch: int, committed: int,
-             cache_size: int) -> DraftContext:
-    """A decoding context after a prefill of `committed` random hidden states."""
-    d = target.config.hidden_size
-    hidden = jax.random.normal(jax.random.key(1), (batch, committed, d))
-    prompt = jax.random.randint(jax.random.key(2), (batch, committed), 0, target.config.vocab_size)
+def steady_state(params: dict, draft_params: Any, settings: SpecSettings, batch: int, committed: int) -> SpecState:
+    """The engine's state after a prefill of `batch` random prompts of `committed` tokens and one step."""
+    prompt = jax.random.randint(jax.random.key(2), (batch, committed), 0, settings.config.vocab_size)
     lengths = jnp.full((batch,), committed, jnp.int32)
-    root = prompt[:, -1]
-    state = jax.jit(drafter.prefill)(params, target, PrefillContext(Output(hidden, None, None), prompt, lengths, root),
-                                     drafter.init_state(target.config, batch, cache_size))
-    return DraftContext(hidden[:, -1], root, lengths, state)
+    init = jax.jit(spec_init, static_argnames=("cache_size", "settings"))
+    state = init(params, draft_params, prompt, lengths, jax.random.key(0),
+                 cache_size=committed + MAX_NEW_TOKENS + scratch_slots(settings.drafter, settings.tree),
+                 settings=settings)
+    return jax.jit(functools.partial(spec_step, settings=settings))(params, draft_params, state)
 
 
-def propose_ms(drafter: Any, params: Any, target: Target, ctx: DraftContext, spec: TreeSpec, runs: int) -> float:
-    fn = jax.jit(lambda p, t, c: drafter.propose(p, t, c, spec, jax.random.key(0)).tokens)
-    return median_seconds(functools.partial(fn, params, target, ctx), runs) * 1e3
+def part_ms(fn: Callable[..., Any], *args: Any, runs: int) -> float:
+    return median_seconds(functools.partial(jax.jit(fn), *args), runs) * 1e3
 
 
-def commit_ms(drafter: Any, params: Any, target: Target, ctx: DraftContext, spec: TreeSpec, runs: int) -> float:
-    """One commit of a fully accepted first path (D + 1 tokens)."""
-    arrays = batched(tree_arrays(spec), ctx.root.shape[0])
-    b, n = ctx.root.shape[0], spec.num_nodes
-    path = arrays.paths[:, 0]
-    verdict = Verdict(path, jnp.full((b,), spec.depth + 1, jnp.int32), ctx.root)
-    verify_out = Output(jax.random.normal(jax.random.key(3), (b, n, target.config.hidden_size)), None, None)
-    proposal = Proposal(jnp.broadcast_to(ctx.root[:, None], (b, n)), arrays)
-    fn = jax.jit(lambda p, t, s: drafter.commit(p, t, proposal, verdict, verify_out, s))
-    return median_seconds(functools.partial(fn, params, target, ctx.state), runs) * 1e3
+def step_parts_ms(params: dict, draft_params: Any, settings: SpecSettings, s: SpecState, runs: int) -> dict:
+    """Milliseconds of each part of one step from state `s`."""
+    st = settings
+    proposal = jax.jit(functools.partial(spec_propose, settings=st))(params, draft_params, s)
+    verified, verdict = jax.jit(functools.partial(spec_verify, settings=st))(params, s, proposal)
+    times = {
+        "propose_ms": part_ms(functools.partial(spec_propose, settings=st), params, draft_params, s, runs=runs),
+        "verify_ms": part_ms(functools.partial(spec_verify, settings=st), params, s, proposal, runs=runs),
+        "commit_ms": part_ms(lambda p, d, pr, o, v, ds: st.drafter.commit(d, Target(st.config, p), pr, v, o, ds),
+                             params, draft_params, proposal, verified, verdict, s.draft_state, runs=runs),
+        "engine_commit_ms": part_ms(functools.partial(spec_commit, settings=st), params, draft_params, s, proposal,
+                                    verified, verdict, runs=runs),
+        "step_ms": part_ms(functools.partial(spec_step, settings=st), params, draft_params, s, runs=runs),
+    }
+    return times | {"draft_share": (times["propose_ms"] + times["commit_ms"]) / times["step_ms"]}
 
 
 def main() -> None:
@@ -71,29 +91,35 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "chain-4"])
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--committed", type=int, default=256)
     args = parser.parse_args()
-    model, target_params, config = load_target(args.model)
-    target = Target(config, target_params)
-    committed = 256
+    model, params, config = load_target(args.model)
+    target = Target(config, params)
     rows = []
     for method, tree in tqdm(list(itertools.product(args.methods, args.trees)), desc="draft overhead"):
         drafter, spec = VARIANTS[method], get_tree(tree)
-        params = drafter.init(jax.random.key(0), target)
-        ctx = _context(drafter, params, target, args.batch, committed, committed + spec.num_nodes + 1)
-        by_depth = [propose_ms(drafter, params, target, ctx, cut(spec, d), args.runs) for d in range(1, spec.depth + 1)]
-        rows.append({"method": method, "tree": tree, "batch": args.batch, "propose_ms": by_depth[-1],
-                     "commit_ms": commit_ms(drafter, params, target, ctx, spec, args.runs),
+        draft_params = drafter.init(jax.random.key(0), target)
+        settings = SpecSettings(config, drafter, spec, MAX_NEW_TOKENS)
+        s = steady_state(params, draft_params, settings, args.batch, args.committed)
+        by_depth = [part_ms(functools.partial(spec_propose, settings=dataclasses.replace(settings, tree=cut(spec, d))),
+                            params, draft_params, s, runs=args.runs) for d in range(1, spec.depth + 1)]
+        rows.append({"method": method, "tree": tree, "nodes": spec.num_nodes, "batch": args.batch,
+                     **step_parts_ms(params, draft_params, settings, s, args.runs),
                      "propose_ms_by_depth": by_depth,
                      "head_increment_ms": [by_depth[0]] + [b - a for a, b in itertools.pairwise(by_depth)]})
     depth = max(len(r["head_increment_ms"]) for r in rows)
     heads = " | ".join(f"head {i + 1}" for i in range(depth))
-    lines = [f"model: {model}; batch {args.batch}; {committed} committed tokens; backend: {jax.default_backend()}; "
-             "times in ms (median); head i = propose on the tree cut at depth i minus at depth i - 1", "",
-             f"| method | tree | propose | commit | {heads} |", "|---|---|---|---|" + "---|" * depth]
+    lines = [f"model: {model}; batch {args.batch}; {args.committed} committed tokens; backend: "
+             f"{jax.default_backend()}; times in ms (median of {args.runs}); each part of `spec_step` jitted on its "
+             "own; draft share = (propose + commit) / step; head i = propose on the tree cut at depth i minus at "
+             "depth i - 1", "",
+             f"| method | tree | nodes | propose | verify | commit | engine commit | step | draft share | {heads} |",
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * depth]
     for r in rows:
         inc = [f"{x:.3f}" for x in r["head_increment_ms"]] + ["-"] * (depth - len(r["head_increment_ms"]))
-        lines.append(f"| {r['method']} | {r['tree']} | {r['propose_ms']:.3f} | {r['commit_ms']:.3f} | "
-                     f"{' | '.join(inc)} |")
+        lines.append(f"| {r['method']} | {r['tree']} | {r['nodes']} | {r['propose_ms']:.3f} | {r['verify_ms']:.3f} | "
+                     f"{r['commit_ms']:.3f} | {r['engine_commit_ms']:.3f} | {r['step_ms']:.3f} | "
+                     f"{r['draft_share']:.0%} | {' | '.join(inc)} |")
     write_report(args.out, "draft_overhead", rows, "\n".join(lines))
 
 

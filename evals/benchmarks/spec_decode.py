@@ -1,7 +1,7 @@
 """AR vs speculative decoding on one target, and the cost of one verify step vs tree size.
 
-    python -m evals.benchmarks.spec_decode [--model DIR] [--heads DIR [DIR ...]] [--trees auto mc_sim_7b_63 chain-4]
-                                           [--new-tokens 128] [--runs 3] [--out runs/benchmarks]
+    python -m amphista_jax.evals.benchmarks.spec_decode [--model DIR] [--heads DIR [DIR ...]]
+        [--trees auto mc_sim_7b_63 chain-4] [--new-tokens 128] [--runs 3] [--out runs/benchmarks]
 
 Part 1 runs the AR baseline and each set of heads (any method: Medusa, Amphista, ...) with each tree
 (`auto`: the tree searched for each set of heads on this device) on the same prompts and settings (greedy,
@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.drafters import Medusa, Target
 from amphista_jax.drafters.io import load_draft
+from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from amphista_jax.models.llama import Transformer, new_cache
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.trees import TreeSpec, get_tree, tree_arrays
-from evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 
 PROMPTS = (
     "def binary_search(items, target):\n",
@@ -45,9 +45,11 @@ def end_to_end(params, config, tok, drafters: list[tuple[str, object, object, st
     prompt."""
     rows = []
     specs = {(label, name): get_tree(name, heads) for (label, _, _, heads), name in itertools.product(drafters, trees)}
+    drafter_of = {label: drafter for label, drafter, _, _ in drafters}
+    scratch = max(scratch_slots(drafter_of[label], tree) for (label, _), tree in specs.items())
     for prompt in PROMPTS:
         tokens, lengths = pad_prompts([encode_prompt(tok, prompt)], pad_id=config.pad_token_id or 0)
-        cache = tokens.shape[1] + new_tokens + max(t.num_nodes for t in specs.values())
+        cache = tokens.shape[1] + new_tokens + scratch
         ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), config=config,
                                max_new_tokens=new_tokens, cache_size=cache)
         ar_out = ar()

@@ -1,6 +1,6 @@
 """Time of one speculative decoding step per method and tree, next to one AR step, on the same target.
 
-    python -m evals.benchmarks.step_time [--model DIR] [--methods medusa amphista hydra hydra++]
+    python -m amphista_jax.evals.benchmarks.step_time [--model DIR] [--methods medusa amphista hydra hydra++]
                                          [--trees mc_sim_7b_63 chain-4] [--new-tokens 64] [--runs 5]
                                          [--out runs/benchmarks]
 
@@ -21,10 +21,10 @@ from tqdm import tqdm
 from amphista_jax.assets import shipped_heads, shipped_heads_dir
 from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.drafters.io import load_draft
+from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.tree_search import measure_step_seconds
 from amphista_jax.trees import get_tree
-from evals.benchmarks.common import benchmark_parser, load_target, write_report
 
 SHIPPED_NAME = {"hydra++": "hydra-plus"}
 PROMPT = "def binary_search(items, target):\n"

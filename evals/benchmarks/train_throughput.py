@@ -1,6 +1,6 @@
 """Train-step throughput for draft heads on a frozen target, and the share of time in the target forward.
 
-    python -m evals.benchmarks.train_throughput [--model DIR] [--method medusa] [--batch-size 8]
+    python -m amphista_jax.evals.benchmarks.train_throughput [--model DIR] [--method medusa] [--batch-size 8]
                                                 [--seq-len 256] [--steps 10] [--out runs/benchmarks]
 
 Times (medians over `--steps` after a warm-up) the full jitted train step (target forward + drafter loss +
@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.drafters import DRAFTERS, Target
+from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from amphista_jax.models.llama import Transformer
-from evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
-from train.optim import OptimConfig, make_optimizer
-from train.step import make_steps, target_forward
+from amphista_jax.train.optim import OptimConfig, make_optimizer
+from amphista_jax.train.step import make_steps, target_forward
 
 
 def main() -> None:

@@ -1,0 +1,49 @@
+"""The installed package's shape: recipes and evals live under `amphista_jax`, and imports point one way."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = [ROOT / "amphista_jax", ROOT / "pallas_kernels"]
+RECIPES = ("amphista_jax.train", "amphista_jax.evals")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_library_never_imports_recipes_or_evals():
+    """library <- recipes/evals <- CLI: only the CLI may reach the training recipes and the evaluation harness."""
+    offenders = {}
+    for folder in LIBRARY:
+        for path in folder.rglob("*.py"):
+            if path == ROOT / "amphista_jax" / "cli.py":
+                continue
+            bad = {m for m in _imported_modules(path) if m.startswith(RECIPES) or m.split(".")[0] in ("train", "evals")}
+            if bad:
+                offenders[str(path.relative_to(ROOT))] = sorted(bad)
+    assert not offenders
+
+
+def test_no_top_level_train_or_evals_outside_the_checkout(tmp_path):
+    """Outside the source tree (cwd elsewhere, no PYTHONPATH) the install exposes amphista_jax.train and
+    amphista_jax.evals, and no top-level `train` or `evals` package."""
+    code = (
+        "import importlib.util as u, amphista_jax.train.heads, amphista_jax.evals.runner, "
+        "amphista_jax.evals.benchmarks.step_time\n"
+        "print(u.find_spec('train'), u.find_spec('evals'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["None", "None"]
