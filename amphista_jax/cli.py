@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", choices=sorted(DRAFTERS), default=None, help="speculative decoding with this method")
     g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
     g.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
-                   "preset name or a JSON file of top-k paths")
+                   "preset name, a JSON file of top-k paths, or `dynamic` / `dynamic-TxDxK` (EAGLE-2's tree)")
     g.add_argument("--acceptance", choices=[r.value for r in AcceptanceRule], default=None,
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
     g.add_argument("--attention", choices=[b.value for b in AttentionBackend], default="xla",
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--task", default="HumanEval/0", help="HumanEval task id whose prompt to complete")
     source.add_argument("--prompt", default=None, help="complete this text instead of a HumanEval prompt")
     m.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
-                   "preset name or a JSON file of top-k paths")
+                   "preset name, a JSON file of top-k paths, or `dynamic` / `dynamic-TxDxK` (EAGLE-2's tree)")
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--runs", type=int, default=3, help="timed runs per decoder (median), after a warm-up")
     m.set_defaults(func=_demo)

@@ -27,7 +27,9 @@ import dataclasses
 import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -266,6 +268,72 @@ def fill_tree_from_topk(root: jax.Array, topk: jax.Array, spec: TreeSpec) -> jax
     return tokens.at[:, 0].set(root)
 
 
+# (tokens [B, k] of the frontier at depth d, their parents' carry (a pytree of [B, k, ...]), d, sees [B, k, S],
+#  memory) -> (each frontier node's children log-probabilities [B, k, V], the frontier's own carry, memory)
+Expand = Callable[[jax.Array, Any, int, jax.Array, Any], tuple[jax.Array, Any, Any]]
+
+
+def dynamic_tree(total_tokens: int = 60, depth: int = 6, top_k: int = 10) -> TreeBudget:
+    """The budget of EAGLE-2's dynamic tree (`grow_dynamic_tree`): `total_tokens` drafted nodes, at most
+    `depth` below the root, frontiers and children of `top_k` (the paper's defaults 60, 6, 10)."""
+    return TreeBudget(num_nodes=total_tokens + 1, depth=depth, num_paths=total_tokens, max_children=top_k,
+                      num_ranks=top_k)
+
+
+def grow_dynamic_tree(root: jax.Array, root_logprobs: jax.Array, root_carry: Any, expand: Expand, memory: Any,
+                      budget: TreeBudget) -> tuple[jax.Array, TreeArrays]:
+    """EAGLE-2's context-aware dynamic tree, per row on device: (node tokens `[B, N]`, `TreeArrays`).
+
+    `root [B]`, the root's children log-probabilities `root_logprobs [B, V]` and its carry (e.g. a predicted
+    feature, `[B, ...]`). With `k = budget.max_children`: the root's top-k children are the first frontier,
+    scored by log-probability. At each depth d = 1 .. D - 1, `expand` runs the whole frontier in one call
+    (tokens, parents' carry; it may keep the frontier's keys/values in `memory` at scratch slots
+    `[(d - 1) k, d k)`, and `sees [B, k, S]` (S = (D - 1) k) tells which of those slots are each frontier
+    node's ancestors); every frontier node proposes its top-k children, scored by cumulative
+    log-probability, and the global top-k of these k * k become the next frontier. Finally the best `N - 1`
+    of every drafted node (the frontiers and all their proposed children) are kept: a child never scores above
+    its parent, and `lax.top_k` keeps the lower (earlier-drafted) index on ties, so the kept set holds every
+    kept node's ancestors. Nodes are numbered in drafting order (parents first; siblings by rank).
+    """
+    k, depth, keep = budget.max_children, budget.depth, budget.num_nodes - 1
+    drafted = k + (depth - 1) * k * k
+    if keep > drafted or budget.num_ranks < k or budget.num_paths < 1:
+        raise TreeError(f"tree budget {budget}: top-{k} frontiers to depth {depth} draft {drafted} nodes, fewer "
+                        f"than the {keep} to keep, or num_ranks < max_children: raise depth or max_children")
+    b = root.shape[0]
+    score, token = jax.lax.top_k(root_logprobs, k)  # [B, k]
+    token = token.astype(jnp.int32)
+    scores, tokens, parents = [score], [token], [jnp.full((b, k), -1, jnp.int32)]
+    frontier = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate ids of the frontier
+    carry = jax.tree.map(lambda x: jnp.broadcast_to(x[:, None], (b, k) + x.shape[1:]), root_carry)
+    slots = (depth - 1) * k
+    sees = jnp.zeros((b, k, slots), bool)
+    for d in range(1, depth):
+        logprobs, carry, memory = expand(token, carry, d, sees, memory)
+        child_score, child = jax.lax.top_k(logprobs, k)  # [B, k (frontier), k]
+        child_score = (score[:, :, None] + child_score).reshape(b, k * k)
+        scores.append(child_score)
+        tokens.append(child.reshape(b, k * k).astype(jnp.int32))
+        parents.append(jnp.repeat(frontier, k, axis=1))
+        score, pick = jax.lax.top_k(child_score, k)  # the next frontier
+        row = pick // k  # its parents' rows in this frontier
+        token = jnp.take_along_axis(tokens[-1], pick, 1)
+        frontier = k + (d - 1) * k * k + pick
+        carry = jax.tree.map(lambda x, r=row: jnp.take_along_axis(x, r.reshape(r.shape + (1,) * (x.ndim - 2)), 1),
+                             carry)
+        sees = jnp.take_along_axis(sees, row[:, :, None], 1) | jax.nn.one_hot((d - 1) * k + row, slots, dtype=bool)
+    scores, tokens, parents = (jnp.concatenate(x, 1) for x in (scores, tokens, parents))  # [B, drafted]
+    kept = jnp.sort(jax.lax.top_k(scores, keep)[1], axis=1)  # [B, N - 1] candidate ids, parents first
+    node_of = jnp.zeros((b, drafted), jnp.int32).at[jnp.arange(b)[:, None], kept].set(
+        jnp.arange(1, keep + 1, dtype=jnp.int32))
+    parent = jnp.take_along_axis(parents, kept, 1)
+    parent = jnp.where(parent < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(parent, 0), 1))
+    parent = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent], 1)  # [B, N]
+    arrays = arrays_from_parents(parent, jnp.ones(parent.shape, bool), depth=depth, num_paths=budget.num_paths,
+                                 max_children=k, num_ranks=budget.num_ranks)
+    return jnp.concatenate([root[:, None], jnp.take_along_axis(tokens, kept, 1)], 1), arrays
+
+
 def chain(depth: int) -> TreeSpec:
     """A single path of each head's top-1 token (`depth` draft tokens)."""
     return TreeSpec(tuple((0,) * d for d in range(1, depth + 1)))
@@ -308,9 +376,13 @@ def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Pat
     return Path(heads_dir) / "trees" / f"{backend or jax.default_backend()}.json"
 
 
-def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> TreeSpec:
-    """A preset by name, a JSON file of paths, or `auto`: the tree searched for the heads in `heads_dir` on this
-    device class (`amphista-jax tree-search`), else the papers' tree, with a note on stderr."""
+DYNAMIC = "dynamic"  # EAGLE-2's budget with the paper's defaults; `dynamic-TxDxK` sets them
+
+
+def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> Tree:
+    """A preset by name, a JSON file of paths, `auto` (the tree searched for the heads in `heads_dir` on this
+    device class (`amphista-jax tree-search`), else the papers' tree, with a note on stderr), or the budget of
+    a tree grown on device every step: `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
     if name_or_path == AUTO:
         path = searched_tree_path(heads_dir) if heads_dir is not None else None
         if path is not None and path.is_file():
@@ -323,7 +395,15 @@ def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> TreeSpec
         return PRESETS[name_or_path]
     if name_or_path.startswith("chain-") and name_or_path[6:].isdigit() and int(name_or_path[6:]) >= 1:
         return chain(int(name_or_path[6:]))
+    if name_or_path == DYNAMIC:
+        return dynamic_tree()
+    if name_or_path.startswith(DYNAMIC + "-"):
+        sizes = name_or_path[len(DYNAMIC) + 1:].split("x")
+        if len(sizes) == 3 and all(s.isdigit() and int(s) >= 1 for s in sizes):
+            return dynamic_tree(*map(int, sizes))
+        raise TreeError(f"tree {name_or_path!r}: a dynamic budget reads dynamic-TxDxK (drafted nodes x depth x "
+                        "top-k, each >= 1), e.g. dynamic-60x6x10")
     if Path(name_or_path).is_file():
         return load_tree(name_or_path)
-    raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N) or a JSON file "
-                    "of paths")
+    raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N), a JSON file "
+                    "of paths, or a dynamic budget (dynamic, dynamic-TxDxK)")

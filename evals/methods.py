@@ -27,7 +27,7 @@ from amphista_jax.drafters import DRAFTERS, Target
 from amphista_jax.drafters.io import META_FILE, load_draft
 from amphista_jax.errors import UserError
 from amphista_jax.identity import heads_identity
-from amphista_jax.trees import TreeSpec, get_tree
+from amphista_jax.trees import Tree, TreeBudget, TreeSpec, get_tree
 
 AR = "ar"
 
@@ -43,7 +43,7 @@ class Method:
     method: str  # "ar" or a key of DRAFTERS
     drafter: Any = None
     draft_params: Any = None
-    tree: TreeSpec | None = None
+    tree: Tree | None = None  # a static tree, or the budget of trees the drafter grows (EAGLE-2)
     tree_name: str = "-"
     heads_dir: str | None = None  # the draft-head checkpoint; None for `ar` and untrained heads
     heads_files: dict[str, str] | None = None  # sha256 of each of its files (amphista_jax.identity)
@@ -71,9 +71,11 @@ class Method:
 
     def describe(self) -> dict[str, Any]:
         settings = dataclasses.asdict(self.drafter) if self.drafter is not None else {}
-        choices = [list(p) for p in self.tree.choices] if self.tree is not None else None
+        choices = [list(p) for p in self.tree.choices] if isinstance(self.tree, TreeSpec) else None
+        budget = dataclasses.asdict(self.tree) if isinstance(self.tree, TreeBudget) else None
         return {"label": self.label, "spec": self.spec, "method": self.method, "tree": self.tree_name,
-                "tree_nodes": self.tree_nodes, "tree_choices": choices, "settings": settings} | (
+                "tree_nodes": self.tree_nodes, "tree_choices": choices, "tree_budget": budget,
+                "settings": settings} | (
                     {"heads_files": self.heads_files} if self.heads_dir is not None else {})
 
 

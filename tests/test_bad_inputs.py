@@ -418,7 +418,7 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "optim.b2=1"], ["b2=1.0", "[0, 1)"]),
     (["--set", "data.batch_size=0"], ["batch_size=0", ">= 1"]),
     (["--set", "data.heldout_fraction=2"], ["heldout_fraction=2.0", "(0, 1)"]),
-    (["--set", "method=eagle"], ["'eagle'", "medusa"]),
+    (["--set", "method=speculator"], ["'speculator'", "medusa"]),
     (["--set", "method_settings=3"], ["method_settings", "mapping"]),
     (["--set", "loop.steps.x=1"], ["loop.steps is a value"]),
     (["--set", "model=/no/such/model"], ["/no/such/model", "does not exist"]),

@@ -117,7 +117,7 @@ def test_tree_search_cli_writes_a_tree_report_and_plot(tmp_path, capsys):
 
     out = tmp_path / "cpu.json"
     args = ["tree-search", "--heads", str(shipped_heads_dir("medusa")), "--tasks", "100:102", "--max-nodes", "3",
-            "--max-new-tokens", "12", "--runs", "1", "--out", str(out)]
+            "--max-new-tokens", "64", "--runs", "3", "--out", str(out)]  # decode >> prefill: robust to load
     assert main(args) == 0
     assert "predicted speed-up" in capsys.readouterr().out
     tree = load_tree(out)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.drafters import Amphista, Hydra, Medusa, Target
+from amphista_jax.drafters import Amphista, Eagle, Hydra, Medusa, Target
 from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.trees import PRESETS, TreeSpec, batched, tree_arrays
+from amphista_jax.trees import PRESETS, TreeSpec, batched, dynamic_tree, tree_arrays
 from amphista_jax.verify import verify_rejection
 from tests.helpers import CHI2_999, CONFIG, PROMPTS, chi_square, count_compiles, reference_rows
 
@@ -226,9 +226,11 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     assert chi_square(np.bincount(first, minlength=vocab), probs[0]) < CHI2_999[7]
 
 
-@pytest.mark.parametrize("drafter", [Medusa(num_heads=3), Amphista(num_heads=3), Hydra(num_heads=3),
-                                     Hydra.plus_plus(num_heads=3)], ids=["medusa", "amphista", "hydra", "hydra++"])
-def test_speculative_sampling_matches_the_target_end_to_end(drafter):
+@pytest.mark.parametrize(("drafter", "tree"), [
+    (Medusa(num_heads=3), PRESETS["small-8"]), (Amphista(num_heads=3), PRESETS["small-8"]),
+    (Hydra(num_heads=3), PRESETS["small-8"]), (Hydra.plus_plus(num_heads=3), PRESETS["small-8"]),
+    (Eagle(), dynamic_tree(8, 3, 3))], ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2"])
+def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""
     config = tiny_llama_config(vocab_size=16)
@@ -239,7 +241,7 @@ def test_speculative_sampling_matches_the_target_end_to_end(drafter):
     rows = 4000
     tokens, lengths = pad_prompts([prompt] * rows, length=4)
     out = speculative_generate(params, heads, tokens, lengths, jax.random.key(9), config=config, drafter=drafter,
-                               tree=PRESETS["small-8"], max_new_tokens=3, cache_size=16,
+                               tree=tree, max_new_tokens=3, cache_size=16,
                                sampling=SamplingConfig(temperature=1.0))
     second = np.asarray(out.tokens[:, 1])
     model = Transformer(config)

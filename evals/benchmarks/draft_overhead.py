@@ -101,12 +101,13 @@ def main() -> None:
         draft_params = drafter.init(jax.random.key(0), target)
         settings = SpecSettings(config, drafter, spec, MAX_NEW_TOKENS)
         s = steady_state(params, draft_params, settings, args.batch, args.committed)
+        cuts = range(1, spec.depth + 1) if isinstance(spec, TreeSpec) else ()  # a dynamic budget has no cuts
         by_depth = [part_ms(functools.partial(spec_propose, settings=dataclasses.replace(settings, tree=cut(spec, d))),
-                            params, draft_params, s, runs=args.runs) for d in range(1, spec.depth + 1)]
+                            params, draft_params, s, runs=args.runs) for d in cuts]
         rows.append({"method": method, "tree": tree, "nodes": spec.num_nodes, "batch": args.batch,
                      **step_parts_ms(params, draft_params, settings, s, args.runs),
                      "propose_ms_by_depth": by_depth,
-                     "head_increment_ms": [by_depth[0]] + [b - a for a, b in itertools.pairwise(by_depth)]})
+                     "head_increment_ms": by_depth[:1] + [b - a for a, b in itertools.pairwise(by_depth)]})
     depth = max(len(r["head_increment_ms"]) for r in rows)
     heads = " | ".join(f"head {i + 1}" for i in range(depth))
     lines = [f"model: {model}; batch {args.batch}; {args.committed} committed tokens; backend: "

@@ -1,0 +1,250 @@
+"""EAGLE (Li et al., 2024) and EAGLE-2's context-aware dynamic draft tree.
+
+EAGLE drafts at the feature level (`../shared/papers/gumiho.txt`, section 2 reviews it): one decoder layer of
+the target's block type, with its own KV cache, reads `FC([E(x_{t+1}) ; f_t]) -> D` (`f_t` the target's
+last-layer hidden state at t, after the final norm) and predicts `f_{t+1}`; the target's frozen `lm_head` turns
+the prediction into the draft distribution of `x_{t+2}`. Drafting is autoregressive in that feature space: a
+drafted node's predicted feature is its children's input feature. (The decoder layer keeps its input norm;
+EAGLE's reference drops it in its first layer, a detail that does not change what is drafted from what.)
+
+Slot `p` of the drafter's cache holds its input `(E(x_{p+1}), f_p)`; it stays in step with the target's
+cache (`causal_layers.py`): `prefill` runs the layer over the prompt (the root is the last slot's next token)
+and `commit` over the accepted path (each path node's next token, then the bonus, with the target's features
+at those nodes). The output at the last committed slot (`state["base"]`, the prediction of the root's own
+feature) gives the root's children. A tree node at depth d then sits at drafter position `lengths + d - 1`
+with input `(E(token), predicted feature of its parent)`; each depth's nodes run through the layer in one call
+and see the committed cache, their ancestors' entries from earlier calls (kept as scratch keys/values of this
+step, `PrefixKV`) and themselves.
+
+Trees:
+- a static `TreeSpec` (EAGLE): every node gets the top-k rank the tree gives it among its parent's drafts;
+- a `TreeBudget` (EAGLE-2, `trees.dynamic_tree`, built by `trees.grow_dynamic_tree`): the root's top-k
+  children by draft log-probability form the first frontier; at each further depth the whole frontier runs
+  through the layer in one call, each member proposes its top-k children scored by cumulative
+  log-probability, and the global top-k of those become the next frontier, down to `budget.depth`; all
+  drafted nodes are then reranked and the best `num_nodes - 1` kept.
+Drafts are deterministic top-k (`q = None`).
+
+Training (EAGLE, section 4 of its paper): teacher-forced on the target's own features with uniform noise
+`U(-a, a)` (`feature_noise`); `reg_weight * SmoothL1(predicted f_{t+1}, f_{t+1}) + cls_weight *
+CE(lm_head(predicted), softmax(target logits at t+1))`, weights 1 and 0.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from amphista_jax.cache import KVCache
+from amphista_jax.drafters.base import (
+    DraftContext,
+    PrefillContext,
+    Proposal,
+    Target,
+    accepted_hidden,
+    accepted_tokens,
+    head_losses,
+)
+from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, run_stack
+from amphista_jax.trees import (
+    Tree,
+    TreeBudget,
+    TreeSpec,
+    batched,
+    grow_dynamic_tree,
+    tree_arrays,
+    tree_levels,
+)
+from amphista_jax.verify import Verdict
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle:
+    feature_noise: float = 0.1  # training: U(-a, a) added to the target's features
+    reg_weight: float = 1.0  # SmoothL1 regression of the next feature
+    cls_weight: float = 0.1  # CE of lm_head(predicted feature) against the target's distribution
+
+    def __post_init__(self) -> None:
+        if self.feature_noise < 0:
+            raise ValueError(f"{self.feature_noise=} must be >= 0 (0 = no noise)")
+        if self.reg_weight < 0 or self.cls_weight < 0 or self.reg_weight + self.cls_weight == 0:
+            raise ValueError(f"loss weights {self.reg_weight=}, {self.cls_weight=} must be >= 0, not both 0")
+
+    def _net(self, target: ModelConfig) -> _EagleNet:
+        return _EagleNet(target)
+
+    def init(self, rng: jax.Array, target: Target) -> dict:
+        d = target.config.hidden_size
+        x = jnp.zeros((1, 1, d))
+        return nn.unbox(self._net(target.config).init(rng, x, x, jnp.zeros((1, 1), jnp.int32), None)["params"])
+
+    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
+        return {"base": jnp.zeros((batch, target_config.hidden_size), jnp.float32),
+                "caches": layer_caches(target_config, 1, batch, cache_size)}
+
+    def _advance(self, params: dict, target: Target, next_tokens: jax.Array, features: jax.Array,
+                 count: jax.Array, state: dict) -> dict:
+        """Run the layer over inputs `(E(next_tokens), features)` `[B, T]` at the cache's next slots, commit
+        `count [B]` of them, and keep the output at the last one (the next proposal's base)."""
+        embeds = target.embed(next_tokens)
+
+        def run(positions: jax.Array, caches: tuple[KVCache, ...]) -> tuple[jax.Array, tuple[KVCache, ...]]:
+            out, cache = self._net(target.config).apply({"params": params}, embeds, features.astype(jnp.float32),
+                                                        positions, caches[0])
+            return out, (cache,)
+
+        base, caches = run_and_commit(run, state["caches"], next_tokens.shape[1], count)
+        return {"base": base, "caches": caches}
+
+    def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: dict) -> dict:
+        b, t = prompt.prompt.shape
+        nxt = jnp.roll(prompt.prompt, -1, axis=1)  # slot p's next token; the root follows the last prompt token
+        nxt = nxt.at[jnp.arange(b), prompt.lengths - 1].set(prompt.root)
+        return self._advance(params, target, nxt, prompt.out.hidden[:, :t], prompt.lengths, state)
+
+    def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
+               state: dict) -> tuple[dict, jax.Array]:
+        state = self._advance(params, target, accepted_tokens(proposal, verdict), path_hidden(verdict, verify_out),
+                              verdict.n_accepted, state)
+        return state, accepted_hidden(verdict, verify_out)
+
+    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
+        draft = _Drafting(self._net(target.config), params, target, ctx)
+        if isinstance(tree, TreeBudget):
+            return draft.dynamic(tree)
+        return draft.static(tree)
+
+    def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array,
+                     rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Teacher-forced over whole sequences: `tokens [B, T]`, target features `[B, T, D]` -> (draft logits
+        `[B, T, 1, V]` of token t + 2, predicted features `[B, T, D]` of f_{t+1}); past the end the inputs wrap
+        around and the loss masks them. `rng` adds the feature noise when `feature_noise > 0`."""
+        b, t = tokens.shape
+        features = hidden.astype(jnp.float32)
+        if rng is not None and self.feature_noise > 0:
+            features = features + jax.random.uniform(rng, features.shape, minval=-self.feature_noise,
+                                                     maxval=self.feature_noise)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        predicted, _ = self._net(target.config).apply({"params": params}, target.embed(jnp.roll(tokens, -1, 1)),
+                                                      features, positions, None)
+        return (predicted @ target.lm_head())[:, :, None], predicted
+
+    def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
+        """`reg_weight * SmoothL1 + cls_weight * CE(teacher)`; the predicted f_{t+1} is scored where token
+        t + 2 (the one it drafts) is a training target. `target_out` needs logits for the CE term."""
+        logits, predicted = self.draft_logits(params, target, batch["tokens"], target_out.hidden, batch.get("rng"))
+        t = batch["tokens"].shape[1]
+        mask = batch["loss_mask"][:, 2:].astype(jnp.float32)
+        reg = optax.huber_loss(predicted[:, : t - 2], target_out.hidden[:, 1: t - 1].astype(jnp.float32)).mean(-1)
+        reg = (reg * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        cls, metrics = head_losses(logits, batch, [0.0], target_out.logits, self.cls_weight, teacher_name="cls")
+        return self.reg_weight * reg + cls, metrics | {"head0/reg": reg}
+
+
+class _EagleNet(nn.Module):
+    target: ModelConfig
+
+    def setup(self) -> None:
+        self.fc = nn.Dense(self.target.hidden_size, name="fc")
+        self.layer = decoder_stack(block_config(self.target, 1), jnp.float32, "xla", name="layer")
+
+    def __call__(self, embeds: jax.Array, features: jax.Array, positions: jax.Array, cache: KVCache | None,
+                 new_mask: jax.Array | None = None, prefix: PrefixKV | None = None) -> tuple[jax.Array, Any]:
+        """Inputs `(E(next token), feature)` `[B, T, D]` each -> (predicted next features `[B, T, D]`, cache)."""
+        x = self.fc(jnp.concatenate([embeds, features], axis=-1))
+        return run_stack(self.layer, block_config(self.target, 1), x, positions, cache, new_mask, prefix)
+
+
+@dataclasses.dataclass
+class _Drafting:
+    """One step's tree drafting: expansions of the layer over tree nodes, each depth in one call, with the
+    earlier depths' keys/values of this step as scratch that only their descendants see."""
+
+    net: _EagleNet
+    params: dict
+    target: Target
+    ctx: DraftContext
+
+    def logprobs(self, features: jax.Array) -> jax.Array:
+        """Draft log-probabilities `[..., V]` of predicted features `[..., D]` through the frozen lm_head."""
+        return jax.nn.log_softmax(features @ self.target.lm_head(), axis=-1)
+
+    def expand(self, tokens: jax.Array, parent_features: jax.Array, depth: int, sees: jax.Array,
+               scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Run `M` nodes of tree depth `depth` (tokens `[B, M]`, their parents' predicted features `[B, M, D]`)
+        in one call; `sees [B, M, S]`: which scratch slots (earlier calls' nodes) each one sees. Returns their
+        predicted features `[B, M, D]` and their keys/values `[1, B, M, KVH, Dh]` for later scratch."""
+        cache = self.ctx.state["caches"][0]
+        b, m = tokens.shape
+        positions = jnp.broadcast_to(cache.lengths[:, None] + depth - 1, (b, m))
+        prefix = PrefixKV(*scratch, sees) if scratch[0].shape[2] else None
+        out, written = self.net.apply({"params": self.params}, self.target.embed(tokens), parent_features, positions,
+                                      cache, jnp.broadcast_to(jnp.eye(m, dtype=bool), (b, m, m)), prefix)
+
+        def new_entries(layer: jax.Array) -> jax.Array:  # [1, B, S, KVH, Dh] -> [1, B, M, KVH, Dh]
+            return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, m, 1), (1, 0), 1)(layer, cache.lengths)
+
+        return out, (new_entries(written.k), new_entries(written.v))
+
+    def static(self, spec: TreeSpec) -> Proposal:
+        """EAGLE on a static tree: depth by depth, each expanded node's children are the top-k of its own
+        draft distribution."""
+        b, n = self.ctx.root.shape[0], spec.num_nodes
+        levels = tree_levels(spec)
+        sees = _static_scratch_visibility(spec)  # [depth, M_d, S]
+        tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(self.ctx.root)
+        features = self.ctx.state["base"][:, None]  # [B, M, D] predicted features of the expanded nodes
+        scratch = _empty_scratch(self.ctx.state["caches"][0], b, sum(len(lv.expand) for lv in levels[:-1]))
+        used = 0
+        for depth, level in enumerate(levels, start=1):
+            top = jax.lax.top_k(self.logprobs(features), int(level.rank.max()) + 1)[1].astype(jnp.int32)  # [B, M, k]
+            children = top[:, level.parent_slot, level.rank]  # [B, C]
+            tokens = tokens.at[:, level.nodes].set(children)
+            if not len(level.expand):
+                break
+            m = len(level.expand)
+            features, kv = self.expand(children[:, level.expand], features[:, level.parent_slot[level.expand]], depth,
+                                       jnp.broadcast_to(sees[depth - 1], (b,) + sees[depth - 1].shape), scratch)
+            scratch = tuple(s.at[:, :, used: used + m].set(x) for s, x in zip(scratch, kv, strict=True))
+            used += m
+        return Proposal(tokens, batched(tree_arrays(spec), b))
+
+    def dynamic(self, budget: TreeBudget) -> Proposal:
+        """EAGLE-2 (`trees.grow_dynamic_tree`): the frontiers run through the layer, their keys/values kept as
+        this step's scratch at the slots the builder assigns."""
+        k = budget.max_children
+
+        def expand(tokens: jax.Array, parent_features: jax.Array, d: int, sees: jax.Array,
+                   scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+            features, kv = self.expand(tokens, parent_features, d, sees, scratch)
+            scratch = tuple(x.at[:, :, (d - 1) * k: d * k].set(y) for x, y in zip(scratch, kv, strict=True))
+            return self.logprobs(features), features, scratch
+
+        base, b = self.ctx.state["base"], self.ctx.root.shape[0]
+        scratch = _empty_scratch(self.ctx.state["caches"][0], b, (budget.depth - 1) * k)
+        tokens, arrays = grow_dynamic_tree(self.ctx.root, self.logprobs(base), base, expand, scratch, budget)
+        return Proposal(tokens, arrays)
+
+
+def _empty_scratch(cache: KVCache, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:
+    shape = (1, batch, slots) + cache.k.shape[3:]
+    return jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _static_scratch_visibility(spec: TreeSpec) -> tuple[np.ndarray, ...]:
+    """Per depth d (1-based) of a static tree, `[M_d, S]`: which scratch slots (the expanded nodes of depths
+    < d, in expansion order) each expanded node of depth d sees: its ancestors'."""
+    arrays, levels = tree_arrays(spec), tree_levels(spec)
+    slot_nodes = np.concatenate([lv.nodes[lv.expand] for lv in levels[:-1]] + [np.zeros(0, np.int64)])
+    return tuple(arrays.mask[np.ix_(lv.nodes[lv.expand], slot_nodes)] & (lv.nodes[lv.expand][:, None] != slot_nodes)
+                 for lv in levels)
