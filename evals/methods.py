@@ -1,12 +1,14 @@
 """Method specs of an evaluation run, resolved to programs with identical settings.
 
-A spec is `[label=]source[@tree]`:
+A spec is `[label=]source[@tree][#key=value,...]`:
 
 * `ar`: the autoregressive baseline (always run, and first).
 * a draft-head checkpoint directory (`amphista-jax train` writes `<out_dir>/heads`): any registered method.
 * `<method>:untrained`: that method's freshly initialised heads (engine overhead; tau near 1).
 
-`@tree` overrides the run's tree (a preset name or a JSON file of paths). The label names the method in
+`@tree` overrides the run's tree (a preset name, a JSON file of paths or a dynamic budget). `#key=value,...`
+overrides decoding settings of the method that leave its parameters as they are (e.g. Gumiho's
+`#full_tree_attention=false`). The label names the method in
 results and reports (default: `ar`, the method's name, or `<method>-untrained`, plus `@tree` when given).
 
 `resolve_methods` checks every spec and reads each checkpoint's `draft.json` (cheap: no params, no target);
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import yaml
 
 from amphista_jax.decode import generate, scratch_slots, speculative_generate
 from amphista_jax.drafters import DRAFTERS, Target
@@ -92,6 +95,7 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
     """One spec (see the module docstring) -> Method; with `target`, its heads loaded and checked against it,
     else only checked (`load_methods` loads them)."""
     label, rest = split_label(spec)
+    rest, _, overrides = rest.partition("#")
     source, _, tree_name = rest.partition("@")
     if not source:
         raise MethodSpecError(f"method spec {spec!r} names no source: use `ar`, `<method>:untrained` or a "
@@ -110,16 +114,36 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
         name = source.removesuffix(":untrained")
         if name not in DRAFTERS:
             raise MethodSpecError(f"method spec {spec!r}: unknown method {name!r}; registered: {', '.join(DRAFTERS)}")
-        method = Method(label or f"{name}-untrained{suffix}", spec, name, DRAFTERS[name](), None, tree,
+        method = Method(label or f"{name}-untrained{suffix}", spec, name, _with_settings(spec, DRAFTERS[name](),
+                                                                                         overrides), None, tree,
                         tree_name or default_tree)
     elif heads is None:
         raise MethodSpecError(f"method spec {spec!r}: {source!r} is neither `ar`, `<method>:untrained` (methods: "
                               f"{', '.join(DRAFTERS)}) nor a draft-head checkpoint directory")
     else:
         name, drafter = _read_meta(spec, Path(source))
+        drafter = _with_settings(spec, drafter, overrides)
         method = Method(label or f"{name}{suffix}", spec, name, drafter, None, tree, tree_name or default_tree,
                         heads_dir=source, heads_files=heads_identity(source))
     return load_methods([method], target, seed)[0] if target is not None else method
+
+
+def _with_settings(spec: str, drafter: Any, overrides: str) -> Any:
+    """`drafter` with the spec's `key=value,...` settings (YAML values)."""
+    if not overrides:
+        return drafter
+    settings = {}
+    for item in overrides.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise MethodSpecError(f"method spec {spec!r}: setting {item!r} must look like key=value (e.g. "
+                                  "#full_tree_attention=false)")
+        settings[key.strip()] = yaml.safe_load(value)
+    try:
+        return dataclasses.replace(drafter, **settings)
+    except (TypeError, ValueError) as e:
+        known = ", ".join(f.name for f in dataclasses.fields(drafter))
+        raise MethodSpecError(f"method spec {spec!r}: bad settings {settings} ({e}); known: {known}") from None
 
 
 def _read_meta(spec: str, heads: Path) -> tuple[str, object]:
@@ -156,8 +180,14 @@ def load_methods(methods: list[Method], target: Target, seed: int = 0) -> list[M
             params = jax.jit(m.drafter.init)(jax.random.key(seed), target)  # one compile beats op-by-op init
             out.append(dataclasses.replace(m, draft_params=params))
         else:
-            name, drafter, params = load_draft(m.heads_dir, target.config, target.params)
-            out.append(dataclasses.replace(m, method=name, drafter=drafter, draft_params=params))
+            name, _, params = load_draft(m.heads_dir, target.config, target.params)
+            wanted = jax.eval_shape(lambda d=m.drafter: d.init(jax.random.key(0), target))
+            same = jax.tree.structure(wanted) == jax.tree.structure(params) and all(
+                a.shape == b.shape for a, b in zip(jax.tree.leaves(wanted), jax.tree.leaves(params), strict=True))
+            if not same:
+                raise MethodSpecError(f"method spec {m.spec!r}: its settings change the heads' parameters; override "
+                                      "only decoding settings")
+            out.append(dataclasses.replace(m, method=name, draft_params=params))
     return out
 
 

@@ -178,9 +178,9 @@ def test_grow_dynamic_tree_on_random_scores():
         carry = jnp.tanh(carry @ w + emb[token])
         return carry, jax.nn.log_softmax(carry @ u)
 
-    def expand(tokens, parent_carry, d, sees, memory):
+    def expand(tokens, parent_carry, level, sees, memory):
         carry, logprobs = step(parent_carry, tokens)
-        return logprobs, carry, memory
+        return *jax.lax.top_k(logprobs, level.children), carry, memory
 
     roots = jnp.asarray([3, 7])
     carry0 = jax.random.normal(jax.random.key(9), (2, h))

@@ -3,13 +3,15 @@
 from amphista_jax.drafters.amphista import Amphista
 from amphista_jax.drafters.base import DraftContext, Drafter, Proposal, Target
 from amphista_jax.drafters.eagle import Eagle
+from amphista_jax.drafters.gumiho import Gumiho
 from amphista_jax.drafters.hydra import Hydra
 from amphista_jax.drafters.medusa import Medusa
 
-DRAFTERS: dict[str, type] = {"amphista": Amphista, "eagle": Eagle, "hydra": Hydra, "medusa": Medusa}
+DRAFTERS: dict[str, type] = {"amphista": Amphista, "eagle": Eagle, "gumiho": Gumiho, "hydra": Hydra,
+                             "medusa": Medusa}
 # Each method's default settings, and the named variants that are settings of a method (Hydra++).
 VARIANTS: dict[str, Drafter] = {"medusa": Medusa(), "amphista": Amphista(), "hydra": Hydra(),
-                                "hydra++": Hydra.plus_plus(), "eagle": Eagle()}
+                                "hydra++": Hydra.plus_plus(), "eagle": Eagle(), "gumiho": Gumiho()}
 
-__all__ = ["DRAFTERS", "VARIANTS", "Amphista", "DraftContext", "Drafter", "Eagle", "Hydra", "Medusa", "Proposal",
-           "Target"]
+__all__ = ["DRAFTERS", "VARIANTS", "Amphista", "DraftContext", "Drafter", "Eagle", "Gumiho", "Hydra", "Medusa",
+           "Proposal", "Target"]

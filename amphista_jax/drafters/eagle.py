@@ -52,10 +52,11 @@ from amphista_jax.drafters.base import (
     accepted_tokens,
     head_losses,
 )
-from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
+from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, run_stack
 from amphista_jax.trees import (
+    Expansion,
     Tree,
     TreeBudget,
     TreeSpec,
@@ -69,18 +70,21 @@ from amphista_jax.verify import Verdict
 
 @dataclasses.dataclass(frozen=True)
 class Eagle:
+    num_layers: int = 1  # decoder layers of the draft stack (EAGLE: 1; Gumiho's serial part: 2)
     feature_noise: float = 0.1  # training: U(-a, a) added to the target's features
     reg_weight: float = 1.0  # SmoothL1 regression of the next feature
     cls_weight: float = 0.1  # CE of lm_head(predicted feature) against the target's distribution
 
     def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"{self.num_layers=} must be >= 1")
         if self.feature_noise < 0:
             raise ValueError(f"{self.feature_noise=} must be >= 0 (0 = no noise)")
         if self.reg_weight < 0 or self.cls_weight < 0 or self.reg_weight + self.cls_weight == 0:
             raise ValueError(f"loss weights {self.reg_weight=}, {self.cls_weight=} must be >= 0, not both 0")
 
     def _net(self, target: ModelConfig) -> _EagleNet:
-        return _EagleNet(target)
+        return _EagleNet(target, self.num_layers)
 
     def init(self, rng: jax.Array, target: Target) -> dict:
         d = target.config.hidden_size
@@ -88,8 +92,9 @@ class Eagle:
         return nn.unbox(self._net(target.config).init(rng, x, x, jnp.zeros((1, 1), jnp.int32), None)["params"])
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
-        return {"base": jnp.zeros((batch, target_config.hidden_size), jnp.float32),
-                "caches": layer_caches(target_config, 1, batch, cache_size)}
+        c = target_config
+        return {"base": jnp.zeros((batch, c.hidden_size), jnp.float32),
+                "caches": (KVCache.zeros(self.num_layers, batch, cache_size, c.num_kv_heads, c.head_dim),)}
 
     def _advance(self, params: dict, target: Target, next_tokens: jax.Array, features: jax.Array,
                  count: jax.Array, state: dict) -> dict:
@@ -118,10 +123,15 @@ class Eagle:
         return state, accepted_hidden(verdict, verify_out)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        draft = _Drafting(self._net(target.config), params, target, ctx)
+        draft = FeatureDrafting(self, params, target, ctx)
         if isinstance(tree, TreeBudget):
             return draft.dynamic(tree)
         return draft.static(tree)
+
+    def inputs(self, params: dict, target: Target, tokens: jax.Array, features: jax.Array) -> jax.Array:
+        """The draft stack's inputs `FC([E(tokens) ; features])` `[..., D]`."""
+        return self._net(target.config).apply({"params": params}, target.embed(tokens), features,
+                                              method=_EagleNet.inputs)
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array,
                      rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -142,6 +152,11 @@ class Eagle:
         """`reg_weight * SmoothL1 + cls_weight * CE(teacher)`; the predicted f_{t+1} is scored where token
         t + 2 (the one it drafts) is a training target. `target_out` needs logits for the CE term."""
         logits, predicted = self.draft_logits(params, target, batch["tokens"], target_out.hidden, batch.get("rng"))
+        return self.objective(logits, predicted, batch, target_out)
+
+    def objective(self, logits: jax.Array, predicted: jax.Array, batch: dict,
+                  target_out: Output) -> tuple[jax.Array, dict]:
+        """The loss of teacher-forced drafts (`draft_logits`' outputs)."""
         t = batch["tokens"].shape[1]
         mask = batch["loss_mask"][:, 2:].astype(jnp.float32)
         reg = optax.huber_loss(predicted[:, : t - 2], target_out.hidden[:, 1: t - 1].astype(jnp.float32)).mean(-1)
@@ -152,24 +167,29 @@ class Eagle:
 
 class _EagleNet(nn.Module):
     target: ModelConfig
+    num_layers: int = 1
 
     def setup(self) -> None:
         self.fc = nn.Dense(self.target.hidden_size, name="fc")
-        self.layer = decoder_stack(block_config(self.target, 1), jnp.float32, "xla", name="layer")
+        self.layer = decoder_stack(block_config(self.target, self.num_layers), jnp.float32, "xla", name="layer")
 
     def __call__(self, embeds: jax.Array, features: jax.Array, positions: jax.Array, cache: KVCache | None,
                  new_mask: jax.Array | None = None, prefix: PrefixKV | None = None) -> tuple[jax.Array, Any]:
         """Inputs `(E(next token), feature)` `[B, T, D]` each -> (predicted next features `[B, T, D]`, cache)."""
-        x = self.fc(jnp.concatenate([embeds, features], axis=-1))
-        return run_stack(self.layer, block_config(self.target, 1), x, positions, cache, new_mask, prefix)
+        return run_stack(self.layer, block_config(self.target, self.num_layers), self.inputs(embeds, features),
+                         positions, cache, new_mask, prefix)
+
+    def inputs(self, embeds: jax.Array, features: jax.Array) -> jax.Array:
+        """The stack's inputs `FC([E(token) ; feature])` `[..., D]`."""
+        return self.fc(jnp.concatenate([embeds, features], axis=-1))
 
 
 @dataclasses.dataclass
-class _Drafting:
+class FeatureDrafting:
     """One step's tree drafting: expansions of the layer over tree nodes, each depth in one call, with the
     earlier depths' keys/values of this step as scratch that only their descendants see."""
 
-    net: _EagleNet
+    eagle: Eagle
     params: dict
     target: Target
     ctx: DraftContext
@@ -178,19 +198,23 @@ class _Drafting:
         """Draft log-probabilities `[..., V]` of predicted features `[..., D]` through the frozen lm_head."""
         return jax.nn.log_softmax(features @ self.target.lm_head(), axis=-1)
 
+    def inputs(self, tokens: jax.Array, features: jax.Array) -> jax.Array:
+        return self.eagle.inputs(self.params, self.target, tokens, features)
+
     def expand(self, tokens: jax.Array, parent_features: jax.Array, depth: int, sees: jax.Array,
-               scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+               scratch: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Run `M` nodes of tree depth `depth` (tokens `[B, M]`, their parents' predicted features `[B, M, D]`)
-        in one call; `sees [B, M, S]`: which scratch slots (earlier calls' nodes) each one sees. Returns their
-        predicted features `[B, M, D]` and their keys/values `[1, B, M, KVH, Dh]` for later scratch."""
+        in one call; `sees [B, M, S]`: which `scratch` slots (earlier calls' nodes; None: there are none) each
+        one sees. Returns their predicted features `[B, M, D]` and their keys/values `[L, B, M, KVH, Dh]`."""
         cache = self.ctx.state["caches"][0]
         b, m = tokens.shape
         positions = jnp.broadcast_to(cache.lengths[:, None] + depth - 1, (b, m))
-        prefix = PrefixKV(*scratch, sees) if scratch[0].shape[2] else None
-        out, written = self.net.apply({"params": self.params}, self.target.embed(tokens), parent_features, positions,
-                                      cache, jnp.broadcast_to(jnp.eye(m, dtype=bool), (b, m, m)), prefix)
+        prefix = PrefixKV(*scratch, sees) if scratch is not None and scratch[0].shape[2] else None
+        own = jnp.broadcast_to(jnp.eye(m, dtype=bool), (b, m, m))
+        out, written = self.eagle._net(self.target.config).apply(
+            {"params": self.params}, self.target.embed(tokens), parent_features, positions, cache, own, prefix)
 
-        def new_entries(layer: jax.Array) -> jax.Array:  # [1, B, S, KVH, Dh] -> [1, B, M, KVH, Dh]
+        def new_entries(layer: jax.Array) -> jax.Array:  # [L, B, S, KVH, Dh] -> [L, B, M, KVH, Dh]
             return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, m, 1), (1, 0), 1)(layer, cache.lengths)
 
         return out, (new_entries(written.k), new_entries(written.v))
@@ -219,24 +243,25 @@ class _Drafting:
         return Proposal(tokens, batched(tree_arrays(spec), b))
 
     def dynamic(self, budget: TreeBudget) -> Proposal:
-        """EAGLE-2 (`trees.grow_dynamic_tree`): the frontiers run through the layer, their keys/values kept as
-        this step's scratch at the slots the builder assigns."""
-        k = budget.max_children
-
-        def expand(tokens: jax.Array, parent_features: jax.Array, d: int, sees: jax.Array,
-                   scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
-            features, kv = self.expand(tokens, parent_features, d, sees, scratch)
-            scratch = tuple(x.at[:, :, (d - 1) * k: d * k].set(y) for x, y in zip(scratch, kv, strict=True))
-            return self.logprobs(features), features, scratch
-
+        """EAGLE-2 (`trees.grow_dynamic_tree`): each frontier runs through the layer in one call, its
+        keys/values kept as this step's scratch at the slots the builder assigns."""
         base, b = self.ctx.state["base"], self.ctx.root.shape[0]
-        scratch = _empty_scratch(self.ctx.state["caches"][0], b, (budget.depth - 1) * k)
-        tokens, arrays = grow_dynamic_tree(self.ctx.root, self.logprobs(base), base, expand, scratch, budget)
+        scratch = _empty_scratch(self.ctx.state["caches"][0], b, (budget.depth - 1) * budget.max_children)
+        tokens, arrays = grow_dynamic_tree(self.ctx.root, self.logprobs(base), base, self.expansion, scratch, budget)
         return Proposal(tokens, arrays)
+
+    def expansion(self, tokens: jax.Array, parent_features: jax.Array, level: Expansion, sees: jax.Array,
+                  scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, tuple]:
+        """`trees.Expand`: a frontier through the layer; its children are its top-k drafts."""
+        features, kv = self.expand(tokens, parent_features, level.depth, sees, scratch)
+        end = level.offset + level.width
+        scratch = tuple(x.at[:, :, level.offset: end].set(y) for x, y in zip(scratch, kv, strict=True))
+        score, child = jax.lax.top_k(self.logprobs(features), level.children)
+        return score, child.astype(jnp.int32), features, scratch
 
 
 def _empty_scratch(cache: KVCache, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:
-    shape = (1, batch, slots) + cache.k.shape[3:]
+    shape = (cache.k.shape[0], batch, slots) + cache.k.shape[3:]
     return jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype)
 
 
