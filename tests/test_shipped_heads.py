@@ -21,7 +21,9 @@ from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.trees import PRESETS, get_tree, searched_tree_path
 
 MODEL = default_model_dir()
-METHODS = ("medusa", "amphista")
+METHODS = ("medusa", "amphista")  # heads that fill static trees, each with a CPU tree searched for it
+GROWN = {"eagle": ("mc_sim_7b_63", "dynamic"), "gumiho": ("dynamic-63x7x35",)}  # feature-level drafters
+SHIPPED = sorted(METHODS + tuple(GROWN))
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +35,19 @@ def target():
 @pytest.fixture(scope="module")
 def heads(target):
     params, config, _ = target
-    return {m: load_draft(shipped_heads_dir(m), config, params)[1:] for m in METHODS}
+    return {m: load_draft(shipped_heads_dir(m), config, params)[1:] for m in SHIPPED}
 
 
 def test_shipped_heads_files(target):
     _, config, _ = target
-    assert shipped_heads() == sorted(METHODS)
-    for name in METHODS:
+    assert shipped_heads() == SHIPPED
+    for name in SHIPPED:
         path = shipped_heads_dir(name)
         meta = json.loads((path / "draft.json").read_text())
         assert meta["method"] == name.removesuffix("-plus") and meta["target"]["vocab_size"] == config.vocab_size
         assert sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) < 8 * 2**20  # bf16 on disk
+        if name not in METHODS:
+            continue
         tree = get_tree("auto", path)  # the CPU tree searched for these heads, within the heads' depth
         assert searched_tree_path(path, "cpu").is_file() and 1 <= tree.num_nodes - 1 <= 63
         assert tree.depth <= meta["settings"]["num_heads"]
@@ -51,12 +55,12 @@ def test_shipped_heads_files(target):
         shipped_heads_dir("no-such-method")
 
 
-@pytest.mark.parametrize("tree_name", ["auto", "mc_sim_7b_63"])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("method", "tree_name"), [(m, t) for m in METHODS for t in ("auto", "mc_sim_7b_63")]
+                         + [(m, t) for m, trees in GROWN.items() for t in trees])
 def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, tree_name):
     """Greedy speculative decoding with the trained heads == AR, batch 3 (three HumanEval prompts of
-    different lengths), on the tree searched for the heads and on the papers' 63-node tree; trained heads
-    commit clearly more than 1 token/forward."""
+    different lengths), on the tree searched for the heads and on the papers' 63-node tree (EAGLE: also its
+    dynamic tree; Gumiho: its dynamic budget); trained heads commit clearly more than 1 token/forward."""
     params, config, tok = target
     drafter, draft_params = heads[method]
     prompts = [encode_prompt(tok, humaneval_prompt(f"HumanEval/{i}")) for i in (2, 4, 7)]
@@ -87,7 +91,7 @@ def test_demo_runs_without_torch_and_checks_losslessness():
 
 
 def test_tree_presets_fit_the_shipped_heads(heads):
-    for drafter, _ in heads.values():
+    for drafter, _ in (heads[m] for m in METHODS):
         assert all(get_tree(name).depth <= drafter.num_heads for name in PRESETS)
 
 

@@ -109,18 +109,18 @@ def main() -> None:
                      "propose_ms_by_depth": by_depth,
                      "head_increment_ms": by_depth[:1] + [b - a for a, b in itertools.pairwise(by_depth)]})
     depth = max(len(r["head_increment_ms"]) for r in rows)
-    heads = " | ".join(f"head {i + 1}" for i in range(depth))
+    heads = "".join(f" head {i + 1} |" for i in range(depth))
     lines = [f"model: {model}; batch {args.batch}; {args.committed} committed tokens; backend: "
              f"{jax.default_backend()}; times in ms (median of {args.runs}); each part of `spec_step` jitted on its "
              "own; draft share = (propose + commit) / step; head i = propose on the tree cut at depth i minus at "
              "depth i - 1", "",
-             f"| method | tree | nodes | propose | verify | commit | engine commit | step | draft share | {heads} |",
+             f"| method | tree | nodes | propose | verify | commit | engine commit | step | draft share |{heads}",
              "|---|---|---|---|---|---|---|---|---|" + "---|" * depth]
     for r in rows:
         inc = [f"{x:.3f}" for x in r["head_increment_ms"]] + ["-"] * (depth - len(r["head_increment_ms"]))
         lines.append(f"| {r['method']} | {r['tree']} | {r['nodes']} | {r['propose_ms']:.3f} | {r['verify_ms']:.3f} | "
                      f"{r['commit_ms']:.3f} | {r['engine_commit_ms']:.3f} | {r['step_ms']:.3f} | "
-                     f"{r['draft_share']:.0%} | {' | '.join(inc)} |")
+                     f"{r['draft_share']:.0%} |" + "".join(f" {x} |" for x in inc))
     write_report(args.out, "draft_overhead", rows, "\n".join(lines))
 
 
