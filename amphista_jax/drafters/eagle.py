@@ -1,14 +1,15 @@
 """EAGLE (Li et al., 2024) and EAGLE-2's context-aware dynamic draft tree.
 
-EAGLE drafts at the feature level (`../shared/papers/gumiho.txt`, section 2 reviews it): one decoder layer of
-the target's block type, with its own KV cache, reads `FC([E(x_{t+1}) ; f_t]) -> D` (`f_t` the target's
-last-layer hidden state at t, after the final norm) and predicts `f_{t+1}`; the target's frozen `lm_head` turns
-the prediction into the draft distribution of `x_{t+2}`. Drafting is autoregressive in that feature space: a
-drafted node's predicted feature is its children's input feature. (The decoder layer keeps its input norm;
-EAGLE's reference drops it in its first layer, a detail that does not change what is drafted from what.)
+EAGLE drafts at the feature level (`../shared/papers/gumiho.txt`, section 2 reviews it): `num_layers` decoder
+layers (EAGLE: one; Gumiho's serial part: two) of the target's block type, with their own KV cache, read
+`FC([E(x_{t+1}) ; f_t]) -> D` (`f_t` the target's last-layer hidden state at t, after the final norm) and
+predict `f_{t+1}`; the target's frozen `lm_head` turns the prediction into the draft distribution of `x_{t+2}`.
+Drafting is autoregressive in that feature space: a drafted node's predicted feature is its children's input
+feature. (Every layer keeps its input norm; EAGLE's reference drops it in the first layer, a detail that does
+not change what is drafted from what.)
 
 Slot `p` of the drafter's cache holds its input `(E(x_{p+1}), f_p)`; it stays in step with the target's
-cache (`causal_layers.py`): `prefill` runs the layer over the prompt (the root is the last slot's next token)
+cache (`causal_layers.py`): `prefill` runs the layers over the prompt (the root is the last slot's next token)
 and `commit` over the accepted path (each path node's next token, then the bonus, with the target's features
 at those nodes). The output at the last committed slot (`state["base"]`, the prediction of the root's own
 feature) gives the root's children. A tree node at depth d then sits at drafter position `lengths + d - 1`
