@@ -285,10 +285,10 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
     # The verify forward writes N + E scratch slots after the committed ones (E: the proposal's extras).
     ctx = DraftContext(hidden, first, cache.lengths, draft_state)
     shape = jax.eval_shape(lambda: st.drafter.propose(draft_params, frozen, ctx, st.tree, rng))
-    scratch = scratch_slots(st.drafter, st.tree)
-    if st.tree.num_nodes + (shape.extras.count if shape.extras else 0) != scratch:
-        raise ValueError(f"the drafter's proposals carry {shape.extras.count if shape.extras else 0} extras but its "
-                         f"num_extras(tree) says {scratch - st.tree.num_nodes}")
+    scratch, extras = scratch_slots(st.drafter, st.tree), shape.extras.count if shape.extras else 0
+    if st.tree.num_nodes + extras != scratch:
+        raise ValueError(f"the drafter's proposals carry {extras} extras but its num_extras(tree) says "
+                         f"{scratch - st.tree.num_nodes}")
     _check_static_fit(t, st.max_new_tokens, scratch, cache_size)
     stats = jnp.zeros((b, st.stat_shape[0] * st.stat_shape[1]), jnp.int32)
     return SpecState(

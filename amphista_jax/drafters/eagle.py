@@ -177,8 +177,12 @@ class _EagleNet(nn.Module):
     def __call__(self, embeds: jax.Array, features: jax.Array, positions: jax.Array, cache: KVCache | None,
                  new_mask: jax.Array | None = None, prefix: PrefixKV | None = None) -> tuple[jax.Array, Any]:
         """Inputs `(E(next token), feature)` `[B, T, D]` each -> (predicted next features `[B, T, D]`, cache)."""
-        return run_stack(self.layer, block_config(self.target, self.num_layers), self.inputs(embeds, features),
-                         positions, cache, new_mask, prefix)
+        return self.layers(self.inputs(embeds, features), positions, cache, new_mask, prefix)
+
+    def layers(self, x: jax.Array, positions: jax.Array, cache: KVCache | None, new_mask: jax.Array | None = None,
+               prefix: PrefixKV | None = None) -> tuple[jax.Array, Any]:
+        """The decoder stack on its inputs `[B, T, D]` -> (outputs `[B, T, D]`, cache)."""
+        return run_stack(self.layer, block_config(self.target, self.num_layers), x, positions, cache, new_mask, prefix)
 
     def inputs(self, embeds: jax.Array, features: jax.Array) -> jax.Array:
         """The stack's inputs `FC([E(token) ; feature])` `[..., D]`."""
@@ -203,22 +207,24 @@ class FeatureDrafting:
         return self.eagle.inputs(self.params, self.target, tokens, features)
 
     def expand(self, tokens: jax.Array, parent_features: jax.Array, depth: int, sees: jax.Array,
-               scratch: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+               scratch: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
         """Run `M` nodes of tree depth `depth` (tokens `[B, M]`, their parents' predicted features `[B, M, D]`)
         in one call; `sees [B, M, S]`: which `scratch` slots (earlier calls' nodes; None: there are none) each
-        one sees. Returns their predicted features `[B, M, D]` and their keys/values `[L, B, M, KVH, Dh]`."""
+        one sees. Returns their predicted features `[B, M, D]`, their keys/values `[L, B, M, KVH, Dh]` and their
+        stack inputs `[B, M, D]`."""
         cache = self.ctx.state["caches"][0]
         b, m = tokens.shape
         positions = jnp.broadcast_to(cache.lengths[:, None] + depth - 1, (b, m))
         prefix = PrefixKV(*scratch, sees) if scratch is not None and scratch[0].shape[2] else None
         own = jnp.broadcast_to(jnp.eye(m, dtype=bool), (b, m, m))
+        inputs = self.inputs(tokens, parent_features)
         out, written = self.eagle._net(self.target.config).apply(
-            {"params": self.params}, self.target.embed(tokens), parent_features, positions, cache, own, prefix)
+            {"params": self.params}, inputs, positions, cache, own, prefix, method=_EagleNet.layers)
 
         def new_entries(layer: jax.Array) -> jax.Array:  # [L, B, S, KVH, Dh] -> [L, B, M, KVH, Dh]
             return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, m, 1), (1, 0), 1)(layer, cache.lengths)
 
-        return out, (new_entries(written.k), new_entries(written.v))
+        return out, (new_entries(written.k), new_entries(written.v)), inputs
 
     def static(self, spec: TreeSpec) -> Proposal:
         """EAGLE on a static tree: depth by depth, each expanded node's children are the top-k of its own
@@ -237,8 +243,9 @@ class FeatureDrafting:
             if not len(level.expand):
                 break
             m = len(level.expand)
-            features, kv = self.expand(children[:, level.expand], features[:, level.parent_slot[level.expand]], depth,
-                                       jnp.broadcast_to(sees[depth - 1], (b,) + sees[depth - 1].shape), scratch)
+            parents = features[:, level.parent_slot[level.expand]]
+            features, kv, _ = self.expand(children[:, level.expand], parents, depth,
+                                          jnp.broadcast_to(sees[depth - 1], (b,) + sees[depth - 1].shape), scratch)
             scratch = tuple(s.at[:, :, used: used + m].set(x) for s, x in zip(scratch, kv, strict=True))
             used += m
         return Proposal(tokens, batched(tree_arrays(spec), b))
@@ -254,7 +261,7 @@ class FeatureDrafting:
     def expansion(self, tokens: jax.Array, parent_features: jax.Array, level: Expansion, sees: jax.Array,
                   scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, tuple]:
         """`trees.Expand`: a frontier through the layer; its children are its top-k drafts."""
-        features, kv = self.expand(tokens, parent_features, level.depth, sees, scratch)
+        features, kv, _ = self.expand(tokens, parent_features, level.depth, sees, scratch)
         end = level.offset + level.width
         scratch = tuple(x.at[:, :, level.offset: end].set(y) for x, y in zip(scratch, kv, strict=True))
         score, child = jax.lax.top_k(self.logprobs(features), level.children)

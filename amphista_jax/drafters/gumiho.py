@@ -118,8 +118,7 @@ class Gumiho:
         def expand(tokens: jax.Array, carry: Any, level: Expansion, sees: jax.Array,
                    memory: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
             if level.depth == 1:  # the serial stack on the depth-1 frontier: its children are depth 2
-                features, _ = draft.expand(tokens, carry, 1, sees, None)  # depth 1 sees no other node
-                inputs = draft.inputs(tokens, carry)
+                features, _, inputs = draft.expand(tokens, carry, 1, sees, None)  # depth 1 sees no other node
                 score, child = jax.lax.top_k(draft.logprobs(features), level.children)
                 return score, child.astype(jnp.int32), {"feature": features, "input": inputs}, memory
             if level.depth == 2:  # the parallel heads on each depth-2 node's own serial pair
