@@ -121,34 +121,34 @@ def verify_rejection(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sam
     depth, width = tree.max_depth, tree.max_children
 
     def one(tok: jax.Array, p_all: jax.Array, q_all: jax.Array | None, kids: jax.Array, key: jax.Array):
-        cur, p, alive = jnp.int32(0), p_all[0], jnp.bool_(True)
+        # One try per loop turn: child `c` of `cur` at depth `d`. The walk stops at the first node none of whose
+        # children is accepted (or at the depth budget), so a step costs the nodes actually tried, not N.
+        def trying(s: tuple) -> jax.Array:
+            d, c, cur = s[0], s[1], s[2]
+            return (d < depth) & (c < width) & (kids[cur, jnp.minimum(c, width - 1)] >= 0)
+
+        def try_child(s: tuple) -> tuple:
+            d, c, cur, p, path = s
+            child = kids[cur, c]
+            x = tok[child]
+            u = jax.random.uniform(jax.random.fold_in(key, d * width + c))
+            if q_all is None:  # point mass on x: accept with p(x); residual = p without x
+                accept = u < p[x]
+                residual = p.at[x].set(0.0) / jnp.maximum(1.0 - p[x], 1e-20)
+            else:
+                qd = q_all[child]
+                accept = u < p[x] / jnp.maximum(qd[x], 1e-20)
+                residual = jnp.maximum(p - qd, 0.0)
+                residual = residual / jnp.maximum(residual.sum(), 1e-20)
+            p = jnp.where(accept, p_all[child], residual)
+            path = jnp.where(accept, path.at[d + 1].set(child), path)
+            return d + accept, jnp.where(accept, 0, c + 1), jnp.where(accept, child, cur), p, path
+
         path = jnp.full((depth + 1,), -1, jnp.int32).at[0].set(0)
-        count = jnp.int32(1)
-        for d in range(depth):
-            chosen = jnp.int32(-1)
-            for c in range(width):
-                child = kids[cur, c]
-                trying = alive & (child >= 0) & (chosen < 0)
-                x = tok[jnp.maximum(child, 0)]
-                u = jax.random.uniform(jax.random.fold_in(key, d * width + c))
-                if q_all is None:  # point mass on x: accept with p(x); residual = p without x
-                    accept = trying & (u < p[x])
-                    residual = p.at[x].set(0.0) / jnp.maximum(1.0 - p[x], 1e-20)
-                else:
-                    qd = q_all[jnp.maximum(child, 0)]
-                    accept = trying & (u < p[x] / jnp.maximum(qd[x], 1e-20))
-                    residual = jnp.maximum(p - qd, 0.0)
-                    residual = residual / jnp.maximum(residual.sum(), 1e-20)
-                p = jnp.where(trying & ~accept, residual, p)
-                chosen = jnp.where(accept, child, chosen)
-            moved = chosen >= 0
-            cur = jnp.where(moved, chosen, cur)
-            p = jnp.where(moved, p_all[jnp.maximum(chosen, 0)], p)
-            path = path.at[d + 1].set(jnp.where(moved, chosen, -1))
-            count = count + moved
-            alive = alive & moved
+        d, _, _, p, path = jax.lax.while_loop(trying, try_child, (jnp.int32(0), jnp.int32(0), jnp.int32(0),
+                                                                  p_all[0], path))
         bonus = jax.random.categorical(jax.random.fold_in(key, 10_000), jnp.log(p))
-        return path, count, bonus.astype(jnp.int32)
+        return path, d + 1, bonus.astype(jnp.int32)
 
     keys = jax.random.split(rng, tokens.shape[0])
     path, count, bonus = jax.vmap(one, in_axes=(0, 0, None if q is None else 0, 0, 0))(tokens, probs, q,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -10,6 +11,16 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. Every XLA:CPU executable holds a few memory
+    mappings until its cache entry goes, and one xdist worker running half the suite compiles enough of them
+    to pass the kernel's per-process limit (vm.max_map_count, 65530), where LLVM's JIT segfaults mid-compile."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 # name -> (transformers config class, model class, config kwargs)
 HF_VARIANTS = {
