@@ -13,14 +13,27 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def _memory_maps() -> tuple[int, int]:
+    """(memory mappings of this process, the kernel's per-process limit); (0, 0) where /proc has neither."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop JAX's compiled programs after each test module. Every XLA:CPU executable holds a few memory
-    mappings until its cache entry goes, and one xdist worker running half the suite compiles enough of them
-    to pass the kernel's per-process limit (vm.max_map_count, 65530), where LLVM's JIT segfaults mid-compile."""
+    """Every XLA:CPU executable holds a few memory mappings until its cache entry goes, and one xdist worker
+    running half the suite compiles enough of them to pass the kernel's per-process limit (vm.max_map_count,
+    65530), where LLVM's JIT segfaults mid-compile. After a test module, once past a third of the limit (the
+    largest module adds ~23k), drop JAX's compiled programs; below it they stay cached for later modules."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    used, limit = _memory_maps()
+    if used > limit // 3:
+        jax.clear_caches()
+        gc.collect()
+
 
 # name -> (transformers config class, model class, config kwargs)
 HF_VARIANTS = {

@@ -120,7 +120,11 @@ def test_ablations_change_the_parameter_tree_as_the_paper_describes(target):
     assert shapes["low-rank lm heads"]["['lm_a']"] == (4, d, 16) and "['lm_head']" not in shapes["low-rank lm heads"]
 
 
-@pytest.mark.parametrize("name", sorted(ABLATIONS))
+FAST_ABLATIONS = {"amphista", "w/o staged-adaptation"}  # the rest change one component each: `-m slow`
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_ABLATIONS else pytest.mark.slow)
+                                  for n in sorted(ABLATIONS)])
 def test_every_ablation_trains(target, name):
     assert_trains(Amphista(**ABLATIONS[name]), target)
 
@@ -138,7 +142,7 @@ def test_alignment_term_reads_the_target_logits_one_position_before_the_label(ta
         def align(lg, k=k):
             return amphista.loss(params, target, batch, Output(hidden, lg, None))[1][f"head{k}/alignment"]
 
-        grad = np.abs(np.asarray(jax.grad(align)(logits))).sum(-1)[0]
+        grad = np.abs(np.asarray(jax.jit(jax.grad(align))(logits))).sum(-1)[0]
         assert np.flatnonzero(grad).tolist() == [j - 1]
 
 
@@ -148,8 +152,12 @@ def trained(target):
     return amphista, fitted_heads(amphista, target)
 
 
-@pytest.mark.parametrize("tree", sorted(PRESETS))
-@pytest.mark.parametrize("heads", ["untrained", "trained"])
+FAST_GREEDY = {("trained", "mc_sim_7b_63"), ("trained", "chain-4"), ("untrained", "small-8"), ("untrained", "chain-1")}
+
+
+@pytest.mark.parametrize(("heads", "tree"), [
+    pytest.param(h, t, marks=() if (h, t) in FAST_GREEDY else pytest.mark.slow)
+    for h in ("untrained", "trained") for t in sorted(PRESETS)])
 def test_greedy_amphista_equals_ar(target, trained, tree, heads):
     amphista, params = trained if heads == "trained" else (Amphista(num_heads=4), None)
     params = params if params is not None else _random_heads(amphista, target)

@@ -156,7 +156,8 @@ def test_proposals_stay_in_budget_and_fta_lengthens_short_paths(target):
 
 
 @pytest.mark.parametrize(("weights", "fta", "budget"), [
-    ("untrained", True, (20, 5, 4)), ("trained", True, (20, 5, 4)), ("trained", False, (20, 5, 4)),
+    ("untrained", True, (20, 5, 4)), pytest.param("trained", True, (20, 5, 4), marks=pytest.mark.slow),
+    ("trained", False, (20, 5, 4)),
     ("trained", True, (63, 7, 35)),
     pytest.param("untrained", False, (63, 7, 35), marks=pytest.mark.slow)])
 def test_greedy_gumiho_equals_ar(target, trained, weights, fta, budget):

@@ -206,7 +206,7 @@ def test_embedding_noise_only_with_a_training_rng(target):
     assert plain == losses[0.0][0] and noisy0 != plain and noisy1 != noisy0
 
 
-@pytest.mark.parametrize("variant", ["hydra", "hydra++", "hydra+noise"])
+@pytest.mark.parametrize("variant", ["hydra", "hydra++", pytest.param("hydra+noise", marks=pytest.mark.slow)])
 def test_training_lowers_the_loss(target, variant):
     assert_trains(Hydra(alpha_noise=75.0) if variant == "hydra+noise" else VARIANTS[variant], target)
 
