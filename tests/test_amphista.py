@@ -92,6 +92,8 @@ ABLATIONS = {
     "three stages": {"adaptation_stages": 3},
     "amphista-alpha": {"auto_embedding_layers": 2},
     "low-rank lm heads": {"lm_head_rank": 16},
+    "every change at once": {"positional_encoding": False, "adaptation_stages": 3, "sampled_token": False,
+                             "auto_embedding_layers": 2, "lm_head_rank": 16},
 }
 
 
@@ -120,7 +122,9 @@ def test_ablations_change_the_parameter_tree_as_the_paper_describes(target):
     assert shapes["low-rank lm heads"]["['lm_a']"] == (4, d, 16) and "['lm_head']" not in shapes["low-rank lm heads"]
 
 
-FAST_ABLATIONS = {"amphista", "w/o staged-adaptation"}  # the rest change one component each: `-m slow`
+# The default run trains the full model, the one without adaptation layers, and one with every other change at
+# once; each single change on its own trains under `-m slow`.
+FAST_ABLATIONS = {"amphista", "w/o staged-adaptation", "every change at once"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_ABLATIONS else pytest.mark.slow)

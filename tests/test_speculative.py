@@ -15,7 +15,7 @@ from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.trees import PRESETS, TreeSpec, batched, dynamic_tree, tree_arrays
+from amphista_jax.trees import PRESETS, TreeSpec, batched, children, dynamic_tree, tree_arrays
 from amphista_jax.verify import verify_rejection
 from tests.helpers import CHI2_999, CONFIG, PROMPTS, chi_square, count_compiles, reference_rows
 
@@ -201,6 +201,67 @@ def test_tree_rejection_sampling_keeps_the_target_distribution(proposal):
     took_1 = (count >= 2) & (nodes[:, 1] == 1)
     second = np.where(count[took_1] >= 3, tokens[0, np.maximum(nodes[took_1, 2], 0)], bonus[took_1])
     assert chi_square(np.bincount(second, minlength=vocab), probs[1]) < CHI2_999[7]
+
+
+def _reference_walk(tokens, probs, q, kids, key, depth):
+    """Plain numpy, one row: from the root, try each node's children in rank order with the draw
+    `uniform(fold_in(key, d * C + c))`; accept the first with `u < p(x) / q(x)` (q = None: a point mass on x);
+    after a rejection the target becomes the residual. Returns (path, count, final distribution)."""
+    width = kids.shape[1]
+    cur, p, path = 0, probs[0], [0]
+    for d in range(depth):
+        chosen = -1
+        for c in range(width):
+            child = kids[cur, c]
+            if child < 0:
+                break
+            x = tokens[child]
+            u = float(jax.random.uniform(jax.random.fold_in(key, d * width + c)))
+            qx = 1.0 if q is None else q[child][x]
+            if u < p[x] / max(qx, 1e-20):
+                chosen = child
+                break
+            if q is None:
+                p = np.where(np.arange(p.size) == x, 0.0, p) / max(1.0 - p[x], 1e-20)
+            else:
+                p = np.maximum(p - q[child], 0.0)
+                p = p / max(p.sum(), 1e-20)
+        if chosen < 0:
+            break
+        cur, p = chosen, probs[chosen]
+        path.append(chosen)
+    return path, len(path), p
+
+
+@pytest.mark.parametrize("draft", ["point-mass", "iid-q"])
+def test_rejection_walk_equals_a_plain_python_walk(draft):
+    """Per row, the accepted path and its length equal a plain numpy walk with the same draws (63-node tree,
+    batch 4, sharp targets so paths get deep), and the bonus lies in the final distribution's support."""
+    b, vocab = 4, 32
+    spec = PRESETS["mc_sim_7b_63"]
+    arrays = batched(tree_arrays(spec), b)
+    n = spec.num_nodes
+    kids = np.asarray(children(arrays))
+    run = jax.jit(lambda t, lg, k, q: verify_rejection(t, lg, arrays, SamplingConfig(1.0), k, q))
+    deepest = 0
+    for seed in range(12):
+        rng = np.random.RandomState(seed)
+        tokens = rng.randint(0, 3, size=(b, n)).astype(np.int32)
+        logits = rng.normal(size=(b, n, vocab)).astype(np.float32)
+        logits[:, :, :3] += 4.0  # most of the mass on the drafted tokens
+        q = None if draft == "point-mass" else np.asarray(
+            jax.nn.softmax(jnp.asarray(rng.normal(size=(b, n, vocab)), jnp.float32) * 2, -1))
+        key = jax.random.key(seed)
+        v = run(jnp.asarray(tokens), jnp.asarray(logits), key, None if q is None else jnp.asarray(q))
+        probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), -1), np.float64)
+        for row, row_key in enumerate(jax.random.split(key, b)):
+            path, count, final = _reference_walk(tokens[row], probs[row], None if q is None else q[row], kids[row],
+                                                 row_key, arrays.max_depth)
+            assert int(v.n_accepted[row]) == count
+            np.testing.assert_array_equal(np.asarray(v.accepted_nodes[row]), path + [-1] * (spec.depth + 1 - count))
+            assert final[int(v.bonus[row])] > 0
+            deepest = max(deepest, count)
+    assert deepest >= 3  # the walk went past depth 1 and tried later siblings
 
 
 def test_rejection_sampling_with_iid_draft_distribution_q():
