@@ -124,7 +124,7 @@ def verify_rejection(tokens: jax.Array, logits: jax.Array, tree: TreeArrays, sam
         # One try per loop turn: child `c` of `cur` at depth `d`. The walk stops at the first node none of whose
         # children is accepted (or at the depth budget), so a step costs the nodes actually tried, not N.
         def trying(s: tuple) -> jax.Array:
-            d, c, cur = s[0], s[1], s[2]
+            d, c, cur, _, _ = s
             return (d < depth) & (c < width) & (kids[cur, jnp.minimum(c, width - 1)] >= 0)
 
         def try_child(s: tuple) -> tuple:
