@@ -264,6 +264,13 @@ class SpecState:
     rng: jax.Array
 
 
+def decode_params(drafter: Any, draft_params: Any) -> Any:
+    """The drafter's parameters in the layout its `propose` and `commit` read (its optional `decode_params`),
+    made once per generation, outside the decode loop."""
+    layout = getattr(drafter, "decode_params", None)  # optional in the contract
+    return draft_params if layout is None else layout(draft_params)
+
+
 def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
               cache_size: int, settings: SpecSettings) -> SpecState:
     """Prefill the target and the drafter on the right-padded prompts `[B, T]`; the first token comes from
@@ -408,6 +415,7 @@ def speculative_generate(
     equals `generate`'s token for token. Needs `cache_size >= prompt.shape[1] + max_new_tokens +
     scratch_slots(drafter, tree)` (the tree's nodes and the drafter's extras; checked at trace time)."""
     settings = SpecSettings(config, drafter, tree, max_new_tokens, sampling, acceptance, eos_ids, pad_id, attention)
+    draft_params = decode_params(drafter, draft_params)
     state = spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, settings)
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
                                lambda s: spec_step(params, draft_params, s, settings), state)

@@ -45,6 +45,8 @@ from amphista_jax.drafters.base import (
     accepted_tokens,
     check_tree_depth,
     head_losses,
+    project_heads,
+    split_heads,
     topk_proposal,
 )
 from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
@@ -139,7 +141,19 @@ class Amphista:
     def head_logits(self, params: dict, target: Target, adapted: jax.Array, depth: int | None = None) -> jax.Array:
         """Adapted states `[..., S, D]` -> fp32 draft logits `[..., depth, V]` of the first `depth` heads
         (default: all; Eq. 2-6)."""
-        return self._net(target.config).apply({"params": params}, adapted, depth, method=_AmphistaNet.heads)
+        return self.project(params, self._net(target.config).apply({"params": params}, adapted,
+                                                                    method=_AmphistaNet.heads), depth)
+
+    def project(self, params: dict, x: jax.Array, depth: int | None = None) -> jax.Array:
+        """Eq. 6, the per-head LM heads (full, or low-rank `lm_a` then `lm_b`): head states `[..., K, D]` ->
+        fp32 logits `[..., depth, V]` of the first `depth` heads (default: all)."""
+        kept = depth or self.num_heads
+        if self.lm_head_rank:
+            return project_heads(project_heads(x, params["lm_a"], kept), params["lm_b"], kept).astype(jnp.float32)
+        return project_heads(x, params["lm_head"], kept).astype(jnp.float32)
+
+    def decode_params(self, params: dict) -> dict:
+        return split_heads(params, ("lm_head", "lm_a", "lm_b"))
 
     def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: dict) -> tuple[dict, jax.Array]:
@@ -153,7 +167,8 @@ class Amphista:
         embed = target.embed(jnp.roll(tokens, -1, axis=1))
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        return self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32), embed, positions)
+        return self.project(params, self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32),
+                                                                    embed, positions))
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Eq. 7-9 summed over heads. batch: `tokens [B, T]`, `loss_mask [B, T]`; `target_out` needs logits."""
@@ -179,16 +194,10 @@ class _AmphistaNet(nn.Module):
                 self.pe = self.param("pe", nn.initializers.normal(0.02), (k, d))
             self.encoder = decoder_stack(block_config(self.target, s.auto_embedding_layers), jnp.float32, "xla",
                                          name="auto_embedding")
-        # LM heads start as zeros here; `Amphista.init` sets them from the target's lm_head.
-        v = self.target.vocab_size
-        if s.lm_head_rank:
-            self.lm_a = self.param("lm_a", nn.initializers.zeros_init(), (k, d, s.lm_head_rank))
-            self.lm_b = self.param("lm_b", nn.initializers.zeros_init(), (k, s.lm_head_rank, v))
-        else:
-            self.lm_head = self.param("lm_head", nn.initializers.zeros_init(), (k, d, v))
 
     def __call__(self, hidden: jax.Array, next_embed: jax.Array, positions: jax.Array) -> jax.Array:
-        """Whole sequences without caches (training, init): `[B, T, D]` x2, `[B, T]` -> `[B, T, K, V]`."""
+        """Whole sequences without caches (training, init): `[B, T, D]` x2, `[B, T]` -> head states
+        `[B, T, K, D]`."""
         adapted, _ = self.adapt(hidden, next_embed, positions, None)
         return self.heads(adapted)
 
@@ -206,11 +215,10 @@ class _AmphistaNet(nn.Module):
             written.append(cache)
         return jnp.stack(outs, axis=-2), None if caches is None else tuple(written)
 
-    def heads(self, adapted: jax.Array, depth: int | None = None) -> jax.Array:
-        """Eq. 2-6: adapted states `[..., S, D]` -> fp32 draft logits `[..., depth, V]` of the first `depth`
-        heads (default: all K; the block still sees every head, only the vocabulary projections are cut)."""
+    def heads(self, adapted: jax.Array) -> jax.Array:
+        """Eq. 2-5: adapted states `[..., S, D]` -> the K heads' states `[..., K, D]` (every head sees every head
+        in the block); `Amphista.project` applies the LM heads (Eq. 6)."""
         s, k = self.spec, self.spec.num_heads
-        kept = depth or k
         x = adapted[..., jnp.asarray([i * s.stages // k for i in range(k)]), :]  # [..., K, D] head -> its stage
         x = x + nn.silu(jnp.einsum("...KD,KDE->...KE", x, self.head_w) + self.head_b)
         if s.auto_embedding:
@@ -223,8 +231,4 @@ class _AmphistaNet(nn.Module):
             flat, _ = run_stack(self.encoder, block_config(self.target, s.auto_embedding_layers), flat,
                                 jnp.zeros((n, k), jnp.int32), None, jnp.ones((n, k, k), bool))
             x = flat.reshape(x.shape)
-        x = x[..., :kept, :]
-        if s.lm_head_rank:
-            x = jnp.einsum("...KD,KDR->...KR", x, self.lm_a[:kept])
-            return jnp.einsum("...KR,KRV->...KV", x, self.lm_b[:kept]).astype(jnp.float32)
-        return jnp.einsum("...KD,KDV->...KV", x, self.lm_head[:kept]).astype(jnp.float32)
+        return x

@@ -46,6 +46,8 @@ from amphista_jax.drafters.base import (
     accepted_hidden,
     check_tree_depth,
     head_losses,
+    project_heads,
+    split_heads,
 )
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
@@ -128,20 +130,28 @@ class Hydra:
         embed = target.embed(path)  # [..., head + 1, D]
         base = jnp.broadcast_to(base.astype(jnp.float32), embed.shape[:-2] + base.shape[-1:])
         x = jnp.concatenate([base, embed.reshape(embed.shape[:-2] + (-1,))], axis=-1)
-        return self._net(target.config).apply({"params": params}, head, x, method=_HydraNet.head)
+        return self._logits(params, target, head, x)
+
+    def _logits(self, params: dict, target: Target, head: int, x: jax.Array) -> jax.Array:
+        """Head `head` (0-based) on its input `[..., (head + 2) D]` -> fp32 logits `[..., V]`: its MLP, then its
+        vocabulary projection."""
+        mlp = self._net(target.config).apply({"params": params}, head, x, method=_HydraNet.head)
+        return (mlp @ params["lm_head"][head]).astype(jnp.float32)
+
+    def decode_params(self, params: dict) -> dict:
+        return split_heads(params)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         """Deterministic top-k drafts (`q = None`), depth by depth: each node's children are the top-k of the
         next head applied to that node's own path."""
         tree = check_tree_depth(tree, self.num_heads, "Hydra")
-        net = self._net(target.config)
         b, n = ctx.root.shape[0], tree.num_nodes
         tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(ctx.root)
         # Head inputs of the nodes that have children, depth by depth: [B, M, (depth + 2) D].
         inputs = jnp.concatenate([self.base_state(ctx).astype(jnp.float32),
                                   target.embed(ctx.root)], axis=-1)[:, None]
         for depth, level in enumerate(tree_levels(tree)):
-            logits = net.apply({"params": params}, depth, inputs, method=_HydraNet.head)  # [B, M, V]
+            logits = self._logits(params, target, depth, inputs)  # [B, M, V]
             top = jax.lax.top_k(logits, int(level.rank.max()) + 1)[1].astype(jnp.int32)  # [B, M, k]
             children = top[:, level.parent_slot, level.rank]  # [B, C]
             tokens = tokens.at[:, level.nodes].set(children)
@@ -161,7 +171,8 @@ class Hydra:
                 self.alpha_noise / np.sqrt(t * d))
         path = jnp.stack([jnp.roll(embed, -(j + 1), axis=1) for j in range(self.num_heads)], axis=2)  # [B, T, K, D]
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        return self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32), path, positions)
+        mlps = self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32), path, positions)
+        return project_heads(mlps, params["lm_head"], self.num_heads).astype(jnp.float32)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Per head, `lm_weight * CE(truth) + teacher_weight * CE(softmax(target))`, summed over heads (the
@@ -202,14 +213,12 @@ class _HydraNet(nn.Module):
             self.prefix_layer = decoder_stack(block_config(self.target, 1), jnp.float32, "xla", name="prefix")
             self.prefix_norm = RMSNorm(self.target.rms_norm_eps, name="prefix_norm")
         self.mlps = [_HydraMLP(s.num_layers, d, name=f"head{i}") for i in range(s.num_heads)]
-        # Zeros here; `Hydra.init` sets every head's projection from the target's lm_head.
-        self.lm_head = self.param("lm_head", nn.initializers.zeros_init(), (s.num_heads, d, self.target.vocab_size))
 
     def __call__(self, hidden: jax.Array, path: jax.Array, positions: jax.Array) -> jax.Array:
         """Whole sequences without caches (training, init): hidden `[B, T, D]`, path embeddings
-        `[B, T, K, D]` (E of tokens t + 1 .. t + K), positions `[B, T]` -> `[B, T, K, V]`."""
+        `[B, T, K, D]` (E of tokens t + 1 .. t + K), positions `[B, T]` -> the heads' MLP outputs `[B, T, K, D]`."""
         base, _ = self.prefix(hidden, positions, None)
-        return jnp.stack([self.head(i, jnp.concatenate([base, path[:, :, : i + 1].reshape(path.shape[:2] + (-1,))],
+        return jnp.stack([self.mlps[i](jnp.concatenate([base, path[:, :, : i + 1].reshape(path.shape[:2] + (-1,))],
                                                        axis=-1))
                           for i in range(self.spec.num_heads)], axis=2)
 
@@ -223,5 +232,5 @@ class _HydraNet(nn.Module):
         return self.prefix_norm(x), cache
 
     def head(self, i: int, x: jax.Array) -> jax.Array:
-        """Head `i` (0-based) on its input `[..., (i + 2) D]` -> fp32 logits `[..., V]`."""
-        return jnp.einsum("...D,DV->...V", self.mlps[i](x), self.lm_head[i]).astype(jnp.float32)
+        """Head `i`'s MLP (0-based) on its input `[..., (i + 2) D]` -> `[..., D]`."""
+        return self.mlps[i](x)

@@ -20,6 +20,8 @@ from amphista_jax.drafters.base import (
     accepted_hidden,
     check_tree_depth,
     head_losses,
+    project_heads,
+    split_heads,
     topk_proposal,
 )
 from amphista_jax.models.config import ModelConfig
@@ -45,15 +47,18 @@ class Medusa:
         }
 
     def head_logits(self, params: dict, hidden: jax.Array, heads: int | None = None) -> jax.Array:
-        """`hidden [..., D]` -> fp32 logits `[..., K, V]` of the first `heads` heads (default: all); a shallow
+        """`hidden [..., D]` -> fp32 logits `[..., heads, V]` of the first `heads` heads (default: all); a shallow
         tree needs only its depth's heads, and each head's vocabulary projection is the costly part."""
-        k = heads or self.num_heads
+        k = self.num_heads
         x = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (k, hidden.shape[-1]))
         x = x.astype(params["w"].dtype)
         for layer in range(self.num_layers):
-            w, b = params["w"][:k, layer], params["b"][:k, layer]  # [K, D, D], [K, D]
+            w, b = params["w"][:, layer], params["b"][:, layer]  # [K, D, D], [K, D]
             x = x + jax.nn.silu(jnp.einsum("...KD,KDE->...KE", x, w) + b)
-        return jnp.einsum("...KD,KDV->...KV", x, params["lm_head"][:k]).astype(jnp.float32)
+        return project_heads(x, params["lm_head"], heads or k).astype(jnp.float32)
+
+    def decode_params(self, params: dict) -> dict:
+        return split_heads(params)
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> tuple:
         return ()

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from amphista_jax.decode import (
     SpecSettings,
     SpecState,
+    decode_params,
     scratch_slots,
     spec_commit,
     spec_init,
@@ -98,7 +99,7 @@ def main() -> None:
     rows = []
     for method, tree in tqdm(list(itertools.product(args.methods, args.trees)), desc="draft overhead"):
         drafter, spec = VARIANTS[method], get_tree(tree)
-        draft_params = drafter.init(jax.random.key(0), target)
+        draft_params = decode_params(drafter, drafter.init(jax.random.key(0), target))
         settings = SpecSettings(config, drafter, spec, MAX_NEW_TOKENS)
         s = steady_state(params, draft_params, settings, args.batch, args.committed)
         cuts = range(1, spec.depth + 1) if isinstance(spec, TreeSpec) else ()  # a dynamic budget has no cuts
