@@ -54,7 +54,9 @@ class GenerateOutput:
 
 
 @struct.dataclass
-class _LoopState:
+class ARState:
+    """Everything one autoregressive step reads and writes (the `while_loop` carry of `generate`)."""
+
     cache: KVCache
     last: jax.Array  # [B] the token to feed next
     tokens: jax.Array  # [B, max_new_tokens]
@@ -193,7 +195,7 @@ def generate(
     dtype = jax.tree.leaves(params)[0].dtype
     _, cache, _, logits = prefill(model, params, prompt, prompt_lengths, new_cache(config, b, cache_size, dtype))
     first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
-    state = _LoopState(
+    state = ARState(
         cache=cache,
         last=first,
         tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
@@ -203,23 +205,25 @@ def generate(
         rng=rng,
     )
 
-    def cond(s: _LoopState) -> jax.Array:
-        return ~jnp.all(s.done)
-
-    def body(s: _LoopState) -> _LoopState:
-        positions = s.cache.lengths[:, None]
-        out = model.apply({"params": params}, s.last[:, None], positions, s.cache)
-        nxt = select_token(out.logits[:, 0], jax.random.fold_in(s.rng, s.steps + 1), sampling)
-        nxt = jnp.where(s.done, pad_id, nxt)
-        tokens = jax.vmap(lambda row, i, tok: row.at[i].set(tok, mode="drop"))(
-            s.tokens, jnp.where(s.done, max_new_tokens, s.num_tokens), nxt)
-        num_tokens = s.num_tokens + (~s.done)
-        done = s.done | is_stop(nxt, eos_ids) | (num_tokens >= max_new_tokens)
-        return _LoopState(out.cache.advance(~s.done), nxt, tokens, num_tokens, done, s.steps + 1, s.rng)
-
-    final = jax.lax.while_loop(cond, body, state)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                               lambda s: ar_step(model, params, s, sampling, eos_ids, pad_id), state)
     one_per_step = (jnp.arange(max_new_tokens)[None] < final.num_tokens[:, None] - 1).astype(jnp.int32)
     return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step, jnp.zeros_like(final.tokens, bool))
+
+
+def ar_step(model: Transformer, params: dict, s: ARState, sampling: SamplingConfig = GREEDY,
+            eos_ids: tuple[int, ...] = (), pad_id: int = 0) -> ARState:
+    """One autoregressive step (the loop body of `generate`): a one-token forward, the next token, emit, stop.
+    Rows already done change nothing."""
+    max_new_tokens = s.tokens.shape[1]
+    out = model.apply({"params": params}, s.last[:, None], s.cache.lengths[:, None], s.cache)
+    nxt = select_token(out.logits[:, 0], jax.random.fold_in(s.rng, s.steps + 1), sampling)
+    nxt = jnp.where(s.done, pad_id, nxt)
+    tokens = jax.vmap(lambda row, i, tok: row.at[i].set(tok, mode="drop"))(
+        s.tokens, jnp.where(s.done, max_new_tokens, s.num_tokens), nxt)
+    num_tokens = s.num_tokens + (~s.done)
+    done = s.done | is_stop(nxt, eos_ids) | (num_tokens >= max_new_tokens)
+    return ARState(out.cache.advance(~s.done), nxt, tokens, num_tokens, done, s.steps + 1, s.rng)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,22 +23,12 @@ import jax
 import numpy as np
 
 from amphista_jax.decode import generate, pad_prompts
-from amphista_jax.demo import humaneval_prompts
+from amphista_jax.demo import ends_in_loop, humaneval_prompts
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.corpus import package_texts, package_version
 from amphista_jax.train.pretrain_target import bits_per_byte
-
-
-def ends_in_loop(tokens: Sequence[int], max_period: int = 32, min_repeats: int = 3, min_span: int = 24) -> bool:
-    """True when the last max(min_repeats * p, min_span) tokens repeat with some period p <= max_period."""
-    t = np.asarray(tokens)
-    for p in range(1, max_period + 1):
-        span = max(min_repeats * p, min_span)
-        if span <= len(t) and (t[len(t) - span + p:] == t[len(t) - span: len(t) - p]).all():
-            return True
-    return False
 
 
 def loop_share(params: dict, config: Any, tok: Any, model_dir: str | Path, tasks: int, new_tokens: int

@@ -7,7 +7,7 @@ import math
 import jax
 import pytest
 
-from amphista_jax.evals.target_quality import ends_in_loop
+from amphista_jax.demo import ends_in_loop
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.train.corpus import train_tokenizer

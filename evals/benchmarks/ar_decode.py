@@ -1,53 +1,102 @@
-"""Tokens/s of our jitted AR generation vs `transformers` `generate()` (PyTorch, CPU) on the same model.
+"""Tokens/s of our jitted AR generation against this machine's memory roofline and `transformers` `generate()`.
 
-    python -m amphista_jax.evals.benchmarks.ar_decode [--sizes 20m 150m] [--new-tokens 128] [--runs 3] [--out DIR]
+    python -m amphista_jax.evals.benchmarks.ar_decode [--sizes 20m 150m 500m] [--dtypes float32 bfloat16]
+        [--batches 1 4] [--new-tokens 128] [--runs 3] [--out DIR]
 
-Each size is a random-init Llama built in `transformers`, saved as safetensors and loaded by our loader, so
-both sides run identical weights in fp32. Batch 1, greedy, exactly `--new-tokens` tokens (no EOS). Our
-compile + first call is excluded from timing and reported separately; both sides get one warm-up run.
-Prints medians over `--runs` and the ratio; writes `ar_decode.json` and `ar_decode.md` to `--out`.
+Each size is a random-init Llama built in `transformers`, saved as safetensors and loaded by our loader. Greedy,
+exactly `--new-tokens` tokens per row (no EOS). Our compile + first call is excluded from timing and reported
+separately; every side gets one warm-up run. Medians over `--runs`.
+
+Roofline: a batch-B decode step must read every weight once, so at best it runs at `bandwidth / weight bytes`
+steps/s, i.e. `B * bandwidth / weight bytes` tokens/s. `bandwidth` is measured here, in the same run: the
+median rate of a jitted matrix-vector product over a 512 MiB fp32 matrix (far larger than any cache). Each row
+reports our tokens/s as a share of that bound. `transformers` (PyTorch, fp32, batch 1) runs the same weights
+for comparison. Writes `ar_decode.json` and `ar_decode.md` to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.decode import GenerateOutput, generate, pad_prompts
 from amphista_jax.evals.benchmarks.common import median_seconds, write_report
+from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params
+
+BANDWIDTH_MATRIX = (16384, 8192)  # fp32: 512 MiB
+
+
+def memory_bandwidth(runs: int = 10) -> float:
+    """Bytes/s of a jitted fp32 matrix-vector product over `BANDWIDTH_MATRIX` (it reads the matrix once)."""
+    w = jax.random.normal(jax.random.key(0), BANDWIDTH_MATRIX, jnp.float32)
+    x = jnp.ones((BANDWIDTH_MATRIX[1],), jnp.float32)
+    matvec = jax.jit(lambda w, x: w @ x)
+    jax.block_until_ready(matvec(w, x))
+    return w.nbytes / median_seconds(lambda: jax.block_until_ready(matvec(w, x)), runs)
+
 
 SIZES = {  # name -> transformers LlamaConfig kwargs
     "20m": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=4),
     "150m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
                  num_attention_heads=12, num_key_value_heads=4),
+    "500m": dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
+                 num_attention_heads=12, num_key_value_heads=4),
 }
 
 
 
-def bench(size: str, new_tokens: int, runs: int, prompt_len: int) -> dict:
+def bench(size: str, dtypes: list[str], batches: list[int], new_tokens: int, runs: int, prompt_len: int,
+          bandwidth: float) -> list[dict]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**SIZES[size], max_position_embeddings=4096)).float().eval()
     n_params = sum(p.numel() for p in hf.parameters())
-    prompt = np.random.RandomState(0).randint(3, SIZES[size]["vocab_size"], (1, prompt_len))
+    prompts = np.random.RandomState(0).randint(3, SIZES[size]["vocab_size"], (max(batches), prompt_len))
+    rows = []
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        params, config = load_params(d, dtype="float32")
-    tokens, lengths = pad_prompts(prompt.tolist())
+        for dtype, batch in itertools.product(dtypes, batches):
+            params, config = load_params(d, dtype=dtype)
+            out, compile_s, ours_s = time_generate(params, config, prompts[:batch], new_tokens, runs)
+            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+            roofline = batch * bandwidth / weight_bytes  # tokens/s
+            row = {"size": size, "parameters": n_params, "dtype": dtype, "batch": batch, "new_tokens": new_tokens,
+                   "runs": runs, "weight_bytes": weight_bytes, "ours_tokens_per_s": batch * new_tokens / ours_s,
+                   "roofline_tokens_per_s": roofline, "roofline_share": batch * new_tokens / ours_s / roofline,
+                   "ours_compile_s": compile_s, "jax_backend": jax.default_backend()}
+            if dtype == "float32" and batch == 1:
+                row |= torch_row(hf, prompts[:1], new_tokens, runs, np.asarray(out.tokens[0]), ours_s)
+            rows.append(row)
+    return rows
+
+
+def time_generate(params: dict, config: ModelConfig, prompts: np.ndarray, new_tokens: int,
+                  runs: int) -> tuple[GenerateOutput, float, float]:
+    """(output, compile + first call seconds, median seconds of a call) of our `generate` on `prompts [B, T]`."""
+    tokens, lengths = pad_prompts(prompts.tolist())
     kw = dict(config=config, max_new_tokens=new_tokens, cache_size=tokens.shape[1] + new_tokens)
     t0 = time.perf_counter()
-    ours_out = jax.block_until_ready(generate(params, tokens, lengths, jax.random.key(0), **kw))
+    out = jax.block_until_ready(generate(params, tokens, lengths, jax.random.key(0), **kw))
     compile_s = time.perf_counter() - t0
-    ours_s = median_seconds(
+    seconds = median_seconds(
         lambda: jax.block_until_ready(generate(params, tokens, lengths, jax.random.key(0), **kw)), runs)
+    return out, compile_s, seconds
+
+
+def torch_row(hf: Any, prompt: np.ndarray, new_tokens: int, runs: int, ours_tokens: np.ndarray, ours_s: float) -> dict:
+    """`transformers` on the same fp32 weights and prompt (batch 1): tokens/s and whether its tokens equal ours."""
+    import torch
 
     pt_prompt = torch.tensor(prompt)
     mask = torch.ones_like(pt_prompt)
@@ -58,29 +107,35 @@ def bench(size: str, new_tokens: int, runs: int, prompt_len: int) -> dict:
                                min_new_tokens=new_tokens, pad_token_id=0)
 
     torch_s = median_seconds(run_torch, runs)
-    same = bool((run_torch().numpy()[0, prompt_len:] == np.asarray(ours_out.tokens[0])).all())
-    return {"size": size, "parameters": n_params, "new_tokens": new_tokens, "runs": runs,
-            "ours_tokens_per_s": new_tokens / ours_s, "torch_tokens_per_s": new_tokens / torch_s,
-            "speedup_vs_torch": torch_s / ours_s, "ours_compile_s": compile_s, "same_tokens": same,
-            "torch_threads": torch.get_num_threads(), "jax_backend": jax.default_backend()}
+    same = bool((run_torch().numpy()[0, prompt.shape[1]:] == ours_tokens).all())
+    return {"torch_tokens_per_s": new_tokens / torch_s, "speedup_vs_torch": torch_s / ours_s, "same_tokens": same,
+            "torch_threads": torch.get_num_threads()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--out", default="runs/benchmarks")
     args = parser.parse_args()
-    rows = [bench(s, args.new_tokens, args.runs, args.prompt_len) for s in args.sizes]
-    lines = ["| model | params | ours tok/s | transformers tok/s | ratio | compile s | same tokens |",
-             "|---|---|---|---|---|---|---|"]
+    bandwidth = memory_bandwidth()
+    rows = [r for s in args.sizes for r in bench(s, args.dtypes, args.batches, args.new_tokens, args.runs,
+                                                  args.prompt_len, bandwidth)]
+    lines = [f"Measured memory bandwidth (fp32 matrix-vector product over 512 MiB): {bandwidth / 1e9:.1f} GB/s; "
+             f"roofline = batch x bandwidth / weight bytes.", "",
+             "| model | params | dtype | batch | ours tok/s | roofline tok/s | share | transformers tok/s | ratio | "
+             "compile s | same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| llama-{r['size']} | {r['parameters'] / 1e6:.1f}M | {r['ours_tokens_per_s']:.1f} | "
-                     f"{r['torch_tokens_per_s']:.1f} | {r['speedup_vs_torch']:.2f}x | {r['ours_compile_s']:.1f} | "
-                     f"{r['same_tokens']} |")
-    write_report(args.out, "ar_decode", rows, "\n".join(lines))
+        torch_cells = (f"{r['torch_tokens_per_s']:.1f} | {r['speedup_vs_torch']:.2f}x" if "torch_tokens_per_s" in r
+                       else "- | -")
+        lines.append(f"| llama-{r['size']} | {r['parameters'] / 1e6:.1f}M | {r['dtype']} | {r['batch']} | "
+                     f"{r['ours_tokens_per_s']:.1f} | {r['roofline_tokens_per_s']:.1f} | {r['roofline_share']:.0%} | "
+                     f"{torch_cells} | {r['ours_compile_s']:.1f} | {r.get('same_tokens', '-')} |")
+    write_report(args.out, "ar_decode", {"bandwidth_bytes_per_s": bandwidth, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

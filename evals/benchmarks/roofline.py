@@ -1,0 +1,177 @@
+"""Roofline predictions of the decoding steps on named accelerators, from abstract shapes only (no weights).
+
+    python -m amphista_jax.evals.benchmarks.roofline [--target vicuna-7b] [--model DIR] [--batch 1 4]
+        [--context 512 2048] [--dtype bfloat16] [--runs medusa@mc_sim_7b_63 eagle@dynamic ...]
+        [--accelerators H100-SXM H200 TPU-v5e TPU-v5p] [--tau 2 3 4] [--out runs/benchmarks]
+
+For each (batch, context) the real AR step (`decode.ar_step`, the loop body of `generate`) and the real
+speculative step (`decode.spec_step`) of each drafter and tree are lowered and compiled from
+`jax.ShapeDtypeStruct`s on this machine's backend, and XLA's cost analysis of the compiled step gives its
+floating-point operations and bytes accessed. A step's predicted time on an accelerator is
+`max(flops / peak bf16 FLOP/s, bytes / HBM bandwidth)` (the roofline: no launch or loop overhead, perfect
+overlap), from the vendors' data sheets below. From those: predicted AR tokens/s, the spec-step / AR-step
+cost ratio, and the predicted speed-up `tau * AR step / spec step` at the given acceptance lengths `--tau`.
+
+Every figure is a model prediction, not a measurement. Compiled on CPU, the cost analysis reflects XLA:CPU's
+fusion decisions: its byte count includes intermediates a GPU kernel may keep on chip, so memory-bound
+predictions err on the slow side. Writes roofline.json and roofline.md to `--out`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from amphista_jax.decode import ARState, SpecSettings, ar_step, decode_params, scratch_slots, spec_init, spec_step
+from amphista_jax.drafters import VARIANTS, Target
+from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
+from amphista_jax.models.config import ModelConfig, tiny_llama_config
+from amphista_jax.models.llama import Transformer, new_cache, param_shapes
+from amphista_jax.trees import get_tree
+
+MAX_NEW_TOKENS = 128
+
+# HF config shapes of the targets the papers evaluate.
+TARGETS: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny_llama_config,
+    "vicuna-7b": lambda: ModelConfig(32000, 4096, 11008, 32, 32, 32, 128, max_position_embeddings=4096),
+    "vicuna-13b": lambda: ModelConfig(32000, 5120, 13824, 40, 40, 40, 128, max_position_embeddings=4096),
+    "vicuna-33b": lambda: ModelConfig(32000, 6656, 17920, 60, 52, 52, 128, max_position_embeddings=4096),
+    "llama-3-8b": lambda: ModelConfig(128256, 4096, 14336, 32, 32, 8, 128, rope_theta=500000.0,
+                                      max_position_embeddings=8192),
+    "llama-3-70b": lambda: ModelConfig(128256, 8192, 28672, 80, 64, 8, 128, rope_theta=500000.0,
+                                       max_position_embeddings=8192),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    bandwidth: float  # HBM bytes/s
+
+    def seconds(self, flops: float, bytes_accessed: float) -> float:
+        return max(flops / self.peak_flops, bytes_accessed / self.bandwidth)
+
+    def bound(self, flops: float, bytes_accessed: float) -> str:
+        return "compute" if flops / self.peak_flops > bytes_accessed / self.bandwidth else "memory"
+
+
+# Vendors' data sheets: dense (no sparsity) bf16 peak and HBM bandwidth.
+ACCELERATORS = {a.name: a for a in (
+    Accelerator("H100-SXM", 989e12, 3.35e12),
+    Accelerator("H200", 989e12, 4.8e12),
+    Accelerator("A100-80GB", 312e12, 2.039e12),
+    Accelerator("TPU-v5e", 197e12, 0.819e12),
+    Accelerator("TPU-v5p", 459e12, 2.765e12),
+)}
+DEFAULT_RUNS = ("medusa@mc_sim_7b_63", "medusa@chain-4", "amphista@mc_sim_7b_63", "hydra@mc_sim_7b_63",
+                "hydra++@mc_sim_7b_63", "eagle@mc_sim_7b_63", "eagle@dynamic", "gumiho@dynamic-63x7x35")
+
+
+def compiled_cost(fn: Callable[..., Any], *args: Any) -> dict[str, float]:
+    """{"flops", "bytes"} of `fn` compiled for `args` (arrays or `jax.ShapeDtypeStruct`s), from XLA's cost
+    analysis of the compiled program."""
+    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+    if isinstance(analysis, list | tuple):  # one entry per program in older jax versions
+        analysis = analysis[0]
+    return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
+
+
+def ar_state(config: ModelConfig, batch: int, context: int, dtype: Any) -> ARState:
+    """An abstract `generate` state with `context` committed tokens per row."""
+    cache = jax.eval_shape(lambda: new_cache(config, batch, context + MAX_NEW_TOKENS, dtype))
+    row = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    return ARState(cache=cache, last=row, tokens=jax.ShapeDtypeStruct((batch, MAX_NEW_TOKENS), jnp.int32),
+                   num_tokens=row, done=jax.ShapeDtypeStruct((batch,), bool),
+                   steps=jax.ShapeDtypeStruct((), jnp.int32), rng=jax.eval_shape(lambda: jax.random.key(0)))
+
+
+def ar_cost(config: ModelConfig, params: Any, batch: int, context: int) -> dict[str, float]:
+    dtype = jax.tree.leaves(params)[0].dtype
+    return compiled_cost(functools.partial(ar_step, Transformer(config)), params,
+                         ar_state(config, batch, context, dtype))
+
+
+def spec_cost(config: ModelConfig, params: Any, method: str, tree_name: str, batch: int,
+              context: int) -> tuple[dict[str, float], int]:
+    """(cost of one `spec_step` with `context` committed tokens per row, the tree's node budget)."""
+    drafter, tree = VARIANTS[method], get_tree(tree_name)
+    draft = jax.eval_shape(lambda p: decode_params(drafter, drafter.init(jax.random.key(0), Target(config, p))),
+                           params)
+    settings = SpecSettings(config, drafter, tree, MAX_NEW_TOKENS)
+    cache_size = context + MAX_NEW_TOKENS + scratch_slots(drafter, tree)
+    prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    state = jax.eval_shape(lambda p, d, t, n: spec_init(p, d, t, n, jax.random.key(0), cache_size, settings),
+                           params, draft, prompt, lengths)
+    return compiled_cost(functools.partial(spec_step, settings=settings), params, draft, state), tree.num_nodes
+
+
+def predict(cost: dict[str, float], accelerators: list[Accelerator]) -> dict[str, dict[str, Any]]:
+    return {a.name: {"ms": a.seconds(cost["flops"], cost["bytes"]) * 1e3, "bound": a.bound(cost["flops"],
+                                                                                             cost["bytes"])}
+            for a in accelerators}
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)  # --model: a Hugging Face model directory (its config.json only)
+    parser.add_argument("--target", default="vicuna-7b", choices=list(TARGETS))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--context", type=int, nargs="+", default=[512])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="method@tree")
+    parser.add_argument("--accelerators", nargs="+", default=["H100-SXM", "H200", "TPU-v5e", "TPU-v5p"],
+                        choices=list(ACCELERATORS))
+    parser.add_argument("--tau", type=float, nargs="+", default=[2.0, 3.0, 4.0])
+    args = parser.parse_args()
+    config = ModelConfig.from_json(f"{args.model}/config.json") if args.model else TARGETS[args.target]()
+    params = param_shapes(config, jnp.dtype(args.dtype))[0]
+    accelerators = [ACCELERATORS[a] for a in args.accelerators]
+    runs = [r.partition("@")[::2] for r in args.runs]
+    rows = []
+    for batch, context in tqdm(list(itertools.product(args.batch, args.context)), desc="roofline"):
+        ar = ar_cost(config, params, batch, context)
+        ar_pred = predict(ar, accelerators)
+        rows.append({"batch": batch, "context": context, "method": "ar", "tree": "-", "nodes": 1, **ar,
+                     "predicted": ar_pred})
+        for method, tree in tqdm(runs, desc=f"batch {batch}, context {context}", leave=False):
+            cost, nodes = spec_cost(config, params, method, tree, batch, context)
+            pred = predict(cost, accelerators)
+            rows.append({"batch": batch, "context": context, "method": method, "tree": tree, "nodes": nodes, **cost,
+                         "predicted": pred,
+                         "step_ratio": {a: pred[a]["ms"] / ar_pred[a]["ms"] for a in pred},
+                         "speedup": {a: {str(t): t * ar_pred[a]["ms"] / pred[a]["ms"] for t in args.tau}
+                                     for a in pred}})
+    name = args.model or args.target
+    head = "".join(f" {a.name} ms (bound) | {a.name} ratio |" for a in accelerators)
+    taus = "/".join(f"{t:g}" for t in args.tau)
+    lines = [f"Roofline **predictions** (not measurements) for {name} ({config.num_params / 1e9:.2f}B parameters, "
+             f"{args.dtype}), from XLA's cost analysis of the compiled steps ({jax.default_backend()} backend); "
+             f"time = max(flops / peak, bytes / bandwidth); ratio = step / AR step on that accelerator; "
+             f"speed-up at tau {taus} on {accelerators[0].name}.", "",
+             f"| batch | context | method | tree | nodes | GFLOP | GB accessed |{head} speed-up @ tau {taus} |",
+             "|---|---|---|---|---|---|---|" + "---|---|" * len(accelerators) + "---|"]
+    for r in rows:
+        cells = "".join(f" {r['predicted'][a.name]['ms']:.3f} ({r['predicted'][a.name]['bound']}) | "
+                        f"{r.get('step_ratio', {}).get(a.name, 1.0):.2f} |" for a in accelerators)
+        speed = " / ".join(f"{x:.2f}x" for x in r["speedup"][accelerators[0].name].values()) if "speedup" in r else "-"
+        lines.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['tree']} | {r['nodes']} | "
+                     f"{r['flops'] / 1e9:.2f} | {r['bytes'] / 1e9:.3f} |{cells} {speed} |")
+    ar_rows = [r for r in rows if r["method"] == "ar"]
+    lines += ["", "Predicted AR tokens/s: " + "; ".join(
+        f"batch {r['batch']}, context {r['context']}: " + ", ".join(
+            f"{a.name} {r['batch'] * 1e3 / r['predicted'][a.name]['ms']:.0f}" for a in accelerators) for r in ar_rows)]
+    write_report(args.out, "roofline", {"model": name, "dtype": args.dtype, "params": config.num_params,
+                                        "backend": jax.default_backend(), "rows": rows}, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The roofline benchmark (`evals/benchmarks/roofline.py`): its cost figures are XLA's for the compiled steps,
+checked against hand counts, and the script runs end to end on a tiny target from abstract shapes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from amphista_jax.evals.benchmarks import roofline
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.models.llama import param_shapes
+
+
+def test_matmul_cost_matches_a_hand_count():
+    b, d, v = 4, 256, 1024
+    x, w = jax.ShapeDtypeStruct((b, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32)
+    cost = roofline.compiled_cost(lambda x, w: x @ w, x, w)
+    assert cost["flops"] == 2 * b * d * v
+    assert cost["bytes"] == 4 * (b * d + d * v + b * v)  # both operands read once, the output written once
+
+
+def test_roofline_prediction_is_the_slower_of_compute_and_memory():
+    h100 = roofline.ACCELERATORS["H100-SXM"]
+    assert h100.seconds(989e12, 0.0) == pytest.approx(1.0) and h100.bound(989e12, 0.0) == "compute"
+    assert h100.seconds(1.0, 3.35e12) == pytest.approx(1.0) and h100.bound(1.0, 3.35e12) == "memory"
+
+
+def test_decode_steps_read_every_layer_weight():
+    """A decode step reads all of the target's weights: the cost analysis must count every layer of the scanned
+    stack, not its loop body once."""
+    config = tiny_llama_config(num_layers=4, hidden_size=128, intermediate_size=512, vocab_size=1024)
+    params = param_shapes(config, jnp.float32)[0]
+    weight_bytes = 4 * config.num_params
+    ar = roofline.ar_cost(config, params, batch=1, context=64)
+    spec, nodes = roofline.spec_cost(config, params, "medusa", "chain-4", batch=1, context=64)
+    assert nodes == 5
+    assert weight_bytes <= ar["bytes"] < 3 * weight_bytes
+    assert ar["flops"] >= 2 * (config.num_params - config.vocab_size * config.hidden_size)  # every matmul weight
+    assert spec["flops"] > 4 * ar["flops"]  # five tree nodes through the target, plus the heads
+
+
+def test_roofline_script_writes_its_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["roofline", "--target", "tiny", "--runs", "medusa@chain-4", "eagle@dynamic",
+                                      "--out", str(tmp_path), "--tau", "2", "3"])
+    roofline.main()
+    data = json.loads((tmp_path / "roofline.json").read_text())
+    assert [(r["method"], r["tree"]) for r in data["rows"]] == [("ar", "-"), ("medusa", "chain-4"),
+                                                                 ("eagle", "dynamic")]
+    for row in data["rows"][1:]:
+        ratio = row["step_ratio"]["H100-SXM"]
+        assert row["speedup"]["H100-SXM"]["3.0"] == pytest.approx(3.0 / ratio)
+    assert "predictions** (not measurements)" in (tmp_path / "roofline.md").read_text()
+    assert "Predicted AR tokens/s" in capsys.readouterr().out
