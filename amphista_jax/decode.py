@@ -239,6 +239,7 @@ class SpecSettings:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     attention: str = "xla"
+    split_layers: bool = False  # the target's params are in the `split_layers` layout
 
     @property
     def stat_shape(self) -> tuple[int, int]:
@@ -246,7 +247,7 @@ class SpecSettings:
         return max(self.tree.depth, 1), self.tree.num_ranks
 
     def model(self) -> Transformer:
-        return Transformer(self.config, attention=self.attention)
+        return Transformer(self.config, attention=self.attention, split=self.split_layers)
 
 
 @struct.dataclass

@@ -10,7 +10,7 @@ import pytest
 from amphista_jax.cache import compact
 from amphista_jax.models.attention import apply_window, key_visibility
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.llama import Transformer, init_params, new_cache
+from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
 
 
 def _positions(b: int, start: int, t: int) -> jax.Array:
@@ -72,3 +72,19 @@ def test_compact_moves_accepted_tree_path():
     for row, seq in enumerate(seqs):
         ref = model.apply({"params": params}, seq[None], _positions(1, 0, len(seq))).logits[0, -1]
         np.testing.assert_allclose(np.asarray(got[row, 0]), np.asarray(ref), atol=1e-5)
+
+
+def test_split_layers_is_the_same_model():
+    """`split_layers` + `Transformer(split=True)` (one module per layer, no loop) computes what the stacked model
+    computes: a prefill, then a cached step, with the same cache contents."""
+    config = tiny_llama_config()
+    params = init_params(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    outs = []
+    for model, p in ((Transformer(config), params), (Transformer(config, split=True), split_layers(params))):
+        first = model.apply({"params": p}, tokens[:, :6], positions[:, :6], new_cache(config, 2, 8))
+        step = model.apply({"params": p}, tokens[:, 6:], positions[:, 6:], first.cache.advance(6))
+        outs.append((first.logits, step.logits, step.cache.k, step.cache.v))
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

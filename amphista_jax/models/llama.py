@@ -194,11 +194,16 @@ def run_stack(
     visible, distance = key_visibility(positions, new_mask, lengths, t if cache is None else cache.size)
     pk, pv, pvis = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.visible)
     shared = (positions, new_mask, visible, distance, lengths, pvis)
-    if cache is None:
-        x, _ = layers(x, (None, None, windows, pk, pv), shared)
-        return x, None
-    x, (k, v) = layers(x, (cache.k, cache.v, windows, pk, pv), shared)
-    return x, cache.replace(k=k, v=v)
+    scanned = (None if cache is None else cache.k, None if cache is None else cache.v, windows, pk, pv)
+    if isinstance(layers, nn.Module):
+        x, (k, v) = layers(x, scanned, shared)
+    else:  # one module per layer (`split_layers`)
+        outs = []
+        for i, layer in enumerate(layers):
+            x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], scanned), shared)
+            outs.append(out)
+        k, v = jax.tree.map(lambda *a: jnp.stack(a), *outs) if cache is not None else (None, None)
+    return x, None if cache is None else cache.replace(k=k, v=v)
 
 
 class Transformer(nn.Module):
@@ -208,6 +213,7 @@ class Transformer(nn.Module):
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
+    split: bool = False  # params in the `split_layers` layout: one module per layer, no loop over layers
 
     def setup(self) -> None:
         AttentionBackend.parse(self.attention)
@@ -215,7 +221,11 @@ class Transformer(nn.Module):
         self.embed = nn.Embed(
             c.vocab_size, c.hidden_size, param_dtype=self.param_dtype,
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
-        self.layers = decoder_stack(c, self.param_dtype, self.attention, name="layers")
+        if self.split:
+            self.layers = [DecoderLayer(c, self.param_dtype, self.attention, name=f"layer_{i}")
+                           for i in range(c.num_layers)]
+        else:
+            self.layers = decoder_stack(c, self.param_dtype, self.attention, name="layers")
         self.final_norm = RMSNorm(c.rms_norm_eps, self.param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, ("embed", "vocab"), False, "lm_head", self.param_dtype)
@@ -248,6 +258,16 @@ class Transformer(nn.Module):
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
+
+
+def split_layers(params: dict) -> dict:
+    """The stacked layers `params["layers"]` as one parameter tree per layer (`layer_0`, ...), for
+    `Transformer(split=True)`: the same model without a loop over layers (XLA's cost analysis counts a loop's
+    body once, so `evals/benchmarks/roofline.py` compiles this form)."""
+    stacked = params["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return {k: v for k, v in params.items() if k != "layers"} | {
+        f"layer_{i}": jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(n)}
 
 
 def input_embeddings(params: dict, tokens: jax.Array) -> jax.Array:

@@ -7,7 +7,10 @@
 For each (batch, context) the real AR step (`decode.ar_step`, the loop body of `generate`) and the real
 speculative step (`decode.spec_step`) of each drafter and tree are lowered and compiled from
 `jax.ShapeDtypeStruct`s on this machine's backend, and XLA's cost analysis of the compiled step gives its
-floating-point operations and bytes accessed. A step's predicted time on an accelerator is
+floating-point operations and bytes accessed. The target's layers are compiled one module per layer
+(`split_layers`): XLA's cost analysis counts a loop's body once, so a scanned stack would be under-counted by
+its depth. Loops that remain (EAGLE-2's and Gumiho's tree growth) are counted once per loop, so their
+drafting cost is a lower bound. A step's predicted time on an accelerator is
 `max(flops / peak bf16 FLOP/s, bytes / HBM bandwidth)` (the roofline: no launch or loop overhead, perfect
 overlap), from the vendors' data sheets below. From those: predicted AR tokens/s, the spec-step / AR-step
 cost ratio, and the predicted speed-up `tau * AR step / spec step` at the given acceptance lengths `--tau`.
@@ -33,7 +36,7 @@ from amphista_jax.decode import ARState, SpecSettings, ar_step, decode_params, s
 from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.models.config import ModelConfig, tiny_llama_config
-from amphista_jax.models.llama import Transformer, new_cache, param_shapes
+from amphista_jax.models.llama import Transformer, new_cache, param_shapes, split_layers
 from amphista_jax.trees import get_tree
 
 MAX_NEW_TOKENS = 128
@@ -95,18 +98,20 @@ def ar_state(config: ModelConfig, batch: int, context: int, dtype: Any) -> ARSta
 
 
 def ar_cost(config: ModelConfig, params: Any, batch: int, context: int) -> dict[str, float]:
+    """Cost of one `ar_step` with `context` committed tokens per row; `params` in the `split_layers` layout."""
     dtype = jax.tree.leaves(params)[0].dtype
-    return compiled_cost(functools.partial(ar_step, Transformer(config)), params,
+    return compiled_cost(functools.partial(ar_step, Transformer(config, split=True)), params,
                          ar_state(config, batch, context, dtype))
 
 
 def spec_cost(config: ModelConfig, params: Any, method: str, tree_name: str, batch: int,
               context: int) -> tuple[dict[str, float], int]:
-    """(cost of one `spec_step` with `context` committed tokens per row, the tree's node budget)."""
+    """(cost of one `spec_step` with `context` committed tokens per row, the tree's node budget); `params` in the
+    `split_layers` layout."""
     drafter, tree = VARIANTS[method], get_tree(tree_name)
     draft = jax.eval_shape(lambda p: decode_params(drafter, drafter.init(jax.random.key(0), Target(config, p))),
                            params)
-    settings = SpecSettings(config, drafter, tree, MAX_NEW_TOKENS)
+    settings = SpecSettings(config, drafter, tree, MAX_NEW_TOKENS, split_layers=True)
     cache_size = context + MAX_NEW_TOKENS + scratch_slots(drafter, tree)
     prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -133,7 +138,7 @@ def main() -> None:
     parser.add_argument("--tau", type=float, nargs="+", default=[2.0, 3.0, 4.0])
     args = parser.parse_args()
     config = ModelConfig.from_json(f"{args.model}/config.json") if args.model else TARGETS[args.target]()
-    params = param_shapes(config, jnp.dtype(args.dtype))[0]
+    params = jax.eval_shape(split_layers, param_shapes(config, jnp.dtype(args.dtype))[0])
     accelerators = [ACCELERATORS[a] for a in args.accelerators]
     runs = [r.partition("@")[::2] for r in args.runs]
     rows = []
