@@ -9,15 +9,17 @@ speculative step (`decode.spec_step`) of each drafter and tree are lowered and c
 `jax.ShapeDtypeStruct`s on this machine's backend, and XLA's cost analysis of the compiled step gives its
 floating-point operations and bytes accessed. The target's layers are compiled one module per layer
 (`split_layers`): XLA's cost analysis counts a loop's body once, so a scanned stack would be under-counted by
-its depth. Loops that remain (EAGLE-2's and Gumiho's tree growth) are counted once per loop, so their
-drafting cost is a lower bound. A step's predicted time on an accelerator is
+its depth. The drafters' own layers are one-layer stacks and their tree growth is unrolled, so a greedy step
+has no other loop (rejection sampling's walk, at temperature > 0, is one). A step's predicted time on an accelerator is
 `max(flops / peak bf16 FLOP/s, bytes / HBM bandwidth)` (the roofline: no launch or loop overhead, perfect
 overlap), from the vendors' data sheets below. From those: predicted AR tokens/s, the spec-step / AR-step
 cost ratio, and the predicted speed-up `tau * AR step / spec step` at the given acceptance lengths `--tau`.
 
 Every figure is a model prediction, not a measurement. Compiled on CPU, the cost analysis reflects XLA:CPU's
-fusion decisions: its byte count includes intermediates a GPU kernel may keep on chip, so memory-bound
-predictions err on the slow side. Writes roofline.json and roofline.md to `--out`.
+fusion decisions: its byte count includes intermediates and layout copies a GPU kernel may avoid, so
+memory-bound predictions err on the slow side. XLA:CPU computes bf16 matrix products through fp32 converts,
+which its cost analysis counts, so the steps are compiled in fp32 and their bytes scaled to `--dtype`'s size.
+Writes roofline.json and roofline.md to `--out`.
 """
 
 from __future__ import annotations
@@ -138,17 +140,23 @@ def main() -> None:
     parser.add_argument("--tau", type=float, nargs="+", default=[2.0, 3.0, 4.0])
     args = parser.parse_args()
     config = ModelConfig.from_json(f"{args.model}/config.json") if args.model else TARGETS[args.target]()
-    params = jax.eval_shape(split_layers, param_shapes(config, jnp.dtype(args.dtype))[0])
+    # XLA:CPU runs bf16 matrix products through fp32 converts, and its cost analysis counts them (a bf16 AR step
+    # of Vicuna-7B "accesses" 83 GB for 13.5 GB of weights). So the steps are compiled in fp32, whose op structure
+    # is the accelerators', and the bytes scaled to --dtype's size (weights, caches and activations alike).
+    params = jax.eval_shape(split_layers, param_shapes(config, jnp.float32)[0])
+    scale = jnp.dtype(args.dtype).itemsize / 4
     accelerators = [ACCELERATORS[a] for a in args.accelerators]
     runs = [r.partition("@")[::2] for r in args.runs]
     rows = []
     for batch, context in tqdm(list(itertools.product(args.batch, args.context)), desc="roofline"):
         ar = ar_cost(config, params, batch, context)
+        ar["bytes"] *= scale
         ar_pred = predict(ar, accelerators)
         rows.append({"batch": batch, "context": context, "method": "ar", "tree": "-", "nodes": 1, **ar,
                      "predicted": ar_pred})
         for method, tree in tqdm(runs, desc=f"batch {batch}, context {context}", leave=False):
             cost, nodes = spec_cost(config, params, method, tree, batch, context)
+            cost["bytes"] *= scale
             pred = predict(cost, accelerators)
             rows.append({"batch": batch, "context": context, "method": method, "tree": tree, "nodes": nodes, **cost,
                          "predicted": pred,
