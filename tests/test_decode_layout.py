@@ -40,7 +40,7 @@ def loop_computations(hlo: str) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("method", ["medusa", "amphista", "hydra"])
+@pytest.mark.parametrize("method", ["medusa", pytest.param("amphista", marks=pytest.mark.slow), "hydra"])
 def test_stacked_head_projections_are_not_read_inside_the_decode_loop(method):
     params = init_params(CONFIG, jax.random.key(0))
     drafter = VARIANTS[method]
