@@ -189,13 +189,26 @@ def generate(
 
     Needs `cache_size >= prompt.shape[1] + max_new_tokens` (checked at trace time).
     """
-    b, t = prompt.shape
-    _check_static_fit(t, max_new_tokens, 0, cache_size)
+    _check_static_fit(prompt.shape[1], max_new_tokens, 0, cache_size)
     model = Transformer(config, attention=attention)
+    state = ar_init(model, params, prompt, prompt_lengths, rng, cache_size, max_new_tokens, sampling, eos_ids, pad_id)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                               lambda s: ar_step(model, params, s, sampling, eos_ids, pad_id), state)
+    one_per_step = (jnp.arange(max_new_tokens)[None] < final.num_tokens[:, None] - 1).astype(jnp.int32)
+    return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step, jnp.zeros_like(final.tokens, bool))
+
+
+def ar_init(model: Transformer, params: dict, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
+            cache_size: int, max_new_tokens: int, sampling: SamplingConfig = GREEDY, eos_ids: tuple[int, ...] = (),
+            pad_id: int = 0) -> ARState:
+    """Prefill the right-padded prompts `[B, T]`; the first token comes from the target (`generate`'s state
+    before its loop)."""
+    b = prompt.shape[0]
     dtype = jax.tree.leaves(params)[0].dtype
-    _, cache, _, logits = prefill(model, params, prompt, prompt_lengths, new_cache(config, b, cache_size, dtype))
+    _, cache, _, logits = prefill(model, params, prompt, prompt_lengths,
+                                  new_cache(model.config, b, cache_size, dtype))
     first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
-    state = ARState(
+    return ARState(
         cache=cache,
         last=first,
         tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
@@ -204,11 +217,6 @@ def generate(
         steps=jnp.zeros((), jnp.int32),
         rng=rng,
     )
-
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                               lambda s: ar_step(model, params, s, sampling, eos_ids, pad_id), state)
-    one_per_step = (jnp.arange(max_new_tokens)[None] < final.num_tokens[:, None] - 1).astype(jnp.int32)
-    return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step, jnp.zeros_like(final.tokens, bool))
 
 
 def ar_step(model: Transformer, params: dict, s: ARState, sampling: SamplingConfig = GREEDY,

@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from amphista_jax.decode import ARState, SpecSettings, ar_step, decode_params, scratch_slots, spec_init, spec_step
+from amphista_jax.decode import SpecSettings, ar_init, ar_step, decode_params, scratch_slots, spec_init, spec_step
 from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.models.config import ModelConfig, tiny_llama_config
-from amphista_jax.models.llama import Transformer, new_cache, param_shapes, split_layers
+from amphista_jax.models.llama import Transformer, param_shapes, split_layers
 from amphista_jax.trees import get_tree
 
 MAX_NEW_TOKENS = 128
@@ -90,20 +90,14 @@ def compiled_cost(fn: Callable[..., Any], *args: Any) -> dict[str, float]:
     return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
 
 
-def ar_state(config: ModelConfig, batch: int, context: int, dtype: Any) -> ARState:
-    """An abstract `generate` state with `context` committed tokens per row."""
-    cache = jax.eval_shape(lambda: new_cache(config, batch, context + MAX_NEW_TOKENS, dtype))
-    row = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return ARState(cache=cache, last=row, tokens=jax.ShapeDtypeStruct((batch, MAX_NEW_TOKENS), jnp.int32),
-                   num_tokens=row, done=jax.ShapeDtypeStruct((batch,), bool),
-                   steps=jax.ShapeDtypeStruct((), jnp.int32), rng=jax.eval_shape(lambda: jax.random.key(0)))
-
-
 def ar_cost(config: ModelConfig, params: Any, batch: int, context: int) -> dict[str, float]:
     """Cost of one `ar_step` with `context` committed tokens per row; `params` in the `split_layers` layout."""
-    dtype = jax.tree.leaves(params)[0].dtype
-    return compiled_cost(functools.partial(ar_step, Transformer(config, split=True)), params,
-                         ar_state(config, batch, context, dtype))
+    model = Transformer(config, split=True)
+    prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    state = jax.eval_shape(lambda p, t, n: ar_init(model, p, t, n, jax.random.key(0), context + MAX_NEW_TOKENS,
+                                                   MAX_NEW_TOKENS), params, prompt, lengths)
+    return compiled_cost(functools.partial(ar_step, model), params, state)
 
 
 def spec_cost(config: ModelConfig, params: Any, method: str, tree_name: str, batch: int,
