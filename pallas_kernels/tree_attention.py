@@ -26,18 +26,26 @@ q_positions [B, T]; window a scalar (may be traced, 0 = no window). Query head h
 Scores are scaled by 1/sqrt(Dh); softmax and accumulation are fp32; the output has q's dtype. A query that sees
 no key at all (never in valid use: a node always sees itself) gets a zero output, not NaN.
 
-The kernel runs one program per (batch row, kv head) over the T * G query rows of that head's group
-(G = Hq // Hkv): an online softmax over `block_k`-slot blocks of the committed prefix, looping only up to
-cdiv(lengths[b], block_k) (and, with a window, starting past the blocks no query can reach), then one last
-step over the T new tokens. The wrapper slices those T slots out of the cache (cheap: T is small), so their
-visibility is a plain [T*G, T] mask with no gather inside the kernel. Query rows and new tokens are zero-padded
-to a power of two >= 16 (Triton tile sizes); S needs no padding: the last block overlaps its neighbour.
-"""
+The kernel runs one program per (batch row, kv head, split) over the T * G query rows of that head's group
+(G = Hq // Hkv, processed together so each cache block is loaded once per group). Flash-decoding: the committed
+prefix's `block_k`-slot blocks are dealt out to `k_splits` programs in contiguous runs; each runs an online
+softmax over its run, cut to cdiv(lengths[b], block_k) (a split past a row's length loads nothing) and, with a
+window, to the blocks some query can still reach; split 0 also folds in the T new tokens. The
+splits' (max, denominator, unnormalised output) partials are merged outside the kernel (`_combine_splits`).
+The wrapper slices the T new slots out of the cache (cheap: T is small), so their visibility is a plain
+[T*G, T] mask with no gather inside the kernel. Query rows and new tokens are zero-padded to a power of two >= 16
+(Triton tile sizes); S needs no padding: the last block overlaps its neighbour. `KernelSettings` holds the block
+sizes and launch settings.
+
+One kernel body serves every platform, its compiler chosen by the backend: Triton on GPU, Mosaic on TPU (where
+the last two dimensions of every block must tile by (8, 128): head_dim a multiple of 128, as in Llama-family
+models, or a single kv head), the interpreter on CPU."""
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import jax
@@ -45,6 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pl_triton
 
 from amphista_jax.models.attention import apply_window, dot_product_attention, key_visibility
 
@@ -184,7 +194,7 @@ def _online_softmax_step(
 
 
 def _tree_attention_kernel(
-    length_ref,  # [1] int32: lengths[b]
+    length_ref,  # [1] int32: lengths[b] (a [B] SMEM array on TPU: read at program_id(0))
     window_ref,  # [1] int32
     q_ref,  # [R, Dh]: the T * G query rows of one kv head (row t * G + g), zero-padded to R
     k_ref,  # [S, Dh]: the whole cache of one (row, kv head)
@@ -193,13 +203,18 @@ def _tree_attention_kernel(
     v_new_ref,  # [Tp, Dh]
     new_mask_ref,  # [R, Tp] int32: tree & window visibility among the new tokens, 0 in padding
     q_pos_ref,  # [R, 1] int32
-    o_ref,  # [R, Dh]
+    m_ref,  # [R, 1] fp32: this split's running max
+    l_ref,  # [R, 1] fp32: its softmax denominator
+    acc_ref,  # [R, Dh] fp32: its unnormalised output
     *,
     sm_scale: float,
     block_k: int,
+    blocks_per_split: int,
+    scalar_row: bool,
 ) -> None:
-    length = length_ref[0]
+    length = length_ref[pl.program_id(0) if scalar_row else 0]
     window = window_ref[0]
+    split = pl.program_id(2)
     q = q_ref[...]
     q_pos = q_pos_ref[...]  # [R, 1]
     num_rows, head_dim = q.shape
@@ -218,9 +233,11 @@ def _tree_attention_kernel(
         visible = (cols >= nominal) & (cols < length) & in_window
         return _online_softmax_step(carry, _dot_nt(q, k) * sm_scale, visible, v)
 
+    # This split's blocks, cut to the committed prefix (blocks past it are never loaded) and, with a window, to
+    # the blocks some row can still reach. A split past every row's length runs no block.
     first_visible = jnp.maximum(jnp.min(q_pos) - window + 1, 0)  # oldest committed slot any row may see
-    lo = jnp.where(window > 0, first_visible // block_k, 0)
-    hi = pl.cdiv(length, block_k)  # blocks past the committed prefix are never loaded
+    lo = jnp.maximum(split * blocks_per_split, jnp.where(window > 0, first_visible // block_k, 0))
+    hi = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(length, block_k))
     carry = (
         jnp.full((num_rows, 1), _NEG_INF, jnp.float32),
         jnp.zeros((num_rows, 1), jnp.float32),
@@ -228,11 +245,23 @@ def _tree_attention_kernel(
     )
     carry = lax.fori_loop(lo, hi, committed_block, carry)
 
+    # The new tokens belong to split 0 (every split computes the same small step; the others see none of it).
     k_new, v_new = k_new_ref[...], v_new_ref[...]
-    carry = _online_softmax_step(carry, _dot_nt(q, k_new) * sm_scale, new_mask_ref[...] != 0, v_new)
+    new_visible = (new_mask_ref[...] != 0) & (split == 0)
+    m_ref[...], l_ref[...], acc_ref[...] = _online_softmax_step(carry, _dot_nt(q, k_new) * sm_scale, new_visible,
+                                                                v_new)
 
-    _, l_final, acc = carry
-    o_ref[...] = (acc / jnp.where(l_final == 0.0, 1.0, l_final)).astype(o_ref.dtype)
+
+def _combine_splits(
+    m: jax.Array,  # [..., P, R, 1] fp32: each split's running max (-inf where it saw nothing)
+    denom: jax.Array,  # [..., P, R, 1] fp32
+    acc: jax.Array,  # [..., P, R, Dh] fp32
+) -> jax.Array:  # [..., R, Dh] fp32
+    """Merge the splits' online-softmax partials into the softmax-weighted values (0 for a row that saw nothing)."""
+    m_max = jnp.max(m, axis=-3, keepdims=True)
+    weight = jnp.exp(m - jnp.where(m_max == _NEG_INF, 0.0, m_max))  # exp(-inf) = 0 for an empty split
+    total = jnp.sum(weight * denom, axis=-3)
+    return jnp.sum(weight * acc, axis=-3) / jnp.where(total == 0.0, 1.0, total)
 
 
 def _new_token_mask(
@@ -261,7 +290,52 @@ def _pad_axis(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax
     return jnp.pad(x, widths, mode=mode)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "interpret"))
+@dataclass(frozen=True)
+class KernelSettings:
+    """Block sizes and launch settings of the Pallas kernel, checked when made.
+
+    block_k: committed cache slots per online-softmax step (a power of two >= 16 for compiled GPU kernels, Triton's
+    smallest dot). k_splits: programs that share one (batch row, kv head)'s committed prefix, each over a
+    contiguous run of blocks, merged afterwards (flash-decoding); None picks enough splits for `min_programs`
+    programs on a GPU and 1 elsewhere (a TPU core runs programs one after another; interpreted, splits only cost).
+    num_warps, num_stages: Triton's launch settings (GPU only).
+    """
+
+    block_k: int = 128
+    k_splits: int | None = None
+    min_programs: int = 132  # an H100 has 132 SMs
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_k", "min_programs", "num_warps", "num_stages"):
+            _check_positive(name, getattr(self, name))
+        if self.k_splits is not None:
+            _check_positive("k_splits", self.k_splits)
+
+    def splits(self, num_slots: int, programs: int, platform: str) -> tuple[int, int]:
+        """(k_splits, committed blocks per split) for a cache of `num_slots` and `programs` = batch * kv heads."""
+        num_blocks = pl.cdiv(num_slots, min(self.block_k, num_slots))
+        wanted = self.k_splits or (pl.cdiv(self.min_programs, programs) if platform == "gpu" else 1)
+        per_split = pl.cdiv(num_blocks, min(wanted, num_blocks))
+        return pl.cdiv(num_blocks, per_split), per_split
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _compiler_params(platform: str, settings: KernelSettings) -> pl.CompilerParams | None:
+    """The compiler each platform runs: Triton on GPU, Mosaic on TPU (every grid axis independent)."""
+    if platform == "gpu":
+        return pl_triton.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
+    if platform == "tpu":
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "platform"))
 def _tree_attention_pallas(
     q: jax.Array,  # [B, T, Hq, Dh]
     k_cache: jax.Array,  # [B, S, Hkv, Dh]
@@ -271,14 +345,15 @@ def _tree_attention_pallas(
     q_positions: jax.Array,  # [B, T]
     window: jax.Array,  # []
     *,
-    block_k: int,
-    interpret: bool,
+    settings: KernelSettings,
+    platform: str,  # "gpu", "tpu", or "cpu" (interpret mode)
 ) -> jax.Array:  # [B, T, Hq, Dh]
     batch, num_new, num_q_heads, head_dim = q.shape
     num_slots, num_kv_heads = k_cache.shape[1:3]
     group = num_q_heads // num_kv_heads
     rows, padded_rows, padded_new = num_new * group, _tile_size(num_new * group), _tile_size(num_new)
-    block_k = min(block_k, num_slots)
+    block_k = min(settings.block_k, num_slots)
+    k_splits, blocks_per_split = settings.splits(num_slots, batch * num_kv_heads, platform)
     lengths = lengths.astype(jnp.int32)
     q_positions = q_positions.astype(jnp.int32)
     window = jnp.asarray(window, jnp.int32).reshape(1)
@@ -290,17 +365,30 @@ def _tree_attention_pallas(
     new_mask = _pad_axis(_pad_axis(new_mask.astype(jnp.int32), 1, padded_rows), 2, padded_new)  # [B, R, Tp]
     # Padded rows repeat the last position so they do not move the window's first block.
     q_pos_rows = _pad_axis(jnp.repeat(q_positions, group, axis=1), 1, padded_rows, mode="edge")[:, :, None]
-    k_new = _pad_axis(_new_token_slots(k_cache, lengths, num_new), 1, padded_new)  # [B, Tp, K, Dh]
-    v_new = _pad_axis(_new_token_slots(v_cache, lengths, num_new), 1, padded_new)
+    # Heads side by side on the last axis ([B, S, K * Dh], a free reshape): a kv head's block is [S, Dh], whose
+    # last two dimensions Mosaic can tile (a squeezed head axis there it cannot).
+    def flat(x: jax.Array) -> jax.Array:  # [B, N, K, Dh] -> [B, N, K * Dh]
+        return x.reshape(*x.shape[:2], num_kv_heads * head_dim)
 
-    per_row = pl.BlockSpec((1,), lambda b, h: (b,))
-    scalar = pl.BlockSpec((1,), lambda b, h: (0,))
-    rows_of_head = pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h: (b, h, 0, 0))
-    cache = pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h: (b, 0, h, 0))
-    new_slots = pl.BlockSpec((None, padded_new, None, head_dim), lambda b, h: (b, 0, h, 0))
-    out = pl.pallas_call(
-        functools.partial(_tree_attention_kernel, sm_scale=1.0 / math.sqrt(head_dim), block_k=block_k),
-        grid=(batch, num_kv_heads),
+    k_new = _pad_axis(flat(_new_token_slots(k_cache, lengths, num_new)), 1, padded_new)  # [B, Tp, K * Dh]
+    v_new = _pad_axis(flat(_new_token_slots(v_cache, lengths, num_new)), 1, padded_new)
+
+    scalar_row = platform == "tpu"  # scalars live in SMEM there, whole
+    if scalar_row:
+        per_row = scalar = pl.BlockSpec(memory_space=pltpu.SMEM)
+    else:
+        per_row = pl.BlockSpec((1,), lambda b, h, s: (b,))
+        scalar = pl.BlockSpec((1,), lambda b, h, s: (0,))
+    rows_of_head = pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    cache = pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (b, 0, h))
+    new_slots = pl.BlockSpec((None, padded_new, head_dim), lambda b, h, s: (b, 0, h))
+    kernel = functools.partial(_tree_attention_kernel, sm_scale=1.0 / math.sqrt(head_dim), block_k=block_k,
+                               blocks_per_split=blocks_per_split, scalar_row=scalar_row)
+    # Each split's (max, denominator, unnormalised output): [B, K, P, R, 1], [B, K, P, R, 1], [B, K, P, R, Dh].
+    widths = (1, 1, head_dim)
+    partials = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, k_splits),
         in_specs=[
             per_row,  # lengths
             scalar,  # window
@@ -309,30 +397,34 @@ def _tree_attention_pallas(
             cache,  # v_cache
             new_slots,  # k_new
             new_slots,  # v_new
-            pl.BlockSpec((None, padded_rows, padded_new), lambda b, h: (b, 0, 0)),  # new-token mask
-            pl.BlockSpec((None, padded_rows, 1), lambda b, h: (b, 0, 0)),  # query positions
+            pl.BlockSpec((None, padded_rows, padded_new), lambda b, h, s: (b, 0, 0)),  # new-token mask
+            pl.BlockSpec((None, padded_rows, 1), lambda b, h, s: (b, 0, 0)),  # query positions
         ],
-        out_specs=rows_of_head,
-        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
-        interpret=interpret,
+        out_specs=[pl.BlockSpec((None, None, None, padded_rows, w), lambda b, h, s: (b, h, s, 0, 0)) for w in widths],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, k_splits, padded_rows, w), jnp.float32)
+                   for w in widths],
+        interpret=platform == "cpu",
+        compiler_params=_compiler_params(platform, settings),
         name="tree_attention",
-    )(lengths, window, q_rows, k_cache, v_cache, k_new, v_new, new_mask, q_pos_rows)
-    out = out[:, :, :rows].reshape(batch, num_kv_heads, num_new, group, head_dim).transpose(0, 2, 1, 3, 4)
+    )(lengths, window, q_rows, flat(k_cache), flat(v_cache), k_new, v_new, new_mask, q_pos_rows)
+    out = _combine_splits(*partials)[:, :, :rows].astype(q.dtype)  # [B, K, T * G, Dh]
+    out = out.reshape(batch, num_kv_heads, num_new, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(q.shape)
 
 
-def _resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
-    """(backend to run, interpret flag) for the current default JAX platform."""
+def _resolve_platform(backend: str, interpret: bool | None) -> str:
+    """The platform whose kernel runs ("gpu", "tpu", or "cpu" for interpret mode), or "xla" for the reference."""
     if backend not in BACKENDS:
         raise ValueError(f"{backend=} must be one of {BACKENDS}")
-    on_cpu = jax.default_backend() == "cpu"
     if backend == "xla":
-        return "xla", False
+        return "xla"
+    device = jax.default_backend()
+    on_cpu = device == "cpu"
     if interpret is None:
         interpret = on_cpu
     if on_cpu and not interpret:
         raise ValueError(f"{interpret=} needs a GPU or TPU; on CPU the Pallas kernel runs only with interpret=True")
-    return "pallas", interpret
+    return "cpu" if interpret else ("tpu" if device == "tpu" else "gpu")
 
 
 def tree_attention(
@@ -344,7 +436,7 @@ def tree_attention(
     q_positions: jax.Array,  # [B, T]
     window: int | jax.Array = 0,  # [], may be traced
     *,
-    block_k: int = 128,
+    settings: KernelSettings = KernelSettings(),
     interpret: bool | None = None,
     backend: Backend = "auto",
 ) -> jax.Array:  # [B, T, Hq, Dh]
@@ -354,12 +446,8 @@ def tree_attention(
     interpret mode). interpret: None means True on CPU and False on GPU/TPU.
     """
     validate_inputs(q, k_cache, v_cache, lengths, tree_mask, q_positions, window)
-    if block_k <= 0:
-        raise ValueError(f"{block_k=} must be > 0")
-    backend, interpret = _resolve_backend(backend, interpret)
-    if backend == "xla":
+    platform = _resolve_platform(backend, interpret)
+    if platform == "xla":
         return tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, q_positions, window)
-    return _tree_attention_pallas(
-        q, k_cache, v_cache, lengths, tree_mask, q_positions, jnp.asarray(window, jnp.int32),
-        block_k=block_k, interpret=interpret,
-    )
+    return _tree_attention_pallas(q, k_cache, v_cache, lengths, tree_mask, q_positions,
+                                  jnp.asarray(window, jnp.int32), settings=settings, platform=platform)

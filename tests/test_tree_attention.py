@@ -2,19 +2,28 @@
 
 `TreeAttentionTest` runs the kernel in interpret mode (CPU); `TreeAttentionDeviceTest` runs the same tests compiled
 on a GPU/TPU and is skipped on CPU. Cache slots past lengths + T are filled with NaN so any read past the mask shows.
+On CPU the compiled paths are still lowered for a GPU (Triton) and a TPU (Mosaic) from abstract shapes.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_kernels.tree_attention import tree_attention, tree_attention_reference, validate_inputs
+from pallas_kernels.tree_attention import (
+    KernelSettings,
+    _tree_attention_pallas,
+    tree_attention,
+    tree_attention_reference,
+    validate_inputs,
+)
 
 TOLERANCES = {
     jnp.dtype(jnp.float32): dict(atol=1e-5, rtol=1e-5),
@@ -35,6 +44,7 @@ class Case:
     head_dim: int = 16
     window: int = 0
     block_k: int = 16
+    k_splits: int = 1
     padded_nodes: int = 0  # trailing tree nodes that only see themselves and that no real node sees
     dtype: str = "float32"
 
@@ -58,6 +68,15 @@ CASES = {
     "bf16": Case(lengths=(14, 33), num_slots=48, num_new=9, q_heads=4, kv_heads=2, dtype="bfloat16"),
     "bf16_window": Case(lengths=(40, 2), num_slots=64, num_new=12, q_heads=4, kv_heads=1, window=7,
                         padded_nodes=2, dtype="bfloat16"),
+    # Flash-decoding splits. 5 blocks in 3 splits of 2 (the last split holds one): 37 ends inside split 1, and
+    # row 1 (length 5) has nothing in splits 1 and 2.
+    "splits_ragged": Case(lengths=(37, 5), num_slots=80, num_new=7, q_heads=4, kv_heads=2, k_splits=3),
+    "splits_past_every_length": Case(lengths=(3, 10), num_slots=128, num_new=6, k_splits=4),
+    "splits_over_blocks": Case(lengths=(50,), num_slots=64, num_new=9, k_splits=9),  # clamped to 4 splits
+    "splits_tail_block": Case(lengths=(33, 40), num_slots=45, num_new=5, k_splits=2),  # tail read as [29, 45)
+    "splits_window": Case(lengths=(60, 33), num_slots=96, num_new=8, window=20, padded_nodes=2, k_splits=5),
+    "splits_bf16_gqa4": Case(lengths=(70, 21), num_slots=96, num_new=10, q_heads=8, kv_heads=2, head_dim=8,
+                             k_splits=3, dtype="bfloat16"),
 }
 
 
@@ -108,7 +127,7 @@ class TreeAttentionTest:
     def test_kernel_matches_reference(self, name: str):
         case = CASES[name]
         poisoned, clean = make_inputs(case)
-        out = self.run_kernel(poisoned, block_k=case.block_k)
+        out = self.run_kernel(poisoned, settings=KernelSettings(block_k=case.block_k, k_splits=case.k_splits))
         expected = reference(**clean)
         assert out.dtype == expected.dtype == jnp.dtype(case.dtype)
         assert np.isfinite(np.asarray(out, np.float32)).all(), "NaN from unused cache slots leaked"
@@ -126,7 +145,7 @@ class TreeAttentionTest:
         windows = jnp.asarray([0, 3, 9], jnp.int32)
 
         def layer(carry, window):
-            out = self.run_kernel(poisoned | dict(window=window), block_k=case.block_k)
+            out = self.run_kernel(poisoned | dict(window=window), settings=KernelSettings(block_k=case.block_k))
             return carry, out
 
         _, outs = jax.jit(lambda w: jax.lax.scan(layer, 0, w))(windows)
@@ -230,6 +249,64 @@ def test_validate_inputs_raises(change, message: str):
 
 def test_validate_inputs_accepts_valid():
     validate_inputs(**valid_inputs())
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(block_k=0), "block_k=0 must be a positive integer"),
+        (dict(k_splits=-2), "k_splits=-2 must be a positive integer"),
+        (dict(num_warps=2.0), "num_warps=2.0 must be a positive integer"),
+        (dict(min_programs=True), "min_programs=True must be a positive integer"),
+    ],
+)
+def test_kernel_settings_raise(settings: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        KernelSettings(**settings)
+
+
+@pytest.mark.parametrize(
+    "settings, num_slots, programs, platform, expected",
+    [
+        (dict(block_k=128), 4096, 8, "gpu", (16, 2)),  # 32 blocks, 17 splits wanted (8 * 17 >= 132): 16 of 2
+        (dict(block_k=128), 4096, 8, "tpu", (1, 32)),
+        (dict(block_k=128), 4096, 8, "cpu", (1, 32)),
+        (dict(block_k=128), 4096, 256, "gpu", (1, 32)),  # enough programs already
+        (dict(block_k=16, k_splits=3), 80, 2, "cpu", (3, 2)),
+        (dict(block_k=16, k_splits=9), 64, 1, "gpu", (4, 1)),
+        (dict(block_k=32), 24, 1, "gpu", (1, 1)),  # block_k over S: one block of S
+    ],
+)
+def test_kernel_settings_splits(settings: dict, num_slots: int, programs: int, platform: str,
+                                expected: tuple[int, int]):
+    k_splits, per_split = KernelSettings(**settings).splits(num_slots, programs, platform)
+    assert (k_splits, per_split) == expected
+
+
+def lower_kernel(platform: str, lowering_platform: str, dtype=jnp.bfloat16) -> str:
+    """StableHLO of the kernel lowered for another platform from abstract Vicuna-7B-like shapes (no device)."""
+    batch, num_new, heads, head_dim, num_slots = 2, 64, 8, 128, 512
+    abstract = jax.ShapeDtypeStruct
+    args = (abstract((batch, num_new, heads, head_dim), dtype), abstract((batch, num_slots, heads, head_dim), dtype),
+            abstract((batch, num_slots, heads, head_dim), dtype), abstract((batch,), jnp.int32),
+            abstract((batch, num_new, num_new), jnp.bool_), abstract((batch, num_new), jnp.int32),
+            abstract((), jnp.int32))
+    traced = _tree_attention_pallas.trace(*args, settings=KernelSettings(), platform=platform)
+    return traced.lower(lowering_platforms=(lowering_platform,)).as_text()
+
+
+def test_kernel_lowers_for_gpu_with_triton():
+    calls = set(re.findall(r"custom_call @([\w$.]+)", lower_kernel("gpu", "cuda")))
+    assert calls == {"__gpu$xla.gpu.triton"}
+
+
+@pytest.mark.parametrize("device_kind", ["TPU v5p", "TPU v5 lite"])
+def test_kernel_lowers_for_tpu_with_mosaic(device_kind: str):
+    """Mosaic's lowering checks block shapes against the chip's tiling; the abstract mesh names the chip."""
+    chip = AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=chip)):
+        calls = set(re.findall(r"custom_call @([\w$.]+)", lower_kernel("tpu", "tpu")))
+    assert calls == {"tpu_custom_call"}
 
 
 def test_unknown_backend_raises():
