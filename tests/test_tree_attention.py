@@ -7,6 +7,7 @@ On CPU the compiled paths are still lowered for a GPU (Triton) and a TPU (Mosaic
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -307,6 +308,23 @@ def test_kernel_lowers_for_tpu_with_mosaic(device_kind: str):
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=chip)):
         calls = set(re.findall(r"custom_call @([\w$.]+)", lower_kernel("tpu", "tpu")))
     assert calls == {"tpu_custom_call"}
+
+
+def test_kernel_benchmark_smoke(tmp_path):
+    """The GPU benchmark script runs end to end (interpreted, tiny) and its kernel agrees with the XLA path."""
+    from amphista_jax.evals.benchmarks import tree_attention_kernel
+
+    args = ["--interpret", "--nodes", "5", "--context", "20", "--batch", "2", "--q-heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--k-splits", "auto", "2", "--runs", "1", "--out", str(tmp_path)]
+    tree_attention_kernel.main(args)
+    rows = json.loads((tmp_path / "tree_attention_kernel.json").read_text())["rows"]
+    assert [r["k_splits"] for r in rows] == ["auto", 2]
+    assert all(r["max_abs_diff"] < 5e-2 for r in rows)  # bf16
+    assert "not a speed measurement" in (tmp_path / "tree_attention_kernel.md").read_text()
+    with pytest.raises(SystemExit, match="pass --interpret"):
+        tree_attention_kernel.main(["--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="positive integers"):
+        tree_attention_kernel.main(["--interpret", "--k-splits", "0", "--out", str(tmp_path)])
 
 
 def test_unknown_backend_raises():
