@@ -70,6 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
     import numpy as np
 
     from amphista_jax.decode import check_fits, generate, pad_prompts, scratch_slots, speculative_generate
+    from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
     from amphista_jax.models.hf import load_config, load_params
     from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
     from amphista_jax.trees import get_tree
@@ -81,12 +82,17 @@ def _generate(args: argparse.Namespace) -> int:
     acceptance.resolve(sampling)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    speculative = bool(args.draft or args.heads)
-    heads = _heads_dir(args) if speculative else None
-    tree = get_tree(args.tree, heads) if speculative else None
+    if args.draft_model and (args.draft or args.heads):
+        raise UsageError("--draft-model drafts on its own: drop --draft / --heads (or drop --draft-model)")
+    speculative = bool(args.draft or args.heads or args.draft_model)
+    heads = _heads_dir(args) if speculative and not args.draft_model else None
+    tree_name = "chain-4" if args.draft_model and args.tree == "auto" else args.tree
+    tree = get_tree(tree_name, heads) if speculative else None
     if heads is not None:
         _check_heads(heads, tree)
     config = load_config(args.model)
+    if args.draft_model:
+        check_vocabularies(load_config(args.draft_model), config, args.draft_model)
     if args.top_k > config.vocab_size:
         raise UsageError(f"--top-k {args.top_k}: larger than the vocabulary ({config.vocab_size} tokens)")
     tok = load_tokenizer(args.model)
@@ -99,8 +105,11 @@ def _generate(args: argparse.Namespace) -> int:
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)
     kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, attention=args.attention,
                   sampling=sampling, eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
-    if speculative:
+    if args.draft_model:
+        drafter, draft_params = DraftModel.from_pretrained(args.draft_model, config, args.model, args.dtype)
+    elif speculative:
         drafter, draft_params = _load_drafter(args, heads, config, params)
+    if speculative:
         reserve = scratch_slots(drafter, tree)
     if not args.max_len:
         max_len = tokens.shape[1] + args.max_new_tokens + reserve
@@ -336,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     g.add_argument("--draft", choices=sorted(DRAFTERS), default=None, help="speculative decoding with this method")
     g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
+    g.add_argument("--draft-model", default=None, help="a small HF checkpoint with the target's tokenizer as the "
+                   "drafter (its own KV cache; --tree auto means chain-4)")
     g.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
                    "preset name, a JSON file of top-k paths, or `dynamic` / `dynamic-TxDxK` (EAGLE-2's tree)")
     g.add_argument("--acceptance", choices=[r.value for r in AcceptanceRule], default=None,

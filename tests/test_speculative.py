@@ -12,6 +12,7 @@ import pytest
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters import Amphista, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive, Target
 from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
+from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
@@ -291,8 +292,9 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     (Medusa(num_heads=3), PRESETS["small-8"]), (Amphista(num_heads=3), PRESETS["small-8"]),
     (Hydra(num_heads=3), PRESETS["small-8"]), (Hydra.plus_plus(num_heads=3), PRESETS["small-8"]),
     (Eagle(), dynamic_tree(8, 3, 3)), (Gumiho(top_k=2, fta_nodes=2), dynamic_tree(8, 4, 3)),
-    (SemiAutoregressive(depth=3), PRESETS["small-8"])],
-    ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "gumiho", "sar"])
+    (SemiAutoregressive(depth=3), PRESETS["small-8"]),
+    (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32)), PRESETS["small-8"])],
+    ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "gumiho", "sar", "draft-model"])
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""

@@ -134,6 +134,20 @@ class Eagle:
         return self._net(target.config).apply({"params": params}, target.embed(tokens), features,
                                               method=_EagleNet.inputs)
 
+    def run_nodes(self, params: dict, target: Target, tokens: jax.Array, parent_features: jax.Array,
+                  positions: jax.Array, cache: KVCache, new_mask: jax.Array,
+                  prefix: PrefixKV | None) -> tuple[jax.Array, KVCache, jax.Array]:
+        """`FeatureDrafting`'s expansion: nodes `tokens [B, M]` with their parents' predicted features through
+        the stack -> (their predicted features `[B, M, D]`, the cache with their keys/values written, inputs)."""
+        inputs = self.inputs(params, target, tokens, parent_features)
+        out, written = self._net(target.config).apply({"params": params}, inputs, positions, cache, new_mask, prefix,
+                                                      method=_EagleNet.layers)
+        return out, written, inputs
+
+    def logprobs(self, params: dict, target: Target, features: jax.Array) -> jax.Array:
+        """Draft log-probabilities `[..., V]` of predicted features `[..., D]` through the frozen lm_head."""
+        return jax.nn.log_softmax(features @ target.lm_head(), axis=-1)
+
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array,
                      rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Teacher-forced over whole sequences: `tokens [B, T]`, target features `[B, T, D]` -> (draft logits
@@ -191,20 +205,23 @@ class _EagleNet(nn.Module):
 
 @dataclasses.dataclass
 class FeatureDrafting:
-    """One step's tree drafting: expansions of the layer over tree nodes, each depth in one call, with the
-    earlier depths' keys/values of this step as scratch that only their descendants see."""
+    """One step's tree drafting: expansions of the drafter's cached stack over tree nodes, each depth in one
+    call, with the earlier depths' keys/values of this step as scratch that only their descendants see.
 
-    eagle: Eagle
+    `drafter` (EAGLE's stack, or a whole draft model: `draft_model.py`) provides `run_nodes` and `logprobs`;
+    its state holds `base` (the stack's output for the root: its children's draft distribution) and
+    `caches[0]`, whose committed prefix ends just before depth 1 (a node of depth d sits at `lengths + d - 1`)."""
+
+    drafter: Any
     params: dict
     target: Target
     ctx: DraftContext
 
     def logprobs(self, features: jax.Array) -> jax.Array:
-        """Draft log-probabilities `[..., V]` of predicted features `[..., D]` through the frozen lm_head."""
-        return jax.nn.log_softmax(features @ self.target.lm_head(), axis=-1)
+        return self.drafter.logprobs(self.params, self.target, features)
 
     def inputs(self, tokens: jax.Array, features: jax.Array) -> jax.Array:
-        return self.eagle.inputs(self.params, self.target, tokens, features)
+        return self.drafter.inputs(self.params, self.target, tokens, features)
 
     def expand(self, tokens: jax.Array, parent_features: jax.Array, depth: int, sees: jax.Array,
                scratch: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
@@ -217,9 +234,8 @@ class FeatureDrafting:
         positions = jnp.broadcast_to(cache.lengths[:, None] + depth - 1, (b, m))
         prefix = PrefixKV(*scratch, sees) if scratch is not None and scratch[0].shape[2] else None
         own = jnp.broadcast_to(jnp.eye(m, dtype=bool), (b, m, m))
-        inputs = self.inputs(tokens, parent_features)
-        out, written = self.eagle._net(self.target.config).apply(
-            {"params": self.params}, inputs, positions, cache, own, prefix, method=_EagleNet.layers)
+        out, written, inputs = self.drafter.run_nodes(self.params, self.target, tokens, parent_features, positions,
+                                                      cache, own, prefix)
 
         def new_entries(layer: jax.Array) -> jax.Array:  # [L, B, S, KVH, Dh] -> [L, B, M, KVH, Dh]
             return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, m, 1), (1, 0), 1)(layer, cache.lengths)

@@ -1,0 +1,132 @@
+"""A small model of the target's family as the drafter: classic draft-model speculative decoding on our engine.
+
+Any Llama-family Hugging Face checkpoint that shares the target's tokenizer drafts for it (`from_pretrained`):
+its own embedding, decoder layers, norm and `lm_head`, with its own KV cache. It reads nothing of the target.
+
+Cache convention (one ahead of the target's): the root — the target's own next token, certain to be committed
+— is committed in the draft model's cache already, so it holds the committed text and the root, and its output
+there (`state["base"]`, after the final norm) gives the root's children. `prefill` runs it over the prompt and
+the root; `commit` over the tokens that follow each accepted node (the next accepted node's token, then the
+bonus, which is the next root: `accepted_tokens`), committing `n_accepted`. A node of depth d then sits at
+`lengths + d - 1` of its cache, which is `FeatureDrafting`'s convention (`eagle.py`): each depth's nodes run
+through the model in one call and see the committed cache, their ancestors' keys/values of this step
+(scratch) and themselves. Chains are static trees of one child per node; static trees give each node the rank
+the tree says among its parent's drafts; a `TreeBudget` grows an EAGLE-2 dynamic tree from its log-probs.
+
+Drafts are deterministic top-k (`q = None`), lossless under greedy and rejection sampling alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from amphista_jax.cache import KVCache
+from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal, Target, accepted_hidden, accepted_tokens
+from amphista_jax.drafters.causal_layers import run_and_commit
+from amphista_jax.drafters.eagle import FeatureDrafting
+from amphista_jax.errors import UserError
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.hf import load_config, load_params
+from amphista_jax.models.llama import Output, PrefixKV, Transformer, init_params
+from amphista_jax.tokenizer import load_tokenizer
+from amphista_jax.trees import Tree, TreeBudget
+from amphista_jax.verify import Verdict
+
+
+class DraftModelError(UserError, ValueError):
+    """A draft model that cannot draft for this target, with what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    config: ModelConfig  # the draft model's own architecture
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: ModelConfig, target_dir: str | Path | None = None,
+                        dtype: str = "float32") -> tuple[DraftModel, dict]:
+        """(drafter, params) of a Hugging Face checkpoint directory. Refuses one whose vocabulary differs from the
+        target's (drafts are token ids: both models must mean the same thing by each): its size, and, when both
+        directories hold a tokenizer, the token -> id map itself."""
+        config = load_config(path)
+        check_vocabularies(config, target, str(path))
+        if target_dir is not None and _has_tokenizer(path) and _has_tokenizer(target_dir):
+            if load_tokenizer(path).get_vocab() != load_tokenizer(target_dir).get_vocab():
+                raise DraftModelError(f"{path}'s tokenizer maps tokens to ids differently from the target's "
+                                      f"({target_dir}): a draft model must use the target's tokenizer")
+        params, config = load_params(path, dtype=dtype)
+        return cls(config), params
+
+    def _model(self) -> Transformer:
+        return Transformer(self.config)
+
+    def init(self, rng: jax.Array, target: Target) -> dict:
+        """Random weights of the draft architecture (tests; real use loads a checkpoint: `from_pretrained`)."""
+        check_vocabularies(self.config, target.config, "the draft model")
+        return init_params(self.config, rng)
+
+    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
+        c = self.config
+        # One slot more than the target's: this cache runs one token ahead (the root).
+        return {"base": jnp.zeros((batch, c.hidden_size), jnp.float32),
+                "caches": (KVCache.zeros(c.num_layers, batch, cache_size + 1, c.num_kv_heads, c.head_dim),)}
+
+    def _advance(self, params: dict, tokens: jax.Array, count: jax.Array, state: dict) -> dict:
+        """Run the model over `tokens [B, T]` at its cache's next slots, commit `count [B]` of them, and keep its
+        output at the last one (the next root's: its children's draft distribution)."""
+        def run(positions: jax.Array, caches: tuple[KVCache, ...]) -> tuple[jax.Array, tuple[KVCache, ...]]:
+            out = self._model().apply({"params": params}, tokens, positions, caches[0], return_logits=False)
+            return out.hidden.astype(jnp.float32), (out.cache,)
+
+        base, caches = run_and_commit(run, state["caches"], tokens.shape[1], count)
+        return {"base": base, "caches": caches}
+
+    def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: dict) -> dict:
+        b = prompt.prompt.shape[0]
+        tokens = jnp.concatenate([prompt.prompt, jnp.zeros((b, 1), prompt.prompt.dtype)], axis=1)  # [B, T + 1]
+        tokens = tokens.at[jnp.arange(b), prompt.lengths].set(prompt.root)  # the prompt, then the root
+        return self._advance(params, tokens, prompt.lengths + 1, state)
+
+    def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
+               state: dict) -> tuple[dict, jax.Array]:
+        state = self._advance(params, accepted_tokens(proposal, verdict), verdict.n_accepted, state)
+        return state, accepted_hidden(verdict, verify_out)
+
+    def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
+        draft = FeatureDrafting(self, params, target, ctx)
+        if isinstance(tree, TreeBudget):
+            return draft.dynamic(tree)
+        return draft.static(tree)
+
+    def run_nodes(self, params: dict, target: Target, tokens: jax.Array, parent_features: jax.Array,
+                  positions: jax.Array, cache: KVCache, new_mask: jax.Array,
+                  prefix: PrefixKV | None) -> tuple[jax.Array, KVCache, None]:
+        """`FeatureDrafting`'s expansion: nodes `tokens [B, M]` through the model (their parents reach them through
+        the scratch keys/values) -> (final-norm hidden states `[B, M, D]`, the cache with theirs written, None)."""
+        out = self._model().apply({"params": params}, tokens, positions, cache, new_mask, return_logits=False,
+                                  prefix=prefix)
+        return out.hidden.astype(jnp.float32), out.cache, None
+
+    def logprobs(self, params: dict, target: Target, hidden: jax.Array) -> jax.Array:
+        """Draft log-probabilities `[..., V]` of the model's final-norm hidden states `[..., D]`."""
+        logits = self._model().apply({"params": params}, hidden, method=Transformer.logits)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
+        raise DraftModelError("a draft model is pre-trained on its own (`amphista-jax pretrain-target` trains one "
+                              "with the target's tokenizer); `train` fits draft heads only")
+
+
+def _has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def check_vocabularies(draft: ModelConfig, target: ModelConfig, name: str) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise DraftModelError(f"{name} has a vocabulary of {draft.vocab_size} tokens but the target has "
+                              f"{target.vocab_size}: a draft model must use the target's tokenizer (pick one of "
+                              "the target's family, or pre-train one with the target's tokenizer)")
+

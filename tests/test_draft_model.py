@@ -1,0 +1,142 @@
+"""A small model as the drafter: lossless (chains, static and dynamic trees), drafting with the target's own
+weights accepts every draft, its cache after commits equals a fresh prefill over the committed text, it compiles
+once, loads from a Hugging Face checkpoint, and refuses another vocabulary in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.drafters import Target
+from amphista_jax.drafters.base import PrefillContext, Proposal
+from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
+from amphista_jax.models.hf import save_params
+from amphista_jax.models.llama import Output, Transformer, init_params
+from amphista_jax.trees import PRESETS, batched, chain, dynamic_tree, tree_arrays
+from amphista_jax.verify import Verdict
+from tests.helpers import CONFIG, PROMPTS, assert_greedy_lossless, count_compiles
+
+SMALL = dataclasses.replace(CONFIG, num_layers=1, sliding_windows=(0,), hidden_size=32, intermediate_size=64,
+                            num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Target(CONFIG, init_params(CONFIG, jax.random.key(0)))
+
+
+@pytest.mark.parametrize("tree", ["chain-4", pytest.param("small-8", marks=pytest.mark.slow), "dynamic"])
+def test_greedy_draft_model_equals_ar(target, tree):
+    drafter = DraftModel(SMALL)
+    tree = dynamic_tree(8, 3, 3) if tree == "dynamic" else PRESETS[tree]
+    assert_greedy_lossless(target, drafter, drafter.init(jax.random.key(1), target), tree, trained=False)
+
+
+@pytest.mark.parametrize("tree", ["chain-4", pytest.param("mc_sim_7b_63", marks=pytest.mark.slow)])
+def test_the_target_as_its_own_draft_model_is_accepted_whole(target, tree):
+    """Drafting with the target's weights is right at every node iff the draft cache holds exactly the committed
+    text and the root: greedy decoding then accepts depth + 1 tokens every step."""
+    tokens, lengths = pad_prompts(PROMPTS)
+    ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=41, cache_size=64)
+    spec = speculative_generate(target.params, target.params, tokens, lengths, jax.random.key(0), config=CONFIG,
+                                drafter=DraftModel(CONFIG), tree=PRESETS[tree], max_new_tokens=41, cache_size=160)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    assert int(spec.steps) == 40 // (PRESETS[tree].depth + 1), int(spec.steps)  # the prefill makes token 1
+
+
+def test_cache_after_commits_equals_a_fresh_prefill(target):
+    """Prefill, then commits of different accepted counts per row through chain trees of the sequence's own
+    tokens: the committed keys/values (text and root) equal a cached forward over that text from scratch."""
+    drafter = DraftModel(SMALL)
+    params = drafter.init(jax.random.key(1), target)
+    seq = jax.random.randint(jax.random.key(3), (2, 40), 0, CONFIG.vocab_size)
+    lengths, pad, depth = jnp.asarray([7, 4]), 16, 4
+    prompt = jnp.where(jnp.arange(pad)[None] < lengths[:, None], seq[:, :pad], 0)
+    root = jnp.take_along_axis(seq, lengths[:, None], 1)[:, 0]
+    state = jax.jit(drafter.prefill)(params, target, PrefillContext(Output(None, None, None), prompt, lengths, root),
+                                     drafter.init_state(CONFIG, 2, 64))
+    commit = jax.jit(drafter.commit)
+    model = Transformer(SMALL)
+    for counts in ([1, 3], [5, 1], [2, 5]):
+        a = jnp.asarray(counts)
+        node_pos = lengths[:, None] + jnp.arange(depth + 1)[None]
+        proposal = Proposal(jnp.take_along_axis(seq, node_pos, 1), batched(tree_arrays(chain(depth)), 2))
+        nodes = jnp.where(jnp.arange(depth + 1)[None] < a[:, None], jnp.arange(depth + 1)[None], -1)
+        bonus = jnp.take_along_axis(seq, (lengths + a)[:, None], 1)[:, 0]
+        verify_out = Output(jnp.zeros((2, depth + 1, CONFIG.hidden_size)), None, None)
+        state, _ = commit(params, target, proposal, Verdict(nodes, a, bonus), verify_out, state)
+        lengths = lengths + a
+        cache = state["caches"][0]
+        np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(lengths + 1))  # the text and the root
+        for row in range(2):
+            n = int(lengths[row]) + 1
+            fresh = drafter.init_state(CONFIG, 1, 64)["caches"][0]
+            out = model.apply({"params": params}, seq[row: row + 1, :n], jnp.arange(n)[None], fresh,
+                              return_logits=False)
+            for got, want in ((cache.k, out.cache.k), (cache.v, out.cache.v)):
+                np.testing.assert_allclose(np.asarray(got[:, row, :n]), np.asarray(want[:, 0, :n]), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(state["base"][row]), np.asarray(out.hidden[0, -1]), atol=1e-5)
+
+
+def test_generation_compiles_once(target):
+    drafter = DraftModel(SMALL)
+    params = drafter.init(jax.random.key(1), target)
+    kw = dict(config=CONFIG, drafter=drafter, tree=PRESETS["small-16"], max_new_tokens=24, cache_size=96)
+    with count_compiles() as compiles:
+        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
+            tokens, lengths = pad_prompts(prompts, length=16)
+            jax.block_until_ready(speculative_generate(target.params, params, tokens, lengths, jax.random.key(0),
+                                                       **kw))
+    assert len(compiles) == 1
+
+
+def test_from_pretrained_loads_a_checkpoint_and_refuses_another_vocabulary(target, tmp_path):
+    drafter = DraftModel(SMALL)
+    params = drafter.init(jax.random.key(1), target)
+    save_params(params, SMALL, tmp_path / "draft", dtype="float32")
+    loaded, restored = DraftModel.from_pretrained(tmp_path / "draft", CONFIG)
+    assert loaded == drafter
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored)
+    other = dataclasses.replace(SMALL, vocab_size=128)
+    save_params(init_params(other, jax.random.key(2)), other, tmp_path / "other", dtype="float32")
+    with pytest.raises(DraftModelError, match="vocabulary of 128 tokens but the target has 256"):
+        DraftModel.from_pretrained(tmp_path / "other", CONFIG)
+    with pytest.raises(DraftModelError, match="vocabulary"):
+        DraftModel(other).init(jax.random.key(0), target)
+
+
+def _embedded_sibling(tmp_path, name: str, **changes) -> str:
+    """A random one-layer model of the embedded target's family saved as a HF checkpoint."""
+    from amphista_jax.assets import default_model_dir
+    from amphista_jax.models.hf import load_config
+
+    small = dataclasses.replace(load_config(default_model_dir()), num_layers=1, sliding_windows=(0,), hidden_size=32,
+                                intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, **changes)
+    save_params(init_params(small, jax.random.key(0)), small, tmp_path / name)
+    return str(tmp_path / name)
+
+
+CLI = [sys.executable, "-m", "amphista_jax.cli", "generate", "--prompt", "def add(a, b):", "--max-new-tokens", "12"]
+
+
+@pytest.mark.slow  # two CLI generations (~30 s); the mechanism is covered in-process above
+def test_cli_generate_with_a_draft_model(tmp_path):
+    """`generate --draft-model` on the embedded target: the completion equals plain generation's."""
+    plain = subprocess.run(CLI, capture_output=True, text=True, check=True).stdout
+    spec = subprocess.run(CLI + ["--draft-model", _embedded_sibling(tmp_path, "draft")], capture_output=True,
+                          text=True, check=True)
+    assert spec.stdout == plain and "tau" in spec.stderr
+
+
+def test_cli_refuses_a_draft_model_with_another_vocabulary(tmp_path):
+    bad = subprocess.run(CLI + ["--draft-model", _embedded_sibling(tmp_path, "wrong", vocab_size=300)],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "vocabulary of 300 tokens" in bad.stderr.strip().splitlines()[-1]
