@@ -5,6 +5,8 @@ A spec is `[label=]source[@tree][#key=value,...]`:
 * `ar`: the autoregressive baseline (always run, and first).
 * a draft-head checkpoint directory (`amphista-jax train` writes `<out_dir>/heads`): any registered method.
 * `<method>:untrained`: that method's freshly initialised heads (engine overhead; tau near 1).
+* a Hugging Face model directory (`config.json`, no `draft.json`): that model as a draft model
+  (`drafters/draft_model.py`; it must share the target's vocabulary).
 
 `@tree` overrides the run's tree (a preset name, a JSON file of paths or a dynamic budget). `#key=value,...`
 overrides decoding settings of the method that leave its parameters as they are (e.g. Gumiho's
@@ -27,12 +29,15 @@ import yaml
 
 from amphista_jax.decode import generate, scratch_slots, speculative_generate
 from amphista_jax.drafters import DRAFTERS, Target
+from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
 from amphista_jax.drafters.io import META_FILE, load_draft
 from amphista_jax.errors import UserError
-from amphista_jax.identity import heads_identity
+from amphista_jax.identity import heads_identity, target_identity
+from amphista_jax.models.hf import load_config
 from amphista_jax.trees import Tree, TreeBudget, TreeSpec, get_tree
 
 AR = "ar"
+DRAFT_MODEL = "draft-model"
 
 
 class MethodSpecError(UserError, ValueError):
@@ -43,12 +48,12 @@ class MethodSpecError(UserError, ValueError):
 class Method:
     label: str
     spec: str
-    method: str  # "ar" or a key of DRAFTERS
+    method: str  # "ar", a key of DRAFTERS or DRAFT_MODEL
     drafter: Any = None
     draft_params: Any = None
     tree: Tree | None = None  # a static tree, or the budget of trees the drafter grows (EAGLE-2)
     tree_name: str = "-"
-    heads_dir: str | None = None  # the draft-head checkpoint; None for `ar` and untrained heads
+    heads_dir: str | None = None  # the draft-head checkpoint or draft model; None for `ar` and untrained heads
     heads_files: dict[str, str] | None = None  # sha256 of each of its files (amphista_jax.identity)
 
     @property
@@ -119,7 +124,12 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
                         tree_name or default_tree)
     elif heads is None:
         raise MethodSpecError(f"method spec {spec!r}: {source!r} is neither `ar`, `<method>:untrained` (methods: "
-                              f"{', '.join(DRAFTERS)}) nor a draft-head checkpoint directory")
+                              f"{', '.join(DRAFTERS)}), a draft-head checkpoint directory nor a model directory")
+    elif (Path(source) / "config.json").is_file() and not (Path(source) / META_FILE).is_file():
+        if overrides:
+            raise MethodSpecError(f"method spec {spec!r}: a draft model has no decoding settings to override")
+        method = Method(label or f"{DRAFT_MODEL}{suffix}", spec, DRAFT_MODEL, DraftModel(load_config(source)), None,
+                        tree, tree_name or default_tree, heads_dir=source, heads_files=target_identity(source))
     else:
         name, drafter = _read_meta(spec, Path(source))
         drafter = _with_settings(spec, drafter, overrides)
@@ -176,6 +186,12 @@ def load_methods(methods: list[Method], target: Target, seed: int = 0) -> list[M
     for m in methods:
         if m.drafter is None or m.draft_params is not None:
             out.append(m)
+        elif m.method == DRAFT_MODEL:
+            try:
+                _, params = DraftModel.from_pretrained(m.heads_dir, target.config)
+            except DraftModelError as e:
+                raise MethodSpecError(f"method spec {m.spec!r}: {e}") from None
+            out.append(dataclasses.replace(m, draft_params=params))
         elif m.heads_dir is None:
             params = jax.jit(m.drafter.init)(jax.random.key(seed), target)  # one compile beats op-by-op init
             out.append(dataclasses.replace(m, draft_params=params))

@@ -140,3 +140,27 @@ def test_cli_refuses_a_draft_model_with_another_vocabulary(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "vocabulary of 300 tokens" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_head_accuracy_scores_its_depth1_drafts(target):
+    """On the target's own greedy continuation, the target as its own draft model drafts every token right."""
+    tokens, lengths = pad_prompts(PROMPTS[:1])
+    ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=20, cache_size=64)
+    seq = np.concatenate([np.asarray(PROMPTS[0]), np.asarray(ar.tokens[0, :20])])[None]
+    mask = (np.arange(seq.shape[1]) >= len(PROMPTS[0]))[None].astype(np.int32)
+    _, metrics = DraftModel(CONFIG).loss(target.params, target, {"tokens": seq, "loss_mask": mask}, None)
+    assert float(metrics["head0/top1"]) == 1.0
+
+
+def test_eval_spec_names_a_model_directory(target, tmp_path):
+    from amphista_jax.evals.methods import DRAFT_MODEL, MethodSpecError, resolve_method
+
+    drafter = DraftModel(SMALL)
+    save_params(drafter.init(jax.random.key(1), target), SMALL, tmp_path / "draft", dtype="float32")
+    method = resolve_method(f"small={tmp_path / 'draft'}@chain-2", "auto", target)
+    assert (method.label, method.method, method.drafter, method.tree) == ("small", DRAFT_MODEL, drafter, chain(2))
+    assert "config.json" in method.heads_files and method.draft_params is not None
+    other = dataclasses.replace(SMALL, vocab_size=128)
+    save_params(init_params(other, jax.random.key(2)), other, tmp_path / "other", dtype="float32")
+    with pytest.raises(MethodSpecError, match="vocabulary of 128 tokens"):
+        resolve_method(str(tmp_path / "other"), "chain-2", target)

@@ -90,6 +90,8 @@ class PretrainConfig:
     # A second stage: start from this exported model (its tokenizer and weights; `arch` must match) with a fresh
     # schedule of `steps`, continuing its data stream (same seed: the windows it saw come last).
     init_from: str = ""
+    # A sibling of an exported model (e.g. a draft model for it): its tokenizer, fresh weights of this `arch`.
+    tokenizer_from: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.heldout_fraction < 1:
@@ -110,6 +112,11 @@ class PretrainConfig:
                              f"{self.arch.max_position_embeddings}: lower seq_len or raise the positions")
         if not self.stdlib and not self.packages:
             raise ValueError("stdlib is false and packages is empty: the corpus would be empty; name a source")
+        if self.init_from and self.tokenizer_from:
+            raise ValueError("init_from already brings its tokenizer: drop tokenizer_from")
+        if self.tokenizer_from and not (Path(self.tokenizer_from) / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer_from {self.tokenizer_from} holds no tokenizer.json: point it at an exported "
+                             "model directory")
         if self.init_from and Path(self.init_from).resolve() == Path(self.export_dir).resolve():
             raise ValueError(f"export_dir {self.export_dir} is init_from: the export would overwrite the model this "
                              "stage starts from; pick another export_dir")
@@ -157,8 +164,8 @@ def _tokenizer(cfg: PretrainConfig, train_texts: list[str]) -> PreTrainedTokeniz
     path = Path(cfg.run_dir) / "tokenizer"
     if (path / "tokenizer.json").is_file():  # resume: never retrain, the checkpoints depend on it
         return AutoTokenizer.from_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(cfg.init_from) if cfg.init_from else train_tokenizer(
-        train_texts, cfg.vocab_size)
+    source = cfg.init_from or cfg.tokenizer_from
+    tok = AutoTokenizer.from_pretrained(source) if source else train_tokenizer(train_texts, cfg.vocab_size)
     tok.save_pretrained(path)
     return tok
 

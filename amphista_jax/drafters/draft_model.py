@@ -25,7 +25,15 @@ import jax
 import jax.numpy as jnp
 
 from amphista_jax.cache import KVCache
-from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal, Target, accepted_hidden, accepted_tokens
+from amphista_jax.drafters.base import (
+    DraftContext,
+    PrefillContext,
+    Proposal,
+    Target,
+    accepted_hidden,
+    accepted_tokens,
+    head_losses,
+)
 from amphista_jax.drafters.causal_layers import run_and_commit
 from amphista_jax.drafters.eagle import FeatureDrafting
 from amphista_jax.errors import UserError
@@ -116,8 +124,13 @@ class DraftModel:
         return jax.nn.log_softmax(logits, axis=-1)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
-        raise DraftModelError("a draft model is pre-trained on its own (`amphista-jax pretrain-target` trains one "
-                              "with the target's tokenizer); `train` fits draft heads only")
+        """Its depth-1 drafts scored like a head's (`head0/...`: at position t, the token t + 2, read from its own
+        output at t + 1, the root): its next-token CE on `batch`. For held-out accuracy; a draft model is
+        pre-trained on its own (`amphista-jax pretrain-target` with the target's tokenizer)."""
+        tokens = batch["tokens"]
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits = self._model().apply({"params": params}, tokens, positions).logits  # [B, T, V]: token t + 1
+        return head_losses(jnp.roll(logits, -1, axis=1)[:, :, None], batch, [1.0])
 
 
 def _has_tokenizer(path: str | Path) -> bool:
