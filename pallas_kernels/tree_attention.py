@@ -37,9 +37,12 @@ The wrapper slices the T new slots out of the cache (cheap: T is small), so thei
 (Triton tile sizes); S needs no padding: the last block overlaps its neighbour. `KernelSettings` holds the block
 sizes and launch settings.
 
-One kernel body serves every platform, its compiler chosen by the backend: Triton on GPU, Mosaic on TPU (where
-the last two dimensions of every block must tile by (8, 128): head_dim a multiple of 128, as in Llama-family
-models, or a single kv head), the interpreter on CPU."""
+One kernel body serves every platform, its compiler chosen by the backend: Triton on GPU (block_k a power of two
+>= 16, cut to the largest such power within S), Mosaic on TPU (where the last two dimensions of every block must
+tile by (8, 128): head_dim a multiple of 128, as in Llama-family models, or a single kv head), the interpreter on
+CPU. On TPU each program's whole [S, Dh] row is copied into VMEM before it runs, whatever `lengths[b]` is, so
+splits and the length cut save compute there but not HBM traffic (`k_splits` defaults to 1 on TPU); a variant
+that DMAs only the visited blocks is not written."""
 
 from __future__ import annotations
 
@@ -313,9 +316,22 @@ class KernelSettings:
         if self.k_splits is not None:
             _check_positive("k_splits", self.k_splits)
 
+    def block_size(self, num_slots: int, platform: str) -> int:
+        """The committed-slot block of one online-softmax step for a cache of `num_slots`: `block_k`, at most S;
+        on GPU a power of two >= 16 (Triton's tile shapes), the largest one within S."""
+        if platform != "gpu":
+            return min(self.block_k, num_slots)
+        if self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k={self.block_k} must be a power of two >= 16 for the compiled GPU kernel")
+        if num_slots < 16:
+            raise ValueError(f"a cache of {num_slots} slots is below the GPU kernel's smallest block (16): use the "
+                             "xla backend for caches this small")
+        return min(self.block_k, 1 << (num_slots.bit_length() - 1))
+
     def splits(self, num_slots: int, programs: int, platform: str) -> tuple[int, int]:
-        """(k_splits, committed blocks per split) for a cache of `num_slots` and `programs` = batch * kv heads."""
-        num_blocks = pl.cdiv(num_slots, min(self.block_k, num_slots))
+        """(k_splits, committed blocks per split) for a cache of `num_slots` and `programs` = batch * kv heads; the
+        automatic choice aims at `min_programs` programs, fewer where the blocks do not divide evenly."""
+        num_blocks = pl.cdiv(num_slots, self.block_size(num_slots, platform))
         wanted = self.k_splits or (pl.cdiv(self.min_programs, programs) if platform == "gpu" else 1)
         per_split = pl.cdiv(num_blocks, min(wanted, num_blocks))
         return pl.cdiv(num_blocks, per_split), per_split
@@ -352,7 +368,7 @@ def _tree_attention_pallas(
     num_slots, num_kv_heads = k_cache.shape[1:3]
     group = num_q_heads // num_kv_heads
     rows, padded_rows, padded_new = num_new * group, _tile_size(num_new * group), _tile_size(num_new)
-    block_k = min(settings.block_k, num_slots)
+    block_k = settings.block_size(num_slots, platform)
     k_splits, blocks_per_split = settings.splits(num_slots, batch * num_kv_heads, platform)
     lengths = lengths.astype(jnp.int32)
     q_positions = q_positions.astype(jnp.int32)

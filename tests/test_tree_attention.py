@@ -154,11 +154,14 @@ class TreeAttentionTest:
             expected = reference(**(clean | dict(window=window)))
             np.testing.assert_allclose(out, expected, **TOLERANCES[out.dtype])
 
-    def test_fully_masked_row_is_zero(self):
-        """Not valid use (a node always sees itself), but the kernel must give 0, not NaN."""
-        poisoned, clean = make_inputs(Case(lengths=(0,), num_slots=16, num_new=4))
+    @pytest.mark.parametrize("k_splits", [1, 4])
+    def test_fully_masked_row_is_zero(self, k_splits: int):
+        """Not valid use (a node always sees itself), but the kernel must give 0, not NaN (with splits: every
+        split's partial empty for that row)."""
+        poisoned, clean = make_inputs(Case(lengths=(0,), num_slots=64, num_new=4))
         tree_mask = poisoned["tree_mask"].at[0, 2].set(False)
-        out = self.run_kernel(poisoned | dict(tree_mask=tree_mask))
+        out = self.run_kernel(poisoned | dict(tree_mask=tree_mask), settings=KernelSettings(block_k=16,
+                                                                                            k_splits=k_splits))
         expected = reference(**(clean | dict(tree_mask=tree_mask)))
         np.testing.assert_array_equal(out[0, 2], 0.0)
         np.testing.assert_allclose(out, expected, **TOLERANCES[out.dtype])
@@ -275,7 +278,8 @@ def test_kernel_settings_raise(settings: dict, message: str):
         (dict(block_k=128), 4096, 256, "gpu", (1, 32)),  # enough programs already
         (dict(block_k=16, k_splits=3), 80, 2, "cpu", (3, 2)),
         (dict(block_k=16, k_splits=9), 64, 1, "gpu", (4, 1)),
-        (dict(block_k=32), 24, 1, "gpu", (1, 1)),  # block_k over S: one block of S
+        (dict(block_k=32), 24, 1, "cpu", (1, 1)),  # block_k over S: one block of S
+        (dict(block_k=32), 24, 1, "gpu", (2, 1)),  # on GPU a power-of-two block within S: 16, two of them
     ],
 )
 def test_kernel_settings_splits(settings: dict, num_slots: int, programs: int, platform: str,
@@ -284,9 +288,17 @@ def test_kernel_settings_splits(settings: dict, num_slots: int, programs: int, p
     assert (k_splits, per_split) == expected
 
 
-def lower_kernel(platform: str, lowering_platform: str, dtype=jnp.bfloat16) -> str:
+@pytest.mark.parametrize(("settings", "num_slots", "message"), [
+    (dict(block_k=48), 512, "power of two >= 16"), (dict(block_k=8), 512, "power of two >= 16"),
+    (dict(), 12, "use the xla backend")])
+def test_gpu_block_sizes_are_checked(settings: dict, num_slots: int, message: str):
+    with pytest.raises(ValueError, match=message):
+        KernelSettings(**settings).splits(num_slots, 8, "gpu")
+
+
+def lower_kernel(platform: str, lowering_platform: str, num_slots: int = 512, dtype=jnp.bfloat16) -> str:
     """StableHLO of the kernel lowered for another platform from abstract Vicuna-7B-like shapes (no device)."""
-    batch, num_new, heads, head_dim, num_slots = 2, 64, 8, 128, 512
+    batch, num_new, heads, head_dim = 2, 64, 8, 128
     abstract = jax.ShapeDtypeStruct
     args = (abstract((batch, num_new, heads, head_dim), dtype), abstract((batch, num_slots, heads, head_dim), dtype),
             abstract((batch, num_slots, heads, head_dim), dtype), abstract((batch,), jnp.int32),
@@ -296,8 +308,9 @@ def lower_kernel(platform: str, lowering_platform: str, dtype=jnp.bfloat16) -> s
     return traced.lower(lowering_platforms=(lowering_platform,)).as_text()
 
 
-def test_kernel_lowers_for_gpu_with_triton():
-    calls = set(re.findall(r"custom_call @([\w$.]+)", lower_kernel("gpu", "cuda")))
+@pytest.mark.parametrize("num_slots", [512, 88, 4160])  # a multiple of block_k, under it (block 64), past it
+def test_kernel_lowers_for_gpu_with_triton(num_slots: int):
+    calls = set(re.findall(r"custom_call @([\w$.]+)", lower_kernel("gpu", "cuda", num_slots)))
     assert calls == {"__gpu$xla.gpu.triton"}
 
 
