@@ -74,18 +74,18 @@ def test_training_drafts_are_drafts_from_scratch_and_never_read_their_label(targ
     tokens, hidden = sequence(target, batch=2, length=16)
     full = sar.draft_logits(params, target, tokens, hidden)  # [B, T, K, V]
     t = 5
-    for j in range(sar.depth):
+    for j in range(sar.num_heads):
         scratch = sar.path_logits(params, target, hidden[:, t], tokens[:, t + 1: t + 2 + j])
         np.testing.assert_allclose(np.asarray(full[:, t, j]), np.asarray(scratch), atol=1e-5, rtol=1e-5)
-    for pos in range(t, t + sar.depth + 2):
+    for pos in range(t, t + sar.num_heads + 2):
         moved = sar.draft_logits(params, target, tokens.at[0, pos].add(1), hidden)
         changed = np.abs(np.asarray(moved[0, t] - full[0, t])).max(-1) > 1e-6  # [K]
-        assert changed.tolist() == [t + 1 <= pos <= t + 1 + j for j in range(sar.depth)], pos
+        assert changed.tolist() == [t + 1 <= pos <= t + 1 + j for j in range(sar.num_heads)], pos
 
 
 def test_simplified_encoder_is_eq6_by_hand(target):
     """h_q = sum_l alpha_l MLP(e(d_l)) / sum_l alpha_l with alpha = sigmoid(alpha_logits), MLP = Dense, SiLU, Dense."""
-    sar = SemiAutoregressive(depth=3)
+    sar = SemiAutoregressive(num_heads=3)
     params = sar.init(jax.random.key(1), target)
     params = params | {"alpha_logits": jnp.asarray([-1.0, 0.5, 2.0])}
     path = jnp.asarray([[3, 50, 7]])
@@ -156,7 +156,7 @@ def test_generation_compiles_once(target):
 
 
 def test_checkpoint_keeps_the_encoder(target, tmp_path):
-    sar = SemiAutoregressive(depth=3, encoder="lstm", width=8)
+    sar = SemiAutoregressive(num_heads=3, encoder="lstm", width=8)
     params = sar.init(jax.random.key(0), target)
     save_draft(tmp_path / "heads", "sar", sar, params, CONFIG)
     method, loaded, restored = load_draft(tmp_path / "heads", CONFIG, target.params)
@@ -165,7 +165,7 @@ def test_checkpoint_keeps_the_encoder(target, tmp_path):
 
 
 def test_refuses_a_tree_deeper_than_its_depth(target):
-    sar = SemiAutoregressive(depth=2)
+    sar = SemiAutoregressive(num_heads=2)
     tokens, lengths = pad_prompts(PROMPTS)
     with pytest.raises(ValueError, match="tree depth 4 needs 4 heads"):
         speculative_generate(target.params, sar.init(jax.random.key(0), target), tokens, lengths,
@@ -174,7 +174,7 @@ def test_refuses_a_tree_deeper_than_its_depth(target):
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    (dict(depth=0), "depth"), (dict(encoder="gru"), "encoder"), (dict(width=0), "width")])
+    (dict(num_heads=0), "num_heads"), (dict(encoder="gru"), "encoder"), (dict(width=0), "width")])
 def test_settings_are_validated(settings, message):
     with pytest.raises(ValueError, match=message):
         SemiAutoregressive(**settings)

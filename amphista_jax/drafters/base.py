@@ -30,7 +30,7 @@ frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -39,7 +39,16 @@ from flax import struct
 
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, input_embeddings, output_projection
-from amphista_jax.trees import Tree, TreeArrays, TreeError, TreeSpec, batched, fill_tree_from_topk, tree_arrays
+from amphista_jax.trees import (
+    Tree,
+    TreeArrays,
+    TreeError,
+    TreeSpec,
+    batched,
+    fill_tree_from_topk,
+    tree_arrays,
+    tree_levels,
+)
 from amphista_jax.verify import Verdict, last_accepted_node
 
 
@@ -165,6 +174,25 @@ def project_heads(x: jax.Array, weights: jax.Array | Sequence[jax.Array], heads:
     or K arrays `[D, F]` (`split_heads`) -> `[..., heads, F]`. One matrix product per head: XLA:CPU runs a
     batched product over heads several times slower than separate ones once a head has more than one row."""
     return jax.numpy.stack([x[..., i, :] @ weights[i] for i in range(heads)], axis=-2)
+
+
+def draft_by_levels(root: jax.Array, tree: TreeSpec, state: Any, logits: Callable[[int, Any], jax.Array],
+                    extend: Callable[[int, Any, jax.Array], Any]) -> Proposal:
+    """Deterministic top-k drafts (`q = None`) of a static tree, depth by depth, each node's children from its own
+    path (Hydra, the semi-autoregressive drafter). `state` describes the nodes that have children at the current
+    depth (leaves `[B, M, ...]`; at depth 0 the root alone), `logits(depth, state) -> [B, M, V]` drafts their
+    children, and `extend(depth, parents' state, tokens [B, E])` gives the state of the children that have
+    children in turn."""
+    b = root.shape[0]
+    tokens = jax.numpy.zeros((b, tree.num_nodes), jax.numpy.int32).at[:, 0].set(root)
+    for depth, level in enumerate(tree_levels(tree)):
+        top = jax.lax.top_k(logits(depth, state), int(level.rank.max()) + 1)[1].astype(jax.numpy.int32)  # [B, M, k]
+        children = top[:, level.parent_slot, level.rank]  # [B, C]
+        tokens = tokens.at[:, level.nodes].set(children)
+        if len(level.expand):
+            slots = level.parent_slot[level.expand]
+            state = extend(depth, jax.tree.map(lambda x, slots=slots: x[:, slots], state), children[:, level.expand])
+    return Proposal(tokens, batched(tree_arrays(tree), b))
 
 
 def topk_proposal(logits: jax.Array, root: jax.Array, tree: TreeSpec) -> Proposal:

@@ -45,6 +45,7 @@ from amphista_jax.drafters.base import (
     Target,
     accepted_hidden,
     check_tree_depth,
+    draft_by_levels,
     head_losses,
     project_heads,
     split_heads,
@@ -52,7 +53,7 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, run_stack
-from amphista_jax.trees import Tree, batched, tree_arrays, tree_levels
+from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 
 
@@ -145,19 +146,10 @@ class Hydra:
         """Deterministic top-k drafts (`q = None`), depth by depth: each node's children are the top-k of the
         next head applied to that node's own path."""
         tree = check_tree_depth(tree, self.num_heads, "Hydra")
-        b, n = ctx.root.shape[0], tree.num_nodes
-        tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(ctx.root)
         # Head inputs of the nodes that have children, depth by depth: [B, M, (depth + 2) D].
-        inputs = jnp.concatenate([self.base_state(ctx).astype(jnp.float32),
-                                  target.embed(ctx.root)], axis=-1)[:, None]
-        for depth, level in enumerate(tree_levels(tree)):
-            logits = self._logits(params, target, depth, inputs)  # [B, M, V]
-            top = jax.lax.top_k(logits, int(level.rank.max()) + 1)[1].astype(jnp.int32)  # [B, M, k]
-            children = top[:, level.parent_slot, level.rank]  # [B, C]
-            tokens = tokens.at[:, level.nodes].set(children)
-            inputs = jnp.concatenate([inputs[:, level.parent_slot[level.expand]],
-                                      target.embed(children[:, level.expand])], axis=-1)
-        return Proposal(tokens, batched(tree_arrays(tree), b))
+        inputs = jnp.concatenate([self.base_state(ctx).astype(jnp.float32), target.embed(ctx.root)], axis=-1)[:, None]
+        return draft_by_levels(ctx.root, tree, inputs, lambda depth, x: self._logits(params, target, depth, x),
+                               lambda depth, x, children: jnp.concatenate([x, target.embed(children)], axis=-1))
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array,
                      rng: jax.Array | None = None) -> jax.Array:

@@ -49,11 +49,12 @@ from amphista_jax.drafters.base import (
     Target,
     accepted_hidden,
     check_tree_depth,
+    draft_by_levels,
     head_losses,
 )
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
-from amphista_jax.trees import Tree, batched, tree_arrays, tree_levels
+from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 
 ENCODERS = ("simplified", "lstm")
@@ -62,13 +63,15 @@ Carry = Any  # the encoder's state over a path: a pytree of `[..., H/2]` (and `[
 
 @dataclasses.dataclass(frozen=True)
 class SemiAutoregressive:
-    depth: int = 4  # k: draft depths trained (Eq. 8) and the deepest tree drafted
+    # k: draft depths trained (Eq. 8) and the deepest tree drafted; named like the head methods' depth, which the
+    # tree code (tree search, the CLI's checks) reads from every static-tree drafter
+    num_heads: int = 4
     encoder: str = "simplified"  # h_q: "simplified" (Eq. 6) or "lstm" (Eq. 7)
     width: int | None = None  # W, each branch of q0's hidden layer; None = H/4 (the paper's 1024 at H = 4096)
 
     def __post_init__(self) -> None:
-        if self.depth < 1:
-            raise ValueError(f"{self.depth=} must be >= 1")
+        if self.num_heads < 1:
+            raise ValueError(f"{self.num_heads=} must be >= 1 (the draft depth k)")
         if self.encoder not in ENCODERS:
             raise ValueError(f"{self.encoder=} must be one of {ENCODERS}")
         if self.width is not None and self.width < 1:
@@ -83,7 +86,8 @@ class SemiAutoregressive:
     def init(self, rng: jax.Array, target: Target) -> dict:
         config = target.config
         d = config.hidden_size
-        params = nn.unbox(self._net(config).init(rng, jnp.zeros((1, 1, d)), jnp.zeros((1, 1, self.depth, d)))["params"])
+        path = jnp.zeros((1, 1, self.num_heads, d))
+        params = nn.unbox(self._net(config).init(rng, jnp.zeros((1, 1, d)), path)["params"])
         features = 2 * self.branch_width(config)
         if features == d:
             lm_head = target.lm_head()
@@ -114,7 +118,7 @@ class SemiAutoregressive:
 
     def path_logits(self, params: dict, target: Target, base: jax.Array, path: jax.Array) -> jax.Array:
         """The draft after a path, from scratch: base states `[..., D]` (broadcast) and path tokens `[..., j]` (the
-        root first, j <= depth) -> fp32 logits `[..., V]` of the token that follows the path."""
+        root first, j <= num_heads) -> fp32 logits `[..., V]` of the token that follows the path."""
         carry = self._apply(params, target, _SARNet.empty, path.shape[:-1])
         for position in range(path.shape[-1]):
             carry = self._step(params, target, carry, path[..., position], position)
@@ -123,36 +127,26 @@ class SemiAutoregressive:
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         """Deterministic top-k drafts (`q = None`), depth by depth: each node's children are the top-k of `q0`
         on that node's own path (root .. node)."""
-        tree = check_tree_depth(tree, self.depth, "semi-autoregressive")
-        b, n = ctx.root.shape[0], tree.num_nodes
-        tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(ctx.root)
+        tree = check_tree_depth(tree, self.num_heads, "semi-autoregressive")
         base = ctx.hidden.astype(jnp.float32)[:, None]  # [B, 1, D]
-        carry = self._apply(params, target, _SARNet.empty, (b, 1))
-        carry = self._step(params, target, carry, ctx.root[:, None], 0)  # [B, M, ...] over nodes with children
-        for depth, level in enumerate(tree_levels(tree)):
-            logits = self._logits(params, target, base, carry)  # [B, M, V]
-            top = jax.lax.top_k(logits, int(level.rank.max()) + 1)[1].astype(jnp.int32)  # [B, M, k]
-            children = top[:, level.parent_slot, level.rank]  # [B, C]
-            tokens = tokens.at[:, level.nodes].set(children)
-            if len(level.expand):
-                slots = level.parent_slot[level.expand]
-                carry = jax.tree.map(lambda c, slots=slots: c[:, slots], carry)
-                carry = self._step(params, target, carry, children[:, level.expand], depth + 1)
-        return Proposal(tokens, batched(tree_arrays(tree), b))
+        carry = self._apply(params, target, _SARNet.empty, (ctx.root.shape[0], 1))
+        carry = self._step(params, target, carry, ctx.root[:, None], 0)  # the encoder over each node's path
+        return draft_by_levels(ctx.root, tree, carry, lambda depth, c: self._logits(params, target, base, c),
+                               lambda depth, c, children: self._step(params, target, c, children, depth + 1))
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
         """Training-time drafts over whole sequences, teacher-forced: `tokens [B, T]`, target hidden `[B, T, D]`
         -> `[B, T, K, V]` (depth j at t reads tokens t + 1 .. t + 1 + j; past the end they wrap around and the
         loss masks them)."""
         embed = target.embed(tokens)  # [B, T, D]
-        path = jnp.stack([jnp.roll(embed, -(j + 1), axis=1) for j in range(self.depth)], axis=2)  # [B, T, K, D]
+        path = jnp.stack([jnp.roll(embed, -(j + 1), axis=1) for j in range(self.num_heads)], axis=2)  # [B, T, K, D]
         features = self._net(target.config).apply({"params": params}, hidden.astype(jnp.float32), path)
         return (features @ params["lm_head"]).astype(jnp.float32)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Eq. 8's draft term: the mean over depths of the ground-truth CE (`head{j}/...` metrics per depth)."""
         logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden)  # [B, T, K, V]
-        return head_losses(logits, batch, [1.0 / self.depth] * self.depth)
+        return head_losses(logits, batch, [1.0 / self.num_heads] * self.num_heads)
 
 
 class _SARNet(nn.Module):
@@ -163,7 +157,7 @@ class _SARNet(nn.Module):
         half = max(1, self.target.hidden_size // 2)
         if self.spec.encoder == "simplified":
             self.token_mlp = [nn.Dense(half, name="mlp_in"), nn.Dense(half, name="mlp_out")]
-            self.alpha_logits = self.param("alpha_logits", nn.initializers.zeros_init(), (self.spec.depth,))
+            self.alpha_logits = self.param("alpha_logits", nn.initializers.zeros_init(), (self.spec.num_heads,))
         else:
             self.cells = [nn.OptimizedLSTMCell(half, name=f"lstm{i}") for i in range(2)]
         width = self.spec.branch_width(self.target)
@@ -173,11 +167,11 @@ class _SARNet(nn.Module):
     def __call__(self, hidden: jax.Array, path: jax.Array) -> jax.Array:
         """Whole sequences (training, init): hidden `[B, T, D]`, path embeddings `[B, T, K, D]` (e of tokens
         t + 1 .. t + K) -> q0's hidden features `[B, T, K, 2W]`, depth j's from the path's first j + 1 tokens."""
-        carry = self.empty(path.shape[:2])
+        carry, distant = self.empty(path.shape[:2]), self.w_p(hidden)
         features = []
         for j in range(path.shape[2]):
             carry = self.step(carry, path[:, :, j], j)
-            features.append(self.mix(hidden, carry))
+            features.append(self.combine(distant, carry))
         return jnp.stack(features, axis=2)
 
     def empty(self, shape: tuple[int, ...]) -> Carry:
@@ -209,6 +203,9 @@ class _SARNet(nn.Module):
     def mix(self, hidden: jax.Array, carry: Carry) -> jax.Array:
         """q0's hidden layer: act(concat(Wp^T h_p, Wq^T h_q) + b3) -> `[..., 2W]`; `hidden [..., D]` broadcasts over
         the paths (one base state per row, many paths)."""
+        return self.combine(self.w_p(hidden), carry)
+
+    def combine(self, distant: jax.Array, carry: Carry) -> jax.Array:
+        """`mix` given `Wp^T h_p + b` (`distant [..., W]`, broadcast over the paths)."""
         recent = self.w_q(self.encoded(carry))
-        distant = jnp.broadcast_to(self.w_p(hidden), recent.shape)
-        return nn.silu(jnp.concatenate([distant, recent], axis=-1))
+        return nn.silu(jnp.concatenate([jnp.broadcast_to(distant, recent.shape), recent], axis=-1))
