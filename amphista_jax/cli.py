@@ -70,7 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
     import numpy as np
 
     from amphista_jax.decode import check_fits, generate, pad_prompts, scratch_slots, speculative_generate
-    from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
+    from amphista_jax.drafters.draft_model import AUTO_TREE, DraftModel, check_vocabularies
     from amphista_jax.models.hf import load_config, load_params
     from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
     from amphista_jax.trees import get_tree
@@ -86,7 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError("--draft-model drafts on its own: drop --draft / --heads (or drop --draft-model)")
     speculative = bool(args.draft or args.heads or args.draft_model)
     heads = _heads_dir(args) if speculative and not args.draft_model else None
-    tree_name = "chain-4" if args.draft_model and args.tree == "auto" else args.tree
+    tree_name = AUTO_TREE if args.draft_model and args.tree == "auto" else args.tree
     tree = get_tree(tree_name, heads) if speculative else None
     if heads is not None:
         _check_heads(heads, tree)
@@ -107,6 +107,7 @@ def _generate(args: argparse.Namespace) -> int:
                   sampling=sampling, eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
     if args.draft_model:
         drafter, draft_params = DraftModel.from_pretrained(args.draft_model, config, args.model, args.dtype)
+        drafter = drafter.sampling_at(args.temperature, tree)
     elif speculative:
         drafter, draft_params = _load_drafter(args, heads, config, params)
     if speculative:
@@ -346,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", choices=sorted(DRAFTERS), default=None, help="speculative decoding with this method")
     g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
     g.add_argument("--draft-model", default=None, help="a small HF checkpoint with the target's tokenizer as the "
-                   "drafter (its own KV cache; --tree auto means chain-4)")
+                   "drafter (its own KV cache; --tree auto means chain-4; at --temperature > 0 on a static tree it "
+                   "samples its drafts at that temperature)")
     g.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
                    "preset name, a JSON file of top-k paths, or `dynamic` / `dynamic-TxDxK` (EAGLE-2's tree)")
     g.add_argument("--acceptance", choices=[r.value for r in AcceptanceRule], default=None,

@@ -6,7 +6,9 @@ A spec is `[label=]source[@tree][#key=value,...]`:
 * a draft-head checkpoint directory (`amphista-jax train` writes `<out_dir>/heads`): any registered method.
 * `<method>:untrained`: that method's freshly initialised heads (engine overhead; tau near 1).
 * a Hugging Face model directory (`config.json`, no `draft.json`): that model as a draft model
-  (`drafters/draft_model.py`; it must share the target's vocabulary).
+  (`drafters/draft_model.py`; it must share the target's vocabulary). `@tree` defaults to chain-4; at a
+  temperature > 0 on a static tree its drafts are drawn at that temperature (classic speculative sampling),
+  `#temperature=0` keeps top-k drafts.
 
 `@tree` overrides the run's tree (a preset name, a JSON file of paths or a dynamic budget). `#key=value,...`
 overrides decoding settings of the method that leave its parameters as they are (e.g. Gumiho's
@@ -29,12 +31,12 @@ import yaml
 
 from amphista_jax.decode import generate, scratch_slots, speculative_generate
 from amphista_jax.drafters import DRAFTERS, Target
-from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
+from amphista_jax.drafters.draft_model import AUTO_TREE, DraftModel, DraftModelError
 from amphista_jax.drafters.io import META_FILE, load_draft
 from amphista_jax.errors import UserError
 from amphista_jax.identity import heads_identity, target_identity
 from amphista_jax.models.hf import load_config
-from amphista_jax.trees import Tree, TreeBudget, TreeSpec, get_tree
+from amphista_jax.trees import AUTO, Tree, TreeBudget, TreeSpec, get_tree
 
 AR = "ar"
 DRAFT_MODEL = "draft-model"
@@ -96,9 +98,10 @@ def split_label(spec: str) -> tuple[str, str]:
     return label, rest
 
 
-def resolve_method(spec: str, default_tree: str, target: Target | None = None, seed: int = 0) -> Method:
-    """One spec (see the module docstring) -> Method; with `target`, its heads loaded and checked against it,
-    else only checked (`load_methods` loads them)."""
+def resolve_method(spec: str, default_tree: str, target: Target | None = None, seed: int = 0,
+                   temperature: float = 0.0) -> Method:
+    """One spec (see the module docstring) -> Method for a run at `temperature`; with `target`, its heads loaded
+    and checked against it, else only checked (`load_methods` loads them)."""
     label, rest = split_label(spec)
     rest, _, overrides = rest.partition("#")
     source, _, tree_name = rest.partition("@")
@@ -110,6 +113,8 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
             raise MethodSpecError(f"method spec {spec!r}: the AR baseline has no tree")
         return Method(label or AR, spec, AR)
     heads = source if Path(source).is_dir() else None
+    model = heads is not None and (Path(source) / "config.json").is_file() and not (Path(source) / META_FILE).is_file()
+    tree_name = tree_name or (AUTO_TREE if model and default_tree == AUTO else "")
     try:
         tree = get_tree(tree_name or default_tree, heads)
     except (UserError, ValueError) as e:
@@ -125,11 +130,13 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
     elif heads is None:
         raise MethodSpecError(f"method spec {spec!r}: {source!r} is neither `ar`, `<method>:untrained` (methods: "
                               f"{', '.join(DRAFTERS)}), a draft-head checkpoint directory nor a model directory")
-    elif (Path(source) / "config.json").is_file() and not (Path(source) / META_FILE).is_file():
-        if overrides:
-            raise MethodSpecError(f"method spec {spec!r}: a draft model has no decoding settings to override")
-        method = Method(label or f"{DRAFT_MODEL}{suffix}", spec, DRAFT_MODEL, DraftModel(load_config(source)), None,
-                        tree, tree_name or default_tree, heads_dir=source, heads_files=target_identity(source))
+    elif model:  # drafts sampled at the run's temperature on static trees (`#temperature=0`: top-k drafts)
+        drafter = _with_settings(spec, DraftModel(load_config(source)).sampling_at(temperature, tree), overrides)
+        if drafter.temperature > 0 and not isinstance(tree, TreeSpec):
+            raise MethodSpecError(f"method spec {spec!r}: a dynamic tree keeps the top drafts, not samples: drop "
+                                  "#temperature or use a static tree")
+        method = Method(label or f"{DRAFT_MODEL}{suffix}", spec, DRAFT_MODEL, drafter, None, tree,
+                        tree_name or default_tree, heads_dir=source, heads_files=target_identity(source))
     else:
         name, drafter = _read_meta(spec, Path(source))
         drafter = _with_settings(spec, drafter, overrides)
@@ -207,14 +214,14 @@ def load_methods(methods: list[Method], target: Target, seed: int = 0) -> list[M
     return out
 
 
-def resolve_methods(specs: tuple[str, ...], default_tree: str, target: Target | None = None, seed: int = 0
-                    ) -> list[Method]:
-    """The AR baseline first (added when missing), then each spec in order; labels must be unique. Without
-    `target` the heads are checked but not loaded (see `load_methods`)."""
+def resolve_methods(specs: tuple[str, ...], default_tree: str, target: Target | None = None, seed: int = 0,
+                    temperature: float = 0.0) -> list[Method]:
+    """The AR baseline first (added when missing), then each spec in order, for a run at `temperature`; labels
+    must be unique. Without `target` the heads are checked but not loaded (see `load_methods`)."""
     ar_specs = [s for s in specs if split_label(s)[1] == AR]
     specs = tuple(s for s in specs if split_label(s)[1] != AR)
     methods = [resolve_method(ar_specs[0] if ar_specs else AR, default_tree, None, seed)]
-    methods += [resolve_method(s, default_tree, None, seed) for s in specs]
+    methods += [resolve_method(s, default_tree, None, seed, temperature) for s in specs]
     labels = [m.label for m in methods]
     if dupes := sorted({x for x in labels if labels.count(x) > 1}):
         raise MethodSpecError(f"method labels {dupes} are used twice: name them, e.g. `medusa-a=runs/a/heads`")

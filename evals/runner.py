@@ -292,7 +292,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     load_config(model_dir)
     check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)
-    methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed)
+    methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed, cfg.temperature)
     run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))
     if jax.process_index() == 0:
         print(report.summary())

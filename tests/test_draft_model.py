@@ -32,10 +32,12 @@ def target():
     return Target(CONFIG, init_params(CONFIG, jax.random.key(0)))
 
 
-@pytest.mark.parametrize("tree", ["chain-4", pytest.param("small-8", marks=pytest.mark.slow), "dynamic"])
+@pytest.mark.parametrize("tree", ["chain-4", "sampled"] + [pytest.param(t, marks=pytest.mark.slow)  # EAGLE-2's builder
+                                                              for t in ("small-8", "dynamic")])
 def test_greedy_draft_model_equals_ar(target, tree):
-    drafter = DraftModel(SMALL)
-    tree = dynamic_tree(8, 3, 3) if tree == "dynamic" else PRESETS[tree]
+    """Greedy decoding with top-k drafts, and with drafts sampled at temperature 1 (`sampled`, small-8)."""
+    drafter = DraftModel(SMALL, temperature=1.0 if tree == "sampled" else 0.0)
+    tree = {"dynamic": dynamic_tree(8, 3, 3), "sampled": PRESETS["small-8"]}.get(tree) or PRESETS[tree]
     assert_greedy_lossless(target, drafter, drafter.init(jax.random.key(1), target), tree, trained=False)
 
 
@@ -95,6 +97,37 @@ def test_generation_compiles_once(target):
             jax.block_until_ready(speculative_generate(target.params, params, tokens, lengths, jax.random.key(0),
                                                        **kw))
     assert len(compiles) == 1
+
+
+def test_sampled_drafts_are_draws_from_q(target):
+    """With temperature > 0 every child is a draw from its parent's draft distribution, which the proposal carries
+    as that child's `q`: over many steps' roots the children's frequencies match q (siblings independent)."""
+    from amphista_jax.drafters.base import DraftContext
+    from amphista_jax.drafters.eagle import FeatureDrafting
+    from tests.helpers import CHI2_999, chi_square
+
+    config = dataclasses.replace(SMALL, vocab_size=16)
+    tiny = Target(dataclasses.replace(CONFIG, vocab_size=16), init_params(dataclasses.replace(CONFIG, vocab_size=16),
+                                                                           jax.random.key(0)))
+    drafter = DraftModel(config, temperature=1.0)
+    params = jax.tree.map(lambda x: x * 2 if x.ndim >= 2 else x, drafter.init(jax.random.key(1), tiny))
+    state = drafter.init_state(tiny.config, 1, 16)
+    state = {"base": jax.random.normal(jax.random.key(2), (1, config.hidden_size)), "caches": state["caches"]}
+    ctx = DraftContext(None, jnp.asarray([3]), jnp.zeros((1,), jnp.int32), state)
+    spec = PRESETS["small-8"]  # the root's three children are i.i.d.
+
+    @jax.jit
+    def children(rng):
+        proposal = drafter.propose(params, tiny, ctx, spec, rng)
+        return proposal.tokens[0, 1:4], proposal.q[0, 1]
+
+    draws, q = jax.vmap(children)(jax.random.split(jax.random.key(5), 3000))
+    q = np.asarray(q[0], np.float64)
+    np.testing.assert_allclose(np.asarray(FeatureDrafting(drafter, params, tiny, ctx).logprobs(state["base"])),
+                               np.log(q)[None], atol=1e-5)
+    for rank in range(3):
+        assert chi_square(np.bincount(np.asarray(draws[:, rank]), minlength=16), q) < CHI2_999[15]
+    assert (np.asarray(draws[:, 0]) != np.asarray(draws[:, 1])).mean() > 0.05  # not copies of one draw
 
 
 def test_from_pretrained_loads_a_checkpoint_and_refuses_another_vocabulary(target, tmp_path):
@@ -164,3 +197,11 @@ def test_eval_spec_names_a_model_directory(target, tmp_path):
     save_params(init_params(other, jax.random.key(2)), other, tmp_path / "other", dtype="float32")
     with pytest.raises(MethodSpecError, match="vocabulary of 128 tokens"):
         resolve_method(str(tmp_path / "other"), "chain-2", target)
+    # A run at T > 0 samples the drafts at its temperature on a static tree (classic speculative sampling);
+    # EAGLE-2's dynamic tree keeps top-k drafts, and `#temperature=0` asks for top-k drafts on any tree.
+    path = str(tmp_path / "draft")
+    assert [resolve_method(spec, "auto", temperature=0.7).drafter.temperature
+            for spec in (path, f"{path}@dynamic-8x3x2", f"{path}#temperature=0")] == [0.7, 0.0, 0.0]
+    assert resolve_method(path, "auto").drafter.temperature == 0.0
+    with pytest.raises(MethodSpecError, match="dynamic tree"):
+        resolve_method(f"{path}@dynamic-8x3x2#temperature=1.0", "auto")

@@ -292,9 +292,12 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     (Medusa(num_heads=3), PRESETS["small-8"]), (Amphista(num_heads=3), PRESETS["small-8"]),
     (Hydra(num_heads=3), PRESETS["small-8"]), (Hydra.plus_plus(num_heads=3), PRESETS["small-8"]),
     (Eagle(), dynamic_tree(8, 3, 3)), (Gumiho(top_k=2, fta_nodes=2), dynamic_tree(8, 4, 3)),
-    (SemiAutoregressive(depth=3), PRESETS["small-8"]),
-    (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32)), PRESETS["small-8"])],
-    ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "gumiho", "sar", "draft-model"])
+    # SAR's and the top-k draft model's proposals take the same q = None path as Hydra's: in the slow run.
+    pytest.param(SemiAutoregressive(num_heads=3), PRESETS["small-8"], marks=pytest.mark.slow),
+    pytest.param(DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32)), PRESETS["small-8"],
+                 marks=pytest.mark.slow),
+    (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32), temperature=1.0), PRESETS["small-8"])],
+    ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "gumiho", "sar", "draft-model", "draft-model-iid-q"])
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""

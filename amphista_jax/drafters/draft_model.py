@@ -13,7 +13,10 @@ through the model in one call and see the committed cache, their ancestors' keys
 (scratch) and themselves. Chains are static trees of one child per node; static trees give each node the rank
 the tree says among its parent's drafts; a `TreeBudget` grows an EAGLE-2 dynamic tree from its log-probs.
 
-Drafts are deterministic top-k (`q = None`), lossless under greedy and rejection sampling alike.
+Drafts are deterministic top-k (`q = None`) by default; with `temperature > 0` (static trees) every child is an
+independent draw from its parent's draft distribution at that temperature and the proposal carries those
+distributions as `q`, the classic speculative-sampling draft. Both are lossless under greedy and rejection
+sampling alike.
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.models.llama import Output, PrefixKV, Transformer, init_params
 from amphista_jax.tokenizer import load_tokenizer
-from amphista_jax.trees import Tree, TreeBudget
+from amphista_jax.trees import Tree, TreeBudget, TreeError, TreeSpec
 from amphista_jax.verify import Verdict
+
+AUTO_TREE = "chain-4"  # what `--tree auto` means for a draft model (no tree is searched for one)
 
 
 class DraftModelError(UserError, ValueError):
@@ -52,6 +57,19 @@ class DraftModelError(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class DraftModel:
     config: ModelConfig  # the draft model's own architecture
+    # 0: top-k drafts (`q = None`); > 0 (static trees): independent draws from its distribution at this
+    # temperature, passed to verification as `q` (classic speculative sampling draws at the target's temperature)
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"{self.temperature=} must be >= 0 (0 = top-k drafts)")
+
+    def sampling_at(self, temperature: float, tree: Tree) -> DraftModel:
+        """The drafter for decoding at `temperature` on `tree`: classic speculative sampling (drafts drawn at the
+        target's temperature, `q` passed) on a static tree at `temperature > 0`, top-k drafts otherwise (greedy
+        decoding, or an EAGLE-2 dynamic tree, which keeps the top drafts)."""
+        return dataclasses.replace(self, temperature=temperature if isinstance(tree, TreeSpec) else 0.0)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: ModelConfig, target_dir: str | Path | None = None,
@@ -106,8 +124,11 @@ class DraftModel:
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         draft = FeatureDrafting(self, params, target, ctx)
         if isinstance(tree, TreeBudget):
+            if self.temperature > 0:
+                raise TreeError(f"a dynamic tree ({tree}) keeps the top drafts, not samples: use a static tree with "
+                                "a sampling draft model, or temperature 0")
             return draft.dynamic(tree)
-        return draft.static(tree)
+        return draft.static(tree, rng, self.temperature)
 
     def run_nodes(self, params: dict, target: Target, tokens: jax.Array, parent_features: jax.Array,
                   positions: jax.Array, cache: KVCache, new_mask: jax.Array,

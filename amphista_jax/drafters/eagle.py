@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -203,16 +203,24 @@ class _EagleNet(nn.Module):
         return self.fc(jnp.concatenate([embeds, features], axis=-1))
 
 
+class CachedStack(Protocol):
+    """A drafter with its own cached stack that `FeatureDrafting` drives (EAGLE's layers, a whole draft model).
+    Its state holds `base` (the stack's output for the root: its children's draft distribution) and `caches[0]`,
+    whose committed prefix ends just before depth 1 (a node of depth d sits at `lengths + d - 1`)."""
+
+    def run_nodes(self, params: Any, target: Target, tokens: jax.Array, parent_features: jax.Array,
+                  positions: jax.Array, cache: KVCache, new_mask: jax.Array,
+                  prefix: PrefixKV | None) -> tuple[jax.Array, KVCache, jax.Array | None]: ...
+
+    def logprobs(self, params: Any, target: Target, features: jax.Array) -> jax.Array: ...
+
+
 @dataclasses.dataclass
 class FeatureDrafting:
     """One step's tree drafting: expansions of the drafter's cached stack over tree nodes, each depth in one
-    call, with the earlier depths' keys/values of this step as scratch that only their descendants see.
+    call, with the earlier depths' keys/values of this step as scratch that only their descendants see."""
 
-    `drafter` (EAGLE's stack, or a whole draft model: `draft_model.py`) provides `run_nodes` and `logprobs`;
-    its state holds `base` (the stack's output for the root: its children's draft distribution) and
-    `caches[0]`, whose committed prefix ends just before depth 1 (a node of depth d sits at `lengths + d - 1`)."""
-
-    drafter: Any
+    drafter: CachedStack
     params: dict
     target: Target
     ctx: DraftContext
@@ -220,15 +228,13 @@ class FeatureDrafting:
     def logprobs(self, features: jax.Array) -> jax.Array:
         return self.drafter.logprobs(self.params, self.target, features)
 
-    def inputs(self, tokens: jax.Array, features: jax.Array) -> jax.Array:
-        return self.drafter.inputs(self.params, self.target, tokens, features)
-
     def expand(self, tokens: jax.Array, parent_features: jax.Array, depth: int, sees: jax.Array,
-               scratch: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
+               scratch: tuple[jax.Array, jax.Array] | None
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None]:
         """Run `M` nodes of tree depth `depth` (tokens `[B, M]`, their parents' predicted features `[B, M, D]`)
         in one call; `sees [B, M, S]`: which `scratch` slots (earlier calls' nodes; None: there are none) each
         one sees. Returns their predicted features `[B, M, D]`, their keys/values `[L, B, M, KVH, Dh]` and their
-        stack inputs `[B, M, D]`."""
+        stack inputs `[B, M, D]` (None for a stack whose inputs are its tokens alone)."""
         cache = self.ctx.state["caches"][0]
         b, m = tokens.shape
         positions = jnp.broadcast_to(cache.lengths[:, None] + depth - 1, (b, m))
@@ -242,18 +248,29 @@ class FeatureDrafting:
 
         return out, (new_entries(written.k), new_entries(written.v)), inputs
 
-    def static(self, spec: TreeSpec) -> Proposal:
-        """EAGLE on a static tree: depth by depth, each expanded node's children are the top-k of its own
-        draft distribution."""
+    def static(self, spec: TreeSpec, rng: jax.Array | None = None, temperature: float = 0.0) -> Proposal:
+        """A static tree, depth by depth: each expanded node's children are the top-k of its own draft
+        distribution (EAGLE; `q = None`), or, with `temperature > 0`, independent draws from that distribution at
+        `temperature` (one per child rank; siblings may repeat), which the proposal passes on as each child's `q`
+        for lossless rejection sampling."""
         b, n = self.ctx.root.shape[0], spec.num_nodes
         levels = tree_levels(spec)
         sees = _static_scratch_visibility(spec)  # [depth, M_d, S]
         tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(self.ctx.root)
+        q = None
         features = self.ctx.state["base"][:, None]  # [B, M, D] predicted features of the expanded nodes
         scratch = _empty_scratch(self.ctx.state["caches"][0], b, sum(len(lv.expand) for lv in levels[:-1]))
         used = 0
         for depth, level in enumerate(levels, start=1):
-            top = jax.lax.top_k(self.logprobs(features), int(level.rank.max()) + 1)[1].astype(jnp.int32)  # [B, M, k]
+            logprobs, k = self.logprobs(features), int(level.rank.max()) + 1  # [B, M, V]
+            if temperature > 0:
+                dist = jax.nn.log_softmax(logprobs / temperature, axis=-1)
+                draws = jax.random.categorical(jax.random.fold_in(rng, depth), dist, shape=(k,) + dist.shape[:-1])
+                top = jnp.moveaxis(draws, 0, -1).astype(jnp.int32)  # [B, M, k] i.i.d. per parent
+                q = (jnp.zeros((b, n) + dist.shape[-1:], jnp.float32) if q is None else q).at[:, level.nodes].set(
+                    jnp.exp(dist)[:, level.parent_slot])
+            else:
+                top = jax.lax.top_k(logprobs, k)[1].astype(jnp.int32)  # [B, M, k]
             children = top[:, level.parent_slot, level.rank]  # [B, C]
             tokens = tokens.at[:, level.nodes].set(children)
             if not len(level.expand):
@@ -264,7 +281,7 @@ class FeatureDrafting:
                                           jnp.broadcast_to(sees[depth - 1], (b,) + sees[depth - 1].shape), scratch)
             scratch = tuple(s.at[:, :, used: used + m].set(x) for s, x in zip(scratch, kv, strict=True))
             used += m
-        return Proposal(tokens, batched(tree_arrays(spec), b))
+        return Proposal(tokens, batched(tree_arrays(spec), b), q)
 
     def dynamic(self, budget: TreeBudget) -> Proposal:
         """EAGLE-2 (`trees.grow_dynamic_tree`): each frontier runs through the layer in one call, its

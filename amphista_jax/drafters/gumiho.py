@@ -122,7 +122,8 @@ class Gumiho:
                 score, child = jax.lax.top_k(draft.logprobs(features), level.children)
                 return score, child.astype(jnp.int32), {"feature": features, "input": inputs}, memory
             if level.depth == 2:  # the parallel heads on each depth-2 node's own serial pair
-                pair = jnp.concatenate([carry["input"], draft.inputs(tokens, carry["feature"])], axis=-1)
+                own = serial.inputs(params["serial"], target, tokens, carry["feature"])
+                pair = jnp.concatenate([carry["input"], own], axis=-1)
                 carry = jax.lax.top_k(draft.logprobs(self._heads(params, pair)), level.children)  # [B, w, H, s] x 2
             score, child = carry[0][:, :, level.depth - 2], carry[1][:, :, level.depth - 2]
             return score, child.astype(jnp.int32), carry, memory
