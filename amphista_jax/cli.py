@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("demo", help="speculative decoding with the shipped heads vs AR on a HumanEval prompt")
     m.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded code-llama)")
     m.add_argument("--method", default="hydra", choices=shipped_heads(), help="which shipped heads to use (default: "
-                   "hydra, the fastest shipped heads on CPU in docs/results)")
+                   "hydra, the highest tau on the one-node CPU trees in docs/results)")
     m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
     source = m.add_mutually_exclusive_group()
     source.add_argument("--task", default="HumanEval/0", help="HumanEval task id whose prompt to complete")

@@ -1,4 +1,4 @@
-"""Package data: the embedded default target model and draft heads trained for it."""
+"""Package data: the embedded default target model, draft heads trained for it and its sibling draft model."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ def default_model_dir() -> Path:
     path = Path(__file__).parent / DEFAULT_MODEL
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the embedded model is missing from {path}; reinstall amphista-jax or pass --model")
+    return path
+
+
+def draft_model_dir() -> Path:
+    """The embedded target's shipped sibling, a draft model for it (`configs/target/code-draft.yaml`)."""
+    path = Path(__file__).parent / f"{DEFAULT_MODEL}-draft"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the shipped draft model is missing from {path}; train one with `amphista-jax "
+                                "pretrain-target --config configs/target/code-draft.yaml`")
     return path
 
 

@@ -78,7 +78,8 @@ ACCELERATORS = {a.name: a for a in (
     Accelerator("TPU-v5p", 459e12, 2.765e12),
 )}
 DEFAULT_RUNS = ("medusa@mc_sim_7b_63", "medusa@chain-4", "amphista@mc_sim_7b_63", "hydra@mc_sim_7b_63",
-                "hydra++@mc_sim_7b_63", "eagle@mc_sim_7b_63", "eagle@dynamic", "gumiho@dynamic-63x7x35")
+                "hydra++@mc_sim_7b_63", "eagle@mc_sim_7b_63", "eagle@dynamic", "gumiho@dynamic-63x7x35",
+                "sar@mc_sim_7b_63", "sar-lstm@mc_sim_7b_63")
 
 
 def compiled_cost(fn: Callable[..., Any], *args: Any) -> dict[str, float]:
