@@ -138,6 +138,17 @@ def replay_commits(drafter: Any, params: Any, target: Target, tokens: jax.Array,
         check(state, lengths)
 
 
+def assert_compiles_once(target_params: Any, drafter: Any, params: Any, tree: Any, max_new_tokens: int = 24) -> None:
+    """Speculative generation compiles once for prompts of other lengths and contents at one padded shape."""
+    kw = dict(config=CONFIG, drafter=drafter, tree=tree, max_new_tokens=max_new_tokens, cache_size=96)
+    with count_compiles() as compiles:
+        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
+            tokens, lengths = pad_prompts(prompts, length=16)
+            jax.block_until_ready(speculative_generate(target_params, params, tokens, lengths, jax.random.key(0),
+                                                       **kw))
+    assert len(compiles) == 1
+
+
 def assert_greedy_lossless(target: Target, drafter: Any, params: Any, tree: TreeSpec, trained: bool) -> None:
     """Greedy speculative decoding == AR token for token, batch 3 (`PROMPTS`) and batch 1; trained heads
     on a tree deeper than the root must also commit more than 1.5 tokens per target forward."""

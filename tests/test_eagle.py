@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import SpecSettings, pad_prompts, spec_init, spec_propose, spec_step, speculative_generate
+from amphista_jax.decode import SpecSettings, pad_prompts, spec_init, spec_propose, spec_step
 from amphista_jax.drafters import Eagle, Target
 from amphista_jax.drafters.io import load_draft, save_draft
 from amphista_jax.models.llama import Output, Transformer, init_params
@@ -19,9 +19,9 @@ from amphista_jax.trees import PRESETS, TreeError, dynamic_tree, get_tree, grow_
 from tests.helpers import (
     CONFIG,
     PROMPTS,
+    assert_compiles_once,
     assert_greedy_lossless,
     assert_trains,
-    count_compiles,
     fitted_heads,
     replay_commits,
     sequence,
@@ -135,7 +135,7 @@ def _proposals(params, target, tree, steps: int):
     return out
 
 
-@pytest.mark.parametrize("budget", [(8, 3, 3), (12, 4, 2)])
+@pytest.mark.parametrize("budget", [(8, 3, 3), pytest.param((12, 4, 2), marks=pytest.mark.slow)])
 def test_dynamic_tree_equals_a_python_eagle2_on_each_rows_own_scores(target, trained, budget):
     """Two steps of batch 3 (the second after a commit): every row's tree is the reference's set of paths
     (so the scratch keys/values each frontier sees are exactly its ancestors'), and trees differ between rows
@@ -256,13 +256,7 @@ def test_greedy_eagle_equals_ar(target, heads, trained, weights, tree):
 
 
 def test_dynamic_tree_generation_compiles_once(target, heads):
-    kw = dict(config=CONFIG, drafter=EAGLE, tree=dynamic_tree(12, 3, 4), max_new_tokens=24, cache_size=96)
-    with count_compiles() as compiles:
-        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
-            tokens, lengths = pad_prompts(prompts, length=16)
-            jax.block_until_ready(speculative_generate(target.params, heads, tokens, lengths, jax.random.key(0),
-                                                       **kw))
-    assert len(compiles) == 1
+    assert_compiles_once(target.params, EAGLE, heads, dynamic_tree(12, 3, 4))
 
 
 def test_checkpoint_round_trip(target, heads, tmp_path):

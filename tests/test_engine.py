@@ -456,7 +456,7 @@ def _direct(target, tokens, positions, mask, embeds, prefix_kv):
     return Transformer(CONFIG).apply({"params": target}, tokens, positions, None, mask, False, embeds, prefix).hidden
 
 
-@pytest.mark.parametrize("prefix", [0, 3])
+@pytest.mark.parametrize("prefix", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_extras_hidden_states_reach_commit_equal_to_a_direct_forward(target, reference, prefix):
     _, ref = reference
     drafter = CopyExtras(wrong=1, prefix=prefix)

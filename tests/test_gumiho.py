@@ -17,7 +17,14 @@ from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.trees import DraftedTree, TreeError, arrays_from_parents, dynamic_tree, extend_short_paths
 from amphista_jax.verify import AcceptanceConfig, verify
-from tests.helpers import CONFIG, PROMPTS, assert_greedy_lossless, assert_trains, count_compiles, fitted_heads
+from tests.helpers import (
+    CONFIG,
+    PROMPTS,
+    assert_compiles_once,
+    assert_greedy_lossless,
+    assert_trains,
+    fitted_heads,
+)
 
 SMALL = Gumiho(top_k=3, fta_nodes=6)  # small trees for the tiny target
 SMALL_TREE = dynamic_tree(20, 5, 4)
@@ -157,7 +164,7 @@ def test_proposals_stay_in_budget_and_fta_lengthens_short_paths(target):
 
 @pytest.mark.parametrize(("weights", "fta", "budget"), [
     ("untrained", True, (20, 5, 4)), pytest.param("trained", True, (20, 5, 4), marks=pytest.mark.slow),
-    ("trained", False, (20, 5, 4)),
+    pytest.param("trained", False, (20, 5, 4), marks=pytest.mark.slow),
     ("trained", True, (63, 7, 35)),
     pytest.param("untrained", False, (63, 7, 35), marks=pytest.mark.slow)])
 def test_greedy_gumiho_equals_ar(target, trained, weights, fta, budget):
@@ -168,13 +175,7 @@ def test_greedy_gumiho_equals_ar(target, trained, weights, fta, budget):
 
 def test_generation_compiles_once(target):
     params = _random_heads(SMALL, target)
-    kw = dict(config=CONFIG, drafter=SMALL, tree=SMALL_TREE, max_new_tokens=24, cache_size=96)
-    with count_compiles() as compiles:
-        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
-            tokens, lengths = pad_prompts(prompts, length=16)
-            jax.block_until_ready(speculative_generate(target.params, params, tokens, lengths, jax.random.key(0),
-                                                       **kw))
-    assert len(compiles) == 1
+    assert_compiles_once(target.params, SMALL, params, SMALL_TREE)
 
 
 def test_training_lowers_the_loss(target):

@@ -21,9 +21,9 @@ from amphista_jax.trees import PRESETS, TreeSpec, tree_arrays, tree_levels
 from tests.helpers import (
     CONFIG,
     PROMPTS,
+    assert_compiles_once,
     assert_greedy_lossless,
     assert_trains,
-    count_compiles,
     fitted_heads,
     replay_commits,
     sequence,
@@ -241,13 +241,7 @@ def test_greedy_hydra_equals_ar(target, trained, variant, heads, tree):
 def test_hydra_plus_plus_generation_compiles_once(target):
     hydra = VARIANTS["hydra++"]
     params = _random_heads(hydra, target)
-    kw = dict(config=CONFIG, drafter=hydra, tree=PRESETS["small-16"], max_new_tokens=24, cache_size=96)
-    with count_compiles() as compiles:
-        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
-            tokens, lengths = pad_prompts(prompts, length=16)
-            jax.block_until_ready(speculative_generate(target.params, params, tokens, lengths, jax.random.key(0),
-                                                       **kw))
-    assert len(compiles) == 1
+    assert_compiles_once(target.params, hydra, params, PRESETS["small-16"])
 
 
 def test_checkpoint_keeps_the_variant(target, tmp_path):

@@ -19,9 +19,9 @@ from amphista_jax.trees import PRESETS, tree_arrays
 from tests.helpers import (
     CONFIG,
     PROMPTS,
+    assert_compiles_once,
     assert_greedy_lossless,
     assert_trains,
-    count_compiles,
     fitted_heads,
     sequence,
 )
@@ -146,13 +146,7 @@ def test_greedy_sar_equals_ar(target, trained, encoder, heads, tree):
 def test_generation_compiles_once(target):
     sar = ENCODERS["lstm"]
     params = sar.init(jax.random.key(1), target)
-    kw = dict(config=CONFIG, drafter=sar, tree=PRESETS["small-16"], max_new_tokens=24, cache_size=96)
-    with count_compiles() as compiles:
-        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
-            tokens, lengths = pad_prompts(prompts, length=16)
-            jax.block_until_ready(speculative_generate(target.params, params, tokens, lengths, jax.random.key(0),
-                                                       **kw))
-    assert len(compiles) == 1
+    assert_compiles_once(target.params, sar, params, PRESETS["small-16"])
 
 
 def test_checkpoint_keeps_the_encoder(target, tmp_path):

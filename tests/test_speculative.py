@@ -18,7 +18,7 @@ from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.trees import PRESETS, TreeSpec, batched, children, dynamic_tree, tree_arrays
 from amphista_jax.verify import verify_rejection
-from tests.helpers import CHI2_999, CONFIG, PROMPTS, chi_square, count_compiles, reference_rows
+from tests.helpers import CHI2_999, CONFIG, PROMPTS, assert_compiles_once, chi_square, reference_rows
 
 NEW = 40
 
@@ -168,13 +168,7 @@ def test_medusa_refuses_a_tree_deeper_than_its_heads(target):
 
 
 def test_speculative_generation_compiles_once(target, medusa_heads):
-    kw = dict(config=CONFIG, drafter=medusa_heads[0], tree=PRESETS["small-8"], max_new_tokens=NEW, cache_size=96)
-    with count_compiles() as compiles:
-        for prompts in (PROMPTS, [[1, 2], [3] * 9, [4, 5, 6]]):
-            tokens, lengths = pad_prompts(prompts, length=16)
-            jax.block_until_ready(speculative_generate(target, medusa_heads[1], tokens, lengths, jax.random.key(0),
-                                                       **kw))
-    assert len(compiles) == 1
+    assert_compiles_once(target, medusa_heads[0], medusa_heads[1], PRESETS["small-8"], max_new_tokens=NEW)
 
 
 @pytest.mark.parametrize("proposal", ["good", "poor"])
@@ -289,10 +283,13 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
 
 
 @pytest.mark.parametrize(("drafter", "tree"), [
-    (Medusa(num_heads=3), PRESETS["small-8"]), (Amphista(num_heads=3), PRESETS["small-8"]),
-    (Hydra(num_heads=3), PRESETS["small-8"]), (Hydra.plus_plus(num_heads=3), PRESETS["small-8"]),
+    # Amphista's, Hydra++'s, SAR's and the top-k draft model's proposals take the same q = None path as Medusa's
+    # and Hydra's: in the slow run.
+    (Medusa(num_heads=3), PRESETS["small-8"]),
+    pytest.param(Amphista(num_heads=3), PRESETS["small-8"], marks=pytest.mark.slow),
+    (Hydra(num_heads=3), PRESETS["small-8"]),
+    pytest.param(Hydra.plus_plus(num_heads=3), PRESETS["small-8"], marks=pytest.mark.slow),
     (Eagle(), dynamic_tree(8, 3, 3)), (Gumiho(top_k=2, fta_nodes=2), dynamic_tree(8, 4, 3)),
-    # SAR's and the top-k draft model's proposals take the same q = None path as Hydra's: in the slow run.
     pytest.param(SemiAutoregressive(num_heads=3), PRESETS["small-8"], marks=pytest.mark.slow),
     pytest.param(DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32)), PRESETS["small-8"],
                  marks=pytest.mark.slow),
