@@ -117,7 +117,7 @@ class ChainOracle:
         return state, accepted_hidden(verdict, verify_out)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(random_trees())
 def test_arrays_from_parents_on_device_equal_the_static_layout(spec_pad):
     """Depth, ancestor mask, paths and children built with jnp from parent pointers equal the static layout

@@ -9,7 +9,7 @@ import pytest
 
 from amphista_jax.decode import PromptTooLongError, check_fits, generate, pad_prompts
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.llama import init_params
+from amphista_jax.models.llama import init_params, split_layers
 from amphista_jax.sampling import SamplingConfig, select_token, warp_logits
 
 CONFIG = tiny_llama_config()
@@ -73,6 +73,16 @@ def test_generation_compiles_once(params):
         assert len(compiles) == 1
     finally:
         jax.monitoring.clear_event_listeners()
+
+
+def test_per_layer_layout_generates_the_same_tokens(params):
+    """`split_layers=True` on `split_layers(params)` (one module per layer) == the scanned stack, greedy."""
+    tokens, lengths = pad_prompts(PROMPTS)
+    kw = dict(config=CONFIG, max_new_tokens=16, cache_size=48)
+    stacked = generate(params, tokens, lengths, jax.random.key(0), **kw)
+    split = generate(split_layers(params), tokens, lengths, jax.random.key(0), split_layers=True, **kw)
+    np.testing.assert_array_equal(np.asarray(split.tokens), np.asarray(stacked.tokens))
+    np.testing.assert_array_equal(np.asarray(split.num_tokens), np.asarray(stacked.num_tokens))
 
 
 def test_prompt_longer_than_cache_is_an_error():

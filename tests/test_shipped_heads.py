@@ -133,6 +133,7 @@ def test_amphista_beats_medusa_on_later_heads(target, heads):
         assert acc["amphista"][head]["top1"] > acc["medusa"][head]["top1"], (head, acc)
 
 
+@pytest.mark.slow  # its parts (growth, pick, calibration) run by default in test_tree_search; this is the CLI
 def test_tree_search_cli_writes_a_tree_report_and_plot(tmp_path, capsys):
     """`amphista-jax tree-search` end to end on shipped heads (a small budget): statistics on calibration
     prompts, growth, timing on this device; the tree, report and plot are written, `generate` decodes with the

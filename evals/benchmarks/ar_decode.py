@@ -1,11 +1,12 @@
 """Tokens/s of our jitted AR generation against this machine's memory roofline and `transformers` `generate()`.
 
     python -m amphista_jax.evals.benchmarks.ar_decode [--sizes 20m 150m 500m] [--dtypes float32 bfloat16]
-        [--batches 1 4] [--new-tokens 128] [--runs 3] [--out DIR]
+        [--batches 1 4] [--layouts scan split] [--new-tokens 128] [--runs 3] [--out DIR]
 
 Each size is a random-init Llama built in `transformers`, saved as safetensors and loaded by our loader. Greedy,
 exactly `--new-tokens` tokens per row (no EOS). Our compile + first call is excluded from timing and reported
-separately; every side gets one warm-up run. Medians over `--runs`.
+separately; every side gets one warm-up run. Medians over `--runs`. Layouts: `scan`, the stacked layers the
+model loads with (a loop over the layer axis), and `split`, one module per layer (`split_layers`).
 
 Roofline: a batch-B decode step must read every weight once, so at best it runs at `bandwidth / weight bytes`
 steps/s, i.e. `B * bandwidth / weight bytes` tokens/s. `bandwidth` is measured here, in the same run: the
@@ -30,6 +31,7 @@ from amphista_jax.decode import GenerateOutput, generate, pad_prompts
 from amphista_jax.evals.benchmarks.common import median_seconds, write_report
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params
+from amphista_jax.models.llama import split_layers
 
 BANDWIDTH_MATRIX = (16384, 8192)  # fp32: 512 MiB
 
@@ -54,8 +56,8 @@ SIZES = {  # name -> transformers LlamaConfig kwargs
 
 
 
-def bench(size: str, dtypes: list[str], batches: list[int], new_tokens: int, runs: int, prompt_len: int,
-          bandwidth: float) -> list[dict]:
+def bench(size: str, dtypes: list[str], batches: list[int], layouts: list[str], new_tokens: int, runs: int,
+          prompt_len: int, bandwidth: float) -> list[dict]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -66,26 +68,30 @@ def bench(size: str, dtypes: list[str], batches: list[int], new_tokens: int, run
     rows = []
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        for dtype, batch in itertools.product(dtypes, batches):
+        for dtype, batch, layout in itertools.product(dtypes, batches, layouts):
             params, config = load_params(d, dtype=dtype)
-            out, compile_s, ours_s = time_generate(params, config, prompts[:batch], new_tokens, runs)
+            split = layout == "split"
+            out, compile_s, ours_s = time_generate(split_layers(params) if split else params, config,
+                                                   prompts[:batch], new_tokens, runs, split)
             weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
             roofline = batch * bandwidth / weight_bytes  # tokens/s
-            row = {"size": size, "parameters": n_params, "dtype": dtype, "batch": batch, "new_tokens": new_tokens,
-                   "runs": runs, "weight_bytes": weight_bytes, "ours_tokens_per_s": batch * new_tokens / ours_s,
+            row = {"size": size, "parameters": n_params, "dtype": dtype, "batch": batch, "layout": layout,
+                   "new_tokens": new_tokens, "runs": runs, "weight_bytes": weight_bytes,
+                   "ours_tokens_per_s": batch * new_tokens / ours_s,
                    "roofline_tokens_per_s": roofline, "roofline_share": batch * new_tokens / ours_s / roofline,
                    "ours_compile_s": compile_s, "jax_backend": jax.default_backend()}
-            if dtype == "float32" and batch == 1:
+            if dtype == "float32" and batch == 1 and layout == layouts[0]:
                 row |= torch_row(hf, prompts[:1], new_tokens, runs, np.asarray(out.tokens[0]), ours_s)
             rows.append(row)
     return rows
 
 
-def time_generate(params: dict, config: ModelConfig, prompts: np.ndarray, new_tokens: int,
-                  runs: int) -> tuple[GenerateOutput, float, float]:
-    """(output, compile + first call seconds, median seconds of a call) of our `generate` on `prompts [B, T]`."""
+def time_generate(params: dict, config: ModelConfig, prompts: np.ndarray, new_tokens: int, runs: int,
+                  split: bool = False) -> tuple[GenerateOutput, float, float]:
+    """(output, compile + first call seconds, median seconds of a call) of our `generate` on `prompts [B, T]`
+    (`split`: params in the `split_layers` layout)."""
     tokens, lengths = pad_prompts(prompts.tolist())
-    kw = dict(config=config, max_new_tokens=new_tokens, cache_size=tokens.shape[1] + new_tokens)
+    kw = dict(config=config, max_new_tokens=new_tokens, cache_size=tokens.shape[1] + new_tokens, split_layers=split)
     t0 = time.perf_counter()
     out = jax.block_until_ready(generate(params, tokens, lengths, jax.random.key(0), **kw))
     compile_s = time.perf_counter() - t0
@@ -117,23 +123,25 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--layouts", nargs="+", default=["scan", "split"], choices=["scan", "split"])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--out", default="runs/benchmarks")
     args = parser.parse_args()
     bandwidth = memory_bandwidth()
-    rows = [r for s in args.sizes for r in bench(s, args.dtypes, args.batches, args.new_tokens, args.runs,
-                                                  args.prompt_len, bandwidth)]
+    rows = [r for s in args.sizes for r in bench(s, args.dtypes, args.batches, args.layouts, args.new_tokens,
+                                                  args.runs, args.prompt_len, bandwidth)]
     lines = [f"Measured memory bandwidth (fp32 matrix-vector product over 512 MiB): {bandwidth / 1e9:.1f} GB/s; "
              f"roofline = batch x bandwidth / weight bytes.", "",
-             "| model | params | dtype | batch | ours tok/s | roofline tok/s | share | transformers tok/s | ratio | "
-             "compile s | same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | params | dtype | batch | layout | ours tok/s | roofline tok/s | share | transformers tok/s | "
+             "ratio | compile s | same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         torch_cells = (f"{r['torch_tokens_per_s']:.1f} | {r['speedup_vs_torch']:.2f}x" if "torch_tokens_per_s" in r
                        else "- | -")
         lines.append(f"| llama-{r['size']} | {r['parameters'] / 1e6:.1f}M | {r['dtype']} | {r['batch']} | "
-                     f"{r['ours_tokens_per_s']:.1f} | {r['roofline_tokens_per_s']:.1f} | {r['roofline_share']:.0%} | "
+                     f"{r['layout']} | {r['ours_tokens_per_s']:.1f} | {r['roofline_tokens_per_s']:.1f} | "
+                     f"{r['roofline_share']:.0%} | "
                      f"{torch_cells} | {r['ours_compile_s']:.1f} | {r.get('same_tokens', '-')} |")
     write_report(args.out, "ar_decode", {"bandwidth_bytes_per_s": bandwidth, "rows": rows}, "\n".join(lines))
 
