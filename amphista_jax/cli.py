@@ -100,7 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
     reserve = tree.num_nodes if speculative else 0  # the drafter's extras are added once it is loaded
     max_len = args.max_len or len(ids) + args.max_new_tokens + reserve
     check_fits(np.array([len(ids)]), args.max_new_tokens + reserve, max_len, config)
-    params, config = load_params(args.model, dtype=args.dtype)
+    params, config = load_params(args.model, dtype=args.dtype, layout="split")
     pad_id = config.pad_token_id or 0
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)
     kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, attention=args.attention,

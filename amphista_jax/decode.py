@@ -26,7 +26,7 @@ from amphista_jax.drafters.base import DraftContext, Extras, PrefillContext, Pro
 from amphista_jax.errors import UserError
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, PrefixKV, Transformer, new_cache
+from amphista_jax.models.llama import Output, PrefixKV, Transformer, new_cache, target_model
 from amphista_jax.sampling import SamplingConfig, select_token
 from amphista_jax.trees import Tree, tree_statistics
 from amphista_jax.verify import AcceptanceConfig, Verdict, verify
@@ -170,7 +170,7 @@ def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "cache_size", "sampling", "eos_ids", "pad_id",
-                                             "attention", "split_layers"))
+                                             "attention"))
 def generate(
     params: dict,
     prompt: jax.Array,  # [B, T] right-padded prompts
@@ -184,16 +184,15 @@ def generate(
     eos_ids: tuple[int, ...] = (),
     pad_id: int = 0,
     attention: str = "xla",
-    split_layers: bool = False,
 ) -> GenerateOutput:
     """Autoregressive generation of up to `max_new_tokens` per row; a row stops after an EOS token.
 
-    Needs `cache_size >= prompt.shape[1] + max_new_tokens` (checked at trace time). `split_layers`: `params` are
-    in `models.llama.split_layers`' layout (one module per layer, no loop over a stacked layer axis); on XLA:CPU
-    this decodes 2-3x faster at 132M-500M parameters (docs/oracle_curve.md).
+    Needs `cache_size >= prompt.shape[1] + max_new_tokens` (checked at trace time). `params` in either layer
+    layout; the `split_layers` one (what `hf.load_params(layout="split")` reads) decodes 2-3x faster on XLA:CPU
+    at 132M-500M parameters (docs/ar_decode.md).
     """
     _check_static_fit(prompt.shape[1], max_new_tokens, 0, cache_size)
-    model = Transformer(config, attention=attention, split=split_layers)
+    model = target_model(config, params, attention)
     state = ar_init(model, params, prompt, prompt_lengths, rng, cache_size, max_new_tokens, sampling, eos_ids, pad_id)
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
                                lambda s: ar_step(model, params, s, sampling, eos_ids, pad_id), state)
@@ -250,15 +249,15 @@ class SpecSettings:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     attention: str = "xla"
-    split_layers: bool = False  # the target's params are in the `split_layers` layout
 
     @property
     def stat_shape(self) -> tuple[int, int]:
         """(D, R) of the tree statistics."""
         return max(self.tree.depth, 1), self.tree.num_ranks
 
-    def model(self) -> Transformer:
-        return Transformer(self.config, attention=self.attention, split=self.split_layers)
+    def model(self, params: dict) -> Transformer:
+        """The target model that applies `params` (either layer layout)."""
+        return target_model(self.config, params, self.attention)
 
 
 @struct.dataclass
@@ -300,7 +299,7 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
     if extras is not None and t + extras.count > cache_size:
         raise PromptTooLongError(f"padded prompt length {t} + {extras.count} prefill extras > {cache_size=}: raise "
                                  "the cache size (--max-len)")
-    out, cache, hidden, logits = prefill(st.model(), params, prompt, prompt_lengths,
+    out, cache, hidden, logits = prefill(st.model(params), params, prompt, prompt_lengths,
                                          new_cache(st.config, b, cache_size, dtype), extras)
     first = select_token(logits, jax.random.fold_in(rng, 0), st.sampling)
     draft_state = st.drafter.prefill(draft_params, frozen, PrefillContext(out, prompt, prompt_lengths, first),
@@ -357,7 +356,7 @@ def spec_verify(params: dict, s: SpecState, proposal: Proposal, settings: SpecSe
     st = settings
     tree = proposal.tree
     positions = s.cache.lengths[:, None] + tree.depth
-    verified = forward(st.model(), params, proposal.tokens, positions, s.cache, tree.mask, proposal.extras)
+    verified = forward(st.model(params), params, proposal.tokens, positions, s.cache, tree.mask, proposal.extras)
     verdict = verify(proposal.tokens, verified.logits[:, :st.tree.num_nodes], tree, st.sampling, st.acceptance,
                      _step_key(s, 1), proposal.q)
     return verified, verdict

@@ -110,7 +110,7 @@ def run_demo(model_dir: str | Path, heads_dir: str | Path, prompt: str, tree: st
     ids = encode_prompt(tok, prompt)
     check_fits(np.array([len(ids)]), max_new_tokens + spec_tree.num_nodes, len(ids) + max_new_tokens
                + spec_tree.num_nodes, config)
-    params, config = load_params(model_dir, dtype="float32")
+    params, config = load_params(model_dir, dtype="float32", layout="split")
     method, drafter, draft_params = load_draft(heads_dir, config, params)
     pad_id = config.pad_token_id or 0
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)

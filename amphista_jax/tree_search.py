@@ -220,7 +220,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     from amphista_jax.models.hf import load_params
     from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
-    params, config = load_params(model_dir, dtype="float32")
+    params, config = load_params(model_dir, dtype="float32", layout="split")
     tok = load_tokenizer(model_dir)
     method, drafter, draft_params = load_draft(heads_dir, config, params)
     pad_id = config.pad_token_id or 0

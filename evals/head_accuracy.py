@@ -21,7 +21,7 @@ import optax
 
 from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters.base import Target
-from amphista_jax.models.llama import Transformer
+from amphista_jax.models.llama import target_model
 from amphista_jax.train.heads import DataConfig, batch_examples, heldout_examples
 from amphista_jax.train.loop import mean_metrics
 from amphista_jax.train.step import make_steps
@@ -42,7 +42,8 @@ def head_accuracy(target: Target, drafter: Any, draft_params: Any, batches: list
     """`{head k: {"top1": float, "top5": float}}` of `drafter` on `batches` (see the module docstring)."""
     if not batches:
         raise ValueError("head_accuracy needs at least one held-out batch")
-    _, eval_step = make_steps(Transformer(target.config), drafter, optax.identity())  # the train step is unused
+    model = target_model(target.config, target.params)
+    _, eval_step = make_steps(model, drafter, optax.identity())  # the train step is unused
     metrics = mean_metrics([eval_step(draft_params, target.params, b) for b in batches])
     out: dict[int, dict[str, float]] = {}
     for name, value in metrics.items():

@@ -296,7 +296,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))
     if jax.process_index() == 0:
         print(report.summary())
-    params, config = load_params(model_dir, dtype=cfg.dtype)
+    params, config = load_params(model_dir, dtype=cfg.dtype, layout="split")
     tok = load_tokenizer(model_dir)
     methods = load_methods(methods, Target(config, params), cfg.seed)
     results_dir = out_dir / "results"

@@ -12,7 +12,7 @@ import pytest
 
 from amphista_jax.models.config import ConfigError, tiny_llama_config
 from amphista_jax.models.hf import INDEX_FILE, CheckpointError, load_params, save_params
-from amphista_jax.models.llama import init_params
+from amphista_jax.models.llama import init_params, split_layers
 
 CONFIG = tiny_llama_config(qkv_bias=True, model_type="qwen2")
 
@@ -37,6 +37,20 @@ def test_round_trip_single_and_sharded_index(saved, tmp_path):
     index = json.loads((tmp_path / "sharded" / INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 2
     _assert_same(params, load_params(tmp_path / "sharded")[0])
+
+
+def test_split_layout_loads_and_saves(saved, tmp_path):
+    """`layout="split"` reads decoding's one-tree-per-layer layout straight from the files (== `split_layers` of
+    the stacked load), also from a sharded index, and saving it writes the same checkpoint."""
+    params, path = saved
+    loaded, _ = load_params(path, layout="split")
+    assert "layers" not in loaded and sorted(k for k in loaded if k.startswith("layer_")) == ["layer_0", "layer_1"]
+    _assert_same(split_layers(params), loaded)
+    save_params(loaded, CONFIG, tmp_path / "from_split", dtype="float32", max_shard_bytes=40_000)
+    _assert_same(params, load_params(tmp_path / "from_split")[0])
+    _assert_same(split_layers(params), load_params(tmp_path / "from_split", layout="split")[0])
+    with pytest.raises(CheckpointError, match="layout 'scan' is not one of stacked, split"):
+        load_params(path, layout="scan")
 
 
 def test_dtype_choice(saved, tmp_path):

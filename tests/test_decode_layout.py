@@ -1,6 +1,10 @@
-"""The head methods' decode-time layout (`decode_params`): inside the compiled decode loop no instruction reads
-the stacked per-head vocabulary projections `[K, D, V]`; they are split into one array per head once, before
-the loop (under XLA:CPU a head's slice of the stacked weights is a copy made on every step)."""
+"""Decode-time layouts: inside the compiled decode loop no weight is copied on every step (under XLA:CPU a slice
+of a stacked weight array is a copy).
+
+* The target (`split_layers`, what decoding loads): the AR loop reads every layer's weights in place, while the
+  scanned stack slices (copies) each layer's weights on every step.
+* The head methods (`decode_params`): no instruction reads the stacked per-head vocabulary projections
+  `[K, D, V]`; they are split into one array per head once, before the loop."""
 
 from __future__ import annotations
 
@@ -9,9 +13,9 @@ import re
 import jax
 import pytest
 
-from amphista_jax.decode import pad_prompts, speculative_generate
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters import VARIANTS, Target
-from amphista_jax.models.llama import init_params
+from amphista_jax.models.llama import init_params, split_layers
 from amphista_jax.trees import chain
 from tests.helpers import CONFIG, PROMPTS
 
@@ -38,6 +42,35 @@ def loop_computations(hlo: str) -> set[str]:
         seen.add(name)
         todo += [c.lstrip("%") for m in _CALLS.finditer(comps[name]) for c in m.group(1).split(", ")]
     return seen
+
+
+# An instruction's result type and opcode: `%name = f32[64,128]{1,0} fusion(...)`.
+_INSTRUCTION = re.compile(r"= (\w+\[[\d,]*\])\S* ([\w-]+)\(")
+# Opcodes that name an existing buffer (a loop-carried or called computation's input) rather than write one.
+_IN_PLACE = {"parameter", "get-tuple-element", "bitcast"}
+
+
+def layer_weight_writes(params: dict, split: bool) -> list[tuple[str, str]]:
+    """(computation, opcode) of every instruction inside the compiled AR loop of `generate` that writes an array
+    of one layer's weight-matrix shape (a per-step copy of that weight)."""
+    shapes = {f"f32[{','.join(map(str, w.shape[1:]))}]" for w in jax.tree.leaves(params["layers"]) if w.ndim == 3}
+    shapes |= {f"f32[1,{s[4:]}" for s in shapes}  # a dynamic slice keeps the layer axis
+    tokens, lengths = pad_prompts(PROMPTS)
+    hlo = generate.lower(split_layers(params) if split else params, tokens, lengths, jax.random.key(0),
+                         config=CONFIG, max_new_tokens=8, cache_size=tokens.shape[1] + 8).compile().as_text()
+    comps = computations(hlo)
+    in_loop = loop_computations(hlo)
+    assert in_loop, "no while loop found in the compiled program"
+    return [(name, m[2]) for name in in_loop for m in _INSTRUCTION.finditer(comps[name])
+            if m[1] in shapes and m[2] not in _IN_PLACE]
+
+
+def test_decoding_layout_reads_layer_weights_in_place():
+    """The AR loop over `split_layers` params writes no array of a layer weight's shape; the same check finds
+    the per-step slices of the scanned stack (so it can fail)."""
+    params = init_params(CONFIG, jax.random.key(0))
+    assert layer_weight_writes(params, split=True) == []
+    assert {op for _, op in layer_weight_writes(params, split=False)} & {"dynamic-slice", "fusion", "copy"}
 
 
 @pytest.mark.parametrize("method", ["medusa", pytest.param("amphista", marks=pytest.mark.slow), "hydra"])

@@ -18,7 +18,7 @@ from amphista_jax.drafters import Target
 from amphista_jax.drafters.base import PrefillContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
 from amphista_jax.models.hf import save_params
-from amphista_jax.models.llama import Output, Transformer, init_params
+from amphista_jax.models.llama import Output, Transformer, init_params, split_layers
 from amphista_jax.trees import PRESETS, batched, chain, dynamic_tree, tree_arrays
 from amphista_jax.verify import Verdict
 from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless
@@ -131,7 +131,9 @@ def test_from_pretrained_loads_a_checkpoint_and_refuses_another_vocabulary(targe
     save_params(params, SMALL, tmp_path / "draft", dtype="float32")
     loaded, restored = DraftModel.from_pretrained(tmp_path / "draft", CONFIG)
     assert loaded == drafter
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored)
+    # Loaded in decoding's layout (one tree per layer)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), split_layers(params),
+                 restored)
     other = dataclasses.replace(SMALL, vocab_size=128)
     save_params(init_params(other, jax.random.key(2)), other, tmp_path / "other", dtype="float32")
     with pytest.raises(DraftModelError, match="vocabulary of 128 tokens but the target has 256"):

@@ -76,11 +76,11 @@ def test_generation_compiles_once(params):
 
 
 def test_per_layer_layout_generates_the_same_tokens(params):
-    """`split_layers=True` on `split_layers(params)` (one module per layer) == the scanned stack, greedy."""
+    """`split_layers(params)` (one module per layer: decoding's layout) == the scanned stack, greedy."""
     tokens, lengths = pad_prompts(PROMPTS)
     kw = dict(config=CONFIG, max_new_tokens=16, cache_size=48)
     stacked = generate(params, tokens, lengths, jax.random.key(0), **kw)
-    split = generate(split_layers(params), tokens, lengths, jax.random.key(0), split_layers=True, **kw)
+    split = generate(split_layers(params), tokens, lengths, jax.random.key(0), **kw)
     np.testing.assert_array_equal(np.asarray(split.tokens), np.asarray(stacked.tokens))
     np.testing.assert_array_equal(np.asarray(split.num_tokens), np.asarray(stacked.num_tokens))
 

@@ -42,7 +42,7 @@ from amphista_jax.drafters.eagle import FeatureDrafting
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.models.llama import Output, PrefixKV, Transformer, init_params
+from amphista_jax.models.llama import Output, PrefixKV, Transformer, init_params, target_model
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.trees import Tree, TreeBudget, TreeError, TreeSpec
 from amphista_jax.verify import Verdict
@@ -83,11 +83,11 @@ class DraftModel:
             if load_tokenizer(path).get_vocab() != load_tokenizer(target_dir).get_vocab():
                 raise DraftModelError(f"{path}'s tokenizer maps tokens to ids differently from the target's "
                                       f"({target_dir}): a draft model must use the target's tokenizer")
-        params, config = load_params(path, dtype=dtype)
+        params, config = load_params(path, dtype=dtype, layout="split")  # decoding's layout (`split_layers`)
         return cls(config), params
 
-    def _model(self) -> Transformer:
-        return Transformer(self.config)
+    def _model(self, params: dict) -> Transformer:
+        return target_model(self.config, params)
 
     def init(self, rng: jax.Array, target: Target) -> dict:
         """Random weights of the draft architecture (tests; real use loads a checkpoint: `from_pretrained`)."""
@@ -104,7 +104,7 @@ class DraftModel:
         """Run the model over `tokens [B, T]` at its cache's next slots, commit `count [B]` of them, and keep its
         output at the last one (the next root's: its children's draft distribution)."""
         def run(positions: jax.Array, caches: tuple[KVCache, ...]) -> tuple[jax.Array, tuple[KVCache, ...]]:
-            out = self._model().apply({"params": params}, tokens, positions, caches[0], return_logits=False)
+            out = self._model(params).apply({"params": params}, tokens, positions, caches[0], return_logits=False)
             return out.hidden.astype(jnp.float32), (out.cache,)
 
         base, caches = run_and_commit(run, state["caches"], tokens.shape[1], count)
@@ -135,13 +135,13 @@ class DraftModel:
                   prefix: PrefixKV | None) -> tuple[jax.Array, KVCache, None]:
         """`FeatureDrafting`'s expansion: nodes `tokens [B, M]` through the model (their parents reach them through
         the scratch keys/values) -> (final-norm hidden states `[B, M, D]`, the cache with theirs written, None)."""
-        out = self._model().apply({"params": params}, tokens, positions, cache, new_mask, return_logits=False,
+        out = self._model(params).apply({"params": params}, tokens, positions, cache, new_mask, return_logits=False,
                                   prefix=prefix)
         return out.hidden.astype(jnp.float32), out.cache, None
 
     def logprobs(self, params: dict, target: Target, hidden: jax.Array) -> jax.Array:
         """Draft log-probabilities `[..., V]` of the model's final-norm hidden states `[..., D]`."""
-        logits = self._model().apply({"params": params}, hidden, method=Transformer.logits)
+        logits = self._model(params).apply({"params": params}, hidden, method=Transformer.logits)
         return jax.nn.log_softmax(logits, axis=-1)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
@@ -150,7 +150,7 @@ class DraftModel:
         pre-trained on its own (`amphista-jax pretrain-target` with the target's tokenizer)."""
         tokens = batch["tokens"]
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        logits = self._model().apply({"params": params}, tokens, positions).logits  # [B, T, V]: token t + 1
+        logits = self._model(params).apply({"params": params}, tokens, positions).logits  # [B, T, V]: token t + 1
         return head_losses(jnp.roll(logits, -1, axis=1)[:, :, None], batch, [1.0])
 
 

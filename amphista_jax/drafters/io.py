@@ -19,6 +19,7 @@ from amphista_jax.drafters import DRAFTERS
 from amphista_jax.drafters.base import Target
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.llama import layer_params
 
 META_FILE = "draft.json"
 TARGET_KEYS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
@@ -38,10 +39,10 @@ def target_sample(params: dict) -> list[float]:
     (compared with a relative tolerance)."""
 
     def pick(p: dict) -> jax.Array:
-        embed, q = p["embed"]["embedding"], p["layers"]["attn"]["q_proj"]["kernel"]  # [V, D], [L, D, H*Dh]
+        embed, q = p["embed"]["embedding"], layer_params(p, -1)["attn"]["q_proj"]["kernel"]  # [V, D], [D, H*Dh]
         rows = jax.numpy.arange(8) * (embed.shape[0] // 8)
         cols = jax.numpy.arange(8) % embed.shape[1]
-        return jax.numpy.concatenate([embed[rows, cols], q[-1, cols, cols % q.shape[2]]]).astype(jax.numpy.float32)
+        return jax.numpy.concatenate([embed[rows, cols], q[cols, cols % q.shape[1]]]).astype(jax.numpy.float32)
 
     return [float(x) for x in np.asarray(jax.jit(pick)(params))]
 

@@ -26,6 +26,7 @@ from amphista_jax.models.llama import param_shapes
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"checkpoint": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+LAYOUTS = ("stacked", "split")  # the target's layer layouts (`load_params`)
 
 _LAYER_TENSORS = {  # our path under `layers` -> HF name under `model.layers.{i}.`, transposed?
     ("attn", "q_proj", "kernel"): ("self_attn.q_proj.weight", True),
@@ -101,11 +102,13 @@ def _open(file: Path) -> Iterator[Any]:
 
 
 def _hf_layout(config: ModelConfig) -> dict[tuple[str, ...], tuple[str, bool, bool]]:
-    """Our param path -> (HF name or name template, transposed, stacked over layers)."""
+    """Our param path, in either layout (stacked `layers` or `split_layers`' `layer_i`) -> (HF name or name
+    template, transposed, stacked over layers)."""
     layout: dict[tuple[str, ...], tuple[str, bool, bool]] = {
         path: (name, t, False) for path, (name, t) in _TOP_TENSORS.items()}
-    layout |= {("layers",) + path: ("model.layers.{}." + name, t, True) for path, (name, t) in
-               _LAYER_TENSORS.items()}
+    for path, (name, t) in _LAYER_TENSORS.items():
+        layout[("layers",) + path] = ("model.layers.{}." + name, t, True)
+        layout |= {(f"layer_{i}",) + path: (f"model.layers.{i}." + name, t, False) for i in range(config.num_layers)}
     return layout
 
 
@@ -134,21 +137,26 @@ def load_params(
     config: ModelConfig | None = None,
     dtype: str = "checkpoint",
     shardings: dict | None = None,
+    layout: str = "stacked",
 ) -> tuple[dict, ModelConfig]:
     """Load a local HF checkpoint into (params, config).
 
     `dtype`: "checkpoint" keeps each tensor's stored dtype; "bfloat16" / "float32" / "float16" cast.
     `shardings`: a tree like the params of `jax.sharding.Sharding`s; each device then reads only its slice.
+    `layout`: "stacked" (the layers on one leading axis: training) or "split" (`llama.split_layers`' one tree
+    per layer: decoding), read straight into that layout.
     """
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     path = _checkpoint_dir(path)
     config = config or load_config(path)
     weight_map = _weight_map(path)
-    shapes, _ = param_shapes(config)
+    shapes, _ = param_shapes(config, split=layout == "split")
     flat_shapes = _flatten(shapes)
     flat_shardings = _flatten(shardings) if shardings is not None else {}
-    layout = _hf_layout(config)
+    names_of = _hf_layout(config)
     cast = DTYPES[dtype]
     out = {}
     with contextlib.ExitStack() as stack:
@@ -166,7 +174,7 @@ def load_params(
                 raise CheckpointError(f"{file} is corrupt or truncated ({e}); re-download or re-save it") from e
 
         for key, spec in flat_shapes.items():
-            name, transposed, stacked = layout[key]
+            name, transposed, stacked = names_of[key]
             per_layer = tuple(reversed(spec.shape[1:])) if transposed and stacked else (
                 spec.shape[1:] if stacked else (tuple(reversed(spec.shape)) if transposed else spec.shape))
             names = [name.format(i) for i in range(config.num_layers)] if stacked else [name]

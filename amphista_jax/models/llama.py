@@ -262,12 +262,34 @@ class Transformer(nn.Module):
 
 def split_layers(params: dict) -> dict:
     """The stacked layers `params["layers"]` as one parameter tree per layer (`layer_0`, ...), for
-    `Transformer(split=True)`: the same model without a loop over layers (XLA's cost analysis counts a loop's
-    body once, so `evals/benchmarks/roofline.py` compiles this form)."""
+    `Transformer(split=True)`: the same model without a loop over layers.
+
+    Decoding reads the target in this layout (`hf.load_params(layout="split")` reads it without a stacked copy):
+    under XLA:CPU a scanned stack's per-layer slice is a copy of that layer's weights made on every decode step,
+    which halved the decode speed (docs/ar_decode.md). Training keeps the stacked layout (one compiled body).
+    """
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
     return {k: v for k, v in params.items() if k != "layers"} | {
         f"layer_{i}": jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(n)}
+
+
+def has_split_layers(params: dict) -> bool:
+    """Whether the target params are in the `split_layers` layout (else stacked on a `layers` axis)."""
+    return "layers" not in params
+
+
+def layer_params(params: dict, i: int) -> dict:
+    """Layer `i`'s params (negative counts from the last) in either layout."""
+    if not has_split_layers(params):
+        return jax.tree.map(lambda p: p[i], params["layers"])
+    n = sum(k.startswith("layer_") for k in params)
+    return params[f"layer_{i % n}"]
+
+
+def target_model(config: ModelConfig, params: dict, attention: str = "xla") -> Transformer:
+    """The `Transformer` that applies `params` in their layout (stacked or `split_layers`)."""
+    return Transformer(config, attention=attention, split=has_split_layers(params))
 
 
 def input_embeddings(params: dict, tokens: jax.Array) -> jax.Array:
@@ -289,9 +311,10 @@ def init_params(config: ModelConfig, rng: jax.Array, param_dtype: Dtype = jnp.fl
     return nn.unbox(model.init(rng, tokens, tokens, return_logits=True)["params"])
 
 
-def param_shapes(config: ModelConfig, param_dtype: Dtype = jnp.float32) -> tuple[dict, dict]:
-    """(`jax.ShapeDtypeStruct` tree, logical-axis `PartitionSpec` tree) of the params, without allocating."""
-    model = Transformer(config, param_dtype)
+def param_shapes(config: ModelConfig, param_dtype: Dtype = jnp.float32, split: bool = False) -> tuple[dict, dict]:
+    """(`jax.ShapeDtypeStruct` tree, logical-axis `PartitionSpec` tree) of the params, without allocating
+    (`split`: in the `split_layers` layout)."""
+    model = Transformer(config, param_dtype, split=split)
     tokens = jnp.zeros((1, 1), jnp.int32)
     boxed = jax.eval_shape(lambda r: model.init(r, tokens, tokens)["params"], jax.random.key(0))
     return nn.unbox(boxed), nn.get_partition_spec(boxed)

@@ -1,12 +1,13 @@
 """Tokens/s of our jitted AR generation against this machine's memory roofline and `transformers` `generate()`.
 
     python -m amphista_jax.evals.benchmarks.ar_decode [--sizes 20m 150m 500m] [--dtypes float32 bfloat16]
-        [--batches 1 4] [--layouts scan split] [--new-tokens 128] [--runs 3] [--out DIR]
+        [--batches 1 4] [--layouts stacked split] [--new-tokens 128] [--runs 3] [--out DIR]
 
 Each size is a random-init Llama built in `transformers`, saved as safetensors and loaded by our loader. Greedy,
 exactly `--new-tokens` tokens per row (no EOS). Our compile + first call is excluded from timing and reported
-separately; every side gets one warm-up run. Medians over `--runs`. Layouts: `scan`, the stacked layers the
-model loads with (a loop over the layer axis), and `split`, one module per layer (`split_layers`).
+separately; every side gets one warm-up run. Medians over `--runs`. Layouts (`hf.LAYOUTS`): `stacked`, the layers
+on one leading axis run by a loop (training's layout), and `split`, one module per layer (`split_layers`:
+decoding's default).
 
 Roofline: a batch-B decode step must read every weight once, so at best it runs at `bandwidth / weight bytes`
 steps/s, i.e. `B * bandwidth / weight bytes` tokens/s. `bandwidth` is measured here, in the same run: the
@@ -28,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.decode import GenerateOutput, generate, pad_prompts
-from amphista_jax.evals.benchmarks.common import median_seconds, write_report
+from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, write_report
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.hf import load_params
-from amphista_jax.models.llama import split_layers
+from amphista_jax.models.hf import LAYOUTS, load_params
 
 BANDWIDTH_MATRIX = (16384, 8192)  # fp32: 512 MiB
 
@@ -43,17 +43,6 @@ def memory_bandwidth(runs: int = 10) -> float:
     matvec = jax.jit(lambda w, x: w @ x)
     jax.block_until_ready(matvec(w, x))
     return w.nbytes / median_seconds(lambda: jax.block_until_ready(matvec(w, x)), runs)
-
-
-SIZES = {  # name -> transformers LlamaConfig kwargs
-    "20m": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                num_attention_heads=8, num_key_value_heads=4),
-    "150m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=4),
-    "500m": dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
-                 num_attention_heads=12, num_key_value_heads=4),
-}
-
 
 
 def bench(size: str, dtypes: list[str], batches: list[int], layouts: list[str], new_tokens: int, runs: int,
@@ -69,10 +58,8 @@ def bench(size: str, dtypes: list[str], batches: list[int], layouts: list[str], 
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         for dtype, batch, layout in itertools.product(dtypes, batches, layouts):
-            params, config = load_params(d, dtype=dtype)
-            split = layout == "split"
-            out, compile_s, ours_s = time_generate(split_layers(params) if split else params, config,
-                                                   prompts[:batch], new_tokens, runs, split)
+            params, config = load_params(d, dtype=dtype, layout=layout)
+            out, compile_s, ours_s = time_generate(params, config, prompts[:batch], new_tokens, runs)
             weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
             roofline = batch * bandwidth / weight_bytes  # tokens/s
             row = {"size": size, "parameters": n_params, "dtype": dtype, "batch": batch, "layout": layout,
@@ -86,12 +73,12 @@ def bench(size: str, dtypes: list[str], batches: list[int], layouts: list[str], 
     return rows
 
 
-def time_generate(params: dict, config: ModelConfig, prompts: np.ndarray, new_tokens: int, runs: int,
-                  split: bool = False) -> tuple[GenerateOutput, float, float]:
+def time_generate(params: dict, config: ModelConfig, prompts: np.ndarray, new_tokens: int, runs: int
+                  ) -> tuple[GenerateOutput, float, float]:
     """(output, compile + first call seconds, median seconds of a call) of our `generate` on `prompts [B, T]`
-    (`split`: params in the `split_layers` layout)."""
+    (`params` in either layer layout)."""
     tokens, lengths = pad_prompts(prompts.tolist())
-    kw = dict(config=config, max_new_tokens=new_tokens, cache_size=tokens.shape[1] + new_tokens, split_layers=split)
+    kw = dict(config=config, max_new_tokens=new_tokens, cache_size=tokens.shape[1] + new_tokens)
     t0 = time.perf_counter()
     out = jax.block_until_ready(generate(params, tokens, lengths, jax.random.key(0), **kw))
     compile_s = time.perf_counter() - t0
@@ -123,7 +110,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--layouts", nargs="+", default=["scan", "split"], choices=["scan", "split"])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=16)

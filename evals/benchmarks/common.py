@@ -8,12 +8,39 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from amphista_jax.assets import default_model_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params
+from amphista_jax.models.llama import init_params, split_layers
 from amphista_jax.timing import median_seconds
 
-__all__ = ["benchmark_parser", "load_target", "median_seconds", "write_report"]
+__all__ = ["SIZES", "benchmark_parser", "load_target", "median_seconds", "model_config", "random_target",
+           "write_report"]
+
+SIZES = {  # name -> transformers LlamaConfig kwargs
+    "20m": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4),
+    "150m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2304, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4),
+    "500m": dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
+                 num_attention_heads=12, num_key_value_heads=4),
+}
+
+
+def model_config(size: str) -> ModelConfig:
+    """Our config for one of `SIZES` (transformers' LlamaConfig names)."""
+    hf = SIZES[size]
+    return ModelConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                       intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+                       num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
+                       head_dim=hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def random_target(config: ModelConfig, dtype: str = "float32") -> dict:
+    """Random-init `dtype` params of `config`, in decoding's `split_layers` layout."""
+    return split_layers(jax.tree.map(lambda x: x.astype(dtype), init_params(config, jax.random.key(0))))
 
 
 def benchmark_parser(doc: str, runs: int | None = None) -> argparse.ArgumentParser:
@@ -27,10 +54,11 @@ def benchmark_parser(doc: str, runs: int | None = None) -> argparse.ArgumentPars
     return parser
 
 
-def load_target(model: str | None) -> tuple[str, dict, ModelConfig]:
-    """(directory, fp32 params, config) of `--model`, or of the embedded target when it is not given."""
+def load_target(model: str | None, layout: str = "split") -> tuple[str, dict, ModelConfig]:
+    """(directory, fp32 params in `layout` (`hf.LAYOUTS`; decoding's by default), config) of `--model`, or of the
+    embedded target when it is not given."""
     model = model or str(default_model_dir())
-    params, config = load_params(model, dtype="float32")
+    params, config = load_params(model, dtype="float32", layout=layout)
     return model, params, config
 
 

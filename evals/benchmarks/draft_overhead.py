@@ -1,7 +1,11 @@
 """Where a speculative step's time goes: the parts of the real `spec_step`, per method and tree.
 
-    python -m amphista_jax.evals.benchmarks.draft_overhead [--model DIR] [--methods medusa amphista hydra hydra++]
-        [--trees mc_sim_7b_63 small-16 chain-4] [--batch 1] [--committed 256] [--runs 20] [--out runs/benchmarks]
+    python -m amphista_jax.evals.benchmarks.draft_overhead [--model DIR | --size 150m]
+        [--methods medusa amphista hydra hydra++] [--trees mc_sim_7b_63 small-16 chain-4] [--batch 1]
+        [--committed 256] [--runs 20] [--out runs/benchmarks]
+
+The target is `--model` (default: the embedded one) or, with `--size`, a random-init fp32 Llama of one of
+`common.SIZES`, in decoding's `split_layers` layout either way.
 
 The state is the engine's own: `spec_init` on random prompts of `--committed` tokens (the target's prefill,
 then the drafter's), then one `spec_step`. On that state each part of the step is jitted on its own and timed
@@ -12,7 +16,11 @@ then the drafter's), then one `spec_step`. On that state each part of the step i
   layer), on that step's real proposal and verdict;
 - engine commit: `spec_commit`, i.e. KV compaction + the drafter's commit + emit;
 - step: the whole `spec_step`. The parts are jitted apart, so they need not add up to it exactly;
-- draft share: (propose + commit) / step, the drafter's part of a step.
+- draft share: (propose + commit) / step, the drafter's part of a step;
+- AR step: the target's one-token step (`ar_step`, the loop body of `generate`) at the same committed length;
+  draft / AR = (propose + commit) / AR step;
+- draft / target bytes: the drafter's parameter bytes over the target's. Memory-bound, a step that reads every
+  drafter weight (a Medusa-style head has its own `[D, V]` projection) costs at least this share of an AR step.
 Hydra's appendix D (Table 1) splits the draft overhead into each head; here that split comes from timing
 `spec_propose` with the tree cut at depth 1, 2, ..., D: the increments are what each deeper head adds (for
 Medusa and Amphista, whose heads all run in one pass, they are ~0 apart from the top-k gather). Heads are
@@ -35,6 +43,8 @@ from tqdm import tqdm
 from amphista_jax.decode import (
     SpecSettings,
     SpecState,
+    ar_init,
+    ar_step,
     decode_params,
     scratch_slots,
     spec_commit,
@@ -44,7 +54,17 @@ from amphista_jax.decode import (
     spec_verify,
 )
 from amphista_jax.drafters import VARIANTS, Target
-from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
+from amphista_jax.evals.benchmarks.common import (
+    SIZES,
+    benchmark_parser,
+    load_target,
+    median_seconds,
+    model_config,
+    random_target,
+    write_report,
+)
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.llama import target_model
 from amphista_jax.trees import TreeSpec, get_tree
 
 MAX_NEW_TOKENS = 64
@@ -64,6 +84,21 @@ def steady_state(params: dict, draft_params: Any, settings: SpecSettings, batch:
                  cache_size=committed + MAX_NEW_TOKENS + scratch_slots(settings.drafter, settings.tree),
                  settings=settings)
     return jax.jit(functools.partial(spec_step, settings=settings))(params, draft_params, state)
+
+
+def ar_step_ms(params: dict, config: ModelConfig, batch: int, committed: int, runs: int) -> float:
+    """Milliseconds of one AR step (`ar_step`) after a prefill of `batch` random prompts of `committed` tokens."""
+    model = target_model(config, params)
+    prompt = jax.random.randint(jax.random.key(2), (batch, committed), 0, config.vocab_size)
+    lengths = jnp.full((batch,), committed, jnp.int32)
+    init = jax.jit(functools.partial(ar_init, model, cache_size=committed + MAX_NEW_TOKENS,
+                                     max_new_tokens=MAX_NEW_TOKENS))
+    state = init(params, prompt, lengths, jax.random.key(0))
+    return part_ms(functools.partial(ar_step, model), params, state, runs=runs)
+
+
+def nbytes(tree: Any) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def part_ms(fn: Callable[..., Any], *args: Any, runs: int) -> float:
@@ -93,9 +128,17 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "chain-4"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--committed", type=int, default=256)
+    parser.add_argument("--size", choices=list(SIZES), help="a random-init target of this size instead of --model")
     args = parser.parse_args()
-    model, params, config = load_target(args.model)
+    if args.size and args.model:
+        parser.error("--size and --model name two targets: give one")
+    if args.size:
+        model, config = f"random-init llama-{args.size}", model_config(args.size)
+        params = random_target(config)
+    else:
+        model, params, config = load_target(args.model)
     target = Target(config, params)
+    ar_ms = ar_step_ms(params, config, args.batch, args.committed, args.runs)
     rows = []
     for method, tree in tqdm(list(itertools.product(args.methods, args.trees)), desc="draft overhead"):
         drafter, spec = VARIANTS[method], get_tree(tree)
@@ -105,23 +148,28 @@ def main() -> None:
         cuts = range(1, spec.depth + 1) if isinstance(spec, TreeSpec) else ()  # a dynamic budget has no cuts
         by_depth = [part_ms(functools.partial(spec_propose, settings=dataclasses.replace(settings, tree=cut(spec, d))),
                             params, draft_params, s, runs=args.runs) for d in cuts]
-        rows.append({"method": method, "tree": tree, "nodes": spec.num_nodes, "batch": args.batch,
-                     **step_parts_ms(params, draft_params, settings, s, args.runs),
+        parts = step_parts_ms(params, draft_params, settings, s, args.runs)
+        rows.append({"method": method, "tree": tree, "nodes": spec.num_nodes, "batch": args.batch, **parts,
+                     "ar_step_ms": ar_ms, "draft_over_ar": (parts["propose_ms"] + parts["commit_ms"]) / ar_ms,
+                     "draft_over_target_bytes": nbytes(draft_params) / nbytes(params),
                      "propose_ms_by_depth": by_depth,
                      "head_increment_ms": by_depth[:1] + [b - a for a, b in itertools.pairwise(by_depth)]})
     depth = max(len(r["head_increment_ms"]) for r in rows)
     heads = "".join(f" head {i + 1} |" for i in range(depth))
     lines = [f"model: {model}; batch {args.batch}; {args.committed} committed tokens; backend: "
              f"{jax.default_backend()}; times in ms (median of {args.runs}); each part of `spec_step` jitted on its "
-             "own; draft share = (propose + commit) / step; head i = propose on the tree cut at depth i minus at "
-             "depth i - 1", "",
-             f"| method | tree | nodes | propose | verify | commit | engine commit | step | draft share |{heads}",
-             "|---|---|---|---|---|---|---|---|---|" + "---|" * depth]
+             f"own; AR step {ar_ms:.3f} ms; draft share = (propose + commit) / step; draft / AR = (propose + commit) "
+             "/ AR step; bytes = drafter / target parameter bytes; head i = propose on the tree cut at depth i minus "
+             "at depth i - 1", "",
+             f"| method | tree | nodes | propose | verify | commit | engine commit | step | draft share | draft / AR "
+             f"| bytes |{heads}",
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * depth]
     for r in rows:
         inc = [f"{x:.3f}" for x in r["head_increment_ms"]] + ["-"] * (depth - len(r["head_increment_ms"]))
         lines.append(f"| {r['method']} | {r['tree']} | {r['nodes']} | {r['propose_ms']:.3f} | {r['verify_ms']:.3f} | "
                      f"{r['commit_ms']:.3f} | {r['engine_commit_ms']:.3f} | {r['step_ms']:.3f} | "
-                     f"{r['draft_share']:.0%} |" + "".join(f" {x} |" for x in inc))
+                     f"{r['draft_share']:.0%} | {r['draft_over_ar']:.0%} | {r['draft_over_target_bytes']:.0%} |"
+                     + "".join(f" {x} |" for x in inc))
     write_report(args.out, "draft_overhead", rows, "\n".join(lines))
 
 

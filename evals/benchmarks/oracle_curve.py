@@ -4,11 +4,11 @@ speed-up a tree can give on this machine at a given draft accuracy.
     python -m amphista_jax.evals.benchmarks.oracle_curve [--sizes 150m 500m] [--p-right 0.6 0.8 0.9]
         [--trees chain-4 small-8 small-16 mc_sim_7b_63] [--new-tokens 64] [--runs 2] [--out runs/benchmarks]
 
-Each size is a random-init Llama (the shapes of `ar_decode.py`; fp32 by default), large enough that its step
-reads far more weight bytes than this CPU's caches hold. The oracle (`OracleDrafter`) knows the target's greedy
-continuation (AR runs first) and makes each tree node right with probability `p_right`, independently, and
-otherwise a wrong token distinct from its siblings': a chain then accepts depth d with probability
-`p_right ** d`, and a node with k children is right at least once with probability `1 - (1 - p_right) ** k`.
+Each size is a random-init Llama (`common.SIZES`; fp32 by default; decoding's `split_layers` layout), large
+enough that its step reads far more weight bytes than this CPU's caches hold. The oracle (`OracleDrafter`) knows
+the target's greedy continuation (AR runs first) and makes each tree node right with probability `p_right`,
+independently, and otherwise a wrong token distinct from its siblings': a chain then accepts depth d with
+probability `p_right ** d`, and a node with k children is right at least once with probability `1 - (1 - p_right) ** k`.
 Its propose is a gather, so each row measures the target's verify cost against its AR step, which is what a
 tree costs on this machine for a drafter of that accuracy. Greedy, batch 1; the speculative tokens are checked
 equal to AR's. Tokens/s are medians of `--runs` timed runs after a warm-up, all in one run of this script.
@@ -33,10 +33,8 @@ from tqdm import tqdm
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.errors import UserError
-from amphista_jax.evals.benchmarks.ar_decode import SIZES
-from amphista_jax.evals.benchmarks.common import median_seconds, write_report
+from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, model_config, random_target, write_report
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import init_params
 from amphista_jax.trees import TreeSpec, batched, get_tree, tree_arrays
 
 TREES = ("chain-4", "small-8", "small-16", "mc_sim_7b_63")
@@ -70,20 +68,11 @@ class OracleDrafter:
         return state, accepted_hidden(verdict, verify_out)
 
 
-def model_config(size: str) -> ModelConfig:
-    """Our config for one of `ar_decode.SIZES` (transformers' LlamaConfig names)."""
-    hf = SIZES[size]
-    return ModelConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-                       intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-                       num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-                       head_dim=hf["hidden_size"] // hf["num_attention_heads"])
-
-
 def bench(model: str, config: ModelConfig, dtype: str, p_rights: list[float], trees: dict[str, TreeSpec],
           new_tokens: int, runs: int, prompt_len: int) -> list[dict]:
     """AR, then every (p_right, tree) on one random prompt, for a random-init `config` named `model`.
     `step / AR step` divides each side's wall time (prefill included) by its decoding steps."""
-    params = jax.tree.map(lambda x: x.astype(dtype), init_params(config, jax.random.key(0)))
+    params = random_target(config, dtype)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     prompt = np.random.RandomState(0).randint(3, config.vocab_size, (1, prompt_len))
     tokens, lengths = pad_prompts(prompt.tolist())

@@ -38,7 +38,7 @@ from amphista_jax.decode import SpecSettings, ar_init, ar_step, decode_params, s
 from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.models.config import ModelConfig, tiny_llama_config
-from amphista_jax.models.llama import Transformer, param_shapes, split_layers
+from amphista_jax.models.llama import param_shapes, target_model
 from amphista_jax.trees import get_tree
 
 MAX_NEW_TOKENS = 128
@@ -93,7 +93,7 @@ def compiled_cost(fn: Callable[..., Any], *args: Any) -> dict[str, float]:
 
 def ar_cost(config: ModelConfig, params: Any, batch: int, context: int) -> dict[str, float]:
     """Cost of one `ar_step` with `context` committed tokens per row; `params` in the `split_layers` layout."""
-    model = Transformer(config, split=True)
+    model = target_model(config, params)
     prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     state = jax.eval_shape(lambda p, t, n: ar_init(model, p, t, n, jax.random.key(0), context + MAX_NEW_TOKENS,
@@ -108,7 +108,7 @@ def spec_cost(config: ModelConfig, params: Any, method: str, tree_name: str, bat
     drafter, tree = VARIANTS[method], get_tree(tree_name)
     draft = jax.eval_shape(lambda p: decode_params(drafter, drafter.init(jax.random.key(0), Target(config, p))),
                            params)
-    settings = SpecSettings(config, drafter, tree, MAX_NEW_TOKENS, split_layers=True)
+    settings = SpecSettings(config, drafter, tree, MAX_NEW_TOKENS)
     cache_size = context + MAX_NEW_TOKENS + scratch_slots(drafter, tree)
     prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -138,7 +138,7 @@ def main() -> None:
     # XLA:CPU runs bf16 matrix products through fp32 converts, and its cost analysis counts them (a bf16 AR step
     # of Vicuna-7B "accesses" 83 GB for 13.5 GB of weights). So the steps are compiled in fp32, whose op structure
     # is the accelerators', and the bytes scaled to --dtype's size (weights, caches and activations alike).
-    params = jax.eval_shape(split_layers, param_shapes(config, jnp.float32)[0])
+    params = param_shapes(config, jnp.float32, split=True)[0]
     scale = jnp.dtype(args.dtype).itemsize / 4
     accelerators = [ACCELERATORS[a] for a in args.accelerators]
     runs = [r.partition("@")[::2] for r in args.runs]

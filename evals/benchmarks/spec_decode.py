@@ -27,7 +27,7 @@ from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculativ
 from amphista_jax.drafters import Medusa, Target
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
-from amphista_jax.models.llama import Transformer, new_cache
+from amphista_jax.models.llama import new_cache, target_model
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.trees import TreeSpec, get_tree, tree_arrays
 
@@ -70,7 +70,7 @@ def end_to_end(params, config, tok, drafters: list[tuple[str, object, object, st
 
 
 def verify_cost(params, config, sizes: tuple[int, ...], committed: int, runs: int) -> list[dict]:
-    model = Transformer(config)
+    model = target_model(config, params)
     step = jax.jit(lambda p, c, tk, pos, m: model.apply({"params": p}, tk, pos, c, m).logits)
     rows = []
     for t in sizes:

@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    model_dir, params, config = load_target(args.model)
+    model_dir, params, config = load_target(args.model, layout="stacked")
     model = Transformer(config)
     drafter = DRAFTERS[args.method]()
     optimizer = make_optimizer(OptimConfig(), 1000)
