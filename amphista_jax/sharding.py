@@ -7,13 +7,16 @@ Mesh axes: `data` (pure data parallel), `fsdp` (data parallel + parameter shardi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import numpy as np
+import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from amphista_jax.cache import KVCache
+from amphista_jax.drafters.base import Target, param_axes
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
 
@@ -64,6 +67,42 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: Sequence = LOGICAL_R
     shapes, logical = param_shapes(config)
     return jax.tree.map(lambda s, spec: logical_sharding(spec, s.shape, mesh, rules), shapes, logical,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def draft_param_shardings(drafter: Any, target: Target, mesh: Mesh, rules: Sequence = LOGICAL_RULES) -> Any:
+    """A tree like `drafter.init`'s params of `NamedSharding`s from their logical axes (`param_axes`), under the
+    target's rules."""
+    shapes = jax.eval_shape(drafter.init, jax.random.key(0), target)
+    return jax.tree.map(lambda s, spec: logical_sharding(spec, s.shape, mesh, rules), shapes,
+                        param_axes(drafter, target), is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def train_state_shardings(drafter: Any, target: Target, optimizer: optax.GradientTransformation, mesh: Mesh,
+                          rules: Sequence = LOGICAL_RULES) -> dict:
+    """Shardings of the draft train state `{"params", "opt_state", "step"}`: each parameter by its logical axes,
+    the optimizer's per-parameter state (Adam's moments) like its parameter, everything else (counters)
+    replicated."""
+    params = draft_param_shardings(drafter, target, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shapes = jax.eval_shape(drafter.init, jax.random.key(0), target)
+    by_path = {_dict_keys(path): (leaf.shape, sharding) for (path, leaf), sharding in
+               zip(jax.tree_util.tree_flatten_with_path(shapes)[0], jax.tree.leaves(params), strict=True)}
+
+    def like_its_param(path: tuple, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+        # A per-parameter state leaf (Adam's mu, nu) ends in its parameter's dict path, under the state's own
+        # (non-dict) containers; anything else (step counts) is replicated.
+        shape, sharding = by_path.get(_dict_keys(path), (None, replicated))
+        return sharding if shape == leaf.shape else replicated
+
+    opt_state = jax.tree_util.tree_map_with_path(like_its_param, jax.eval_shape(optimizer.init, shapes))
+    return {"params": params, "opt_state": opt_state, "step": replicated}
+
+
+def _dict_keys(path: tuple) -> tuple:
+    """The dict keys after the last non-dict entry of a pytree key path (a parameter's path in a nested-dict
+    params tree)."""
+    start = max((i + 1 for i, k in enumerate(path) if not isinstance(k, jax.tree_util.DictKey)), default=0)
+    return tuple(k.key for k in path[start:])
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:

@@ -18,7 +18,7 @@ from amphista_jax.drafters import Target
 from amphista_jax.drafters.base import PrefillContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
 from amphista_jax.models.hf import save_params
-from amphista_jax.models.llama import Output, Transformer, init_params, split_layers
+from amphista_jax.models.llama import Output, Transformer, init_params
 from amphista_jax.trees import PRESETS, batched, chain, dynamic_tree, tree_arrays
 from amphista_jax.verify import Verdict
 from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless
@@ -66,7 +66,7 @@ def test_cache_after_commits_equals_a_fresh_prefill(target):
     state = jax.jit(drafter.prefill)(params, target, PrefillContext(Output(None, None, None), prompt, lengths, root),
                                      drafter.init_state(CONFIG, 2, 64))
     commit = jax.jit(drafter.commit)
-    model = Transformer(SMALL)
+    model = Transformer(SMALL, split=True)  # the params are in decoding's layout
     for counts in ([1, 3], [5, 1], [2, 5]):
         a = jnp.asarray(counts)
         node_pos = lengths[:, None] + jnp.arange(depth + 1)[None]
@@ -131,9 +131,7 @@ def test_from_pretrained_loads_a_checkpoint_and_refuses_another_vocabulary(targe
     save_params(params, SMALL, tmp_path / "draft", dtype="float32")
     loaded, restored = DraftModel.from_pretrained(tmp_path / "draft", CONFIG)
     assert loaded == drafter
-    # Loaded in decoding's layout (one tree per layer)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), split_layers(params),
-                 restored)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored)
     other = dataclasses.replace(SMALL, vocab_size=128)
     save_params(init_params(other, jax.random.key(2)), other, tmp_path / "other", dtype="float32")
     with pytest.raises(DraftModelError, match="vocabulary of 128 tokens but the target has 256"):

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from amphista_jax.cli import main
-from amphista_jax.drafters import Medusa, Target
+from amphista_jax.drafters import VARIANTS, Medusa, Target
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.sharding import make_mesh, param_shardings
+from amphista_jax.sharding import make_mesh, param_shardings, train_state_shardings
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.train.data import DataError, conversation_examples, example_dataset, render_with_mask
 from amphista_jax.train.distill import distill
@@ -43,21 +43,52 @@ def _setup(seed: int = 0):
     return params, medusa, optimizer, examples, init_state
 
 
+MESHES = {"data2-fsdp2-tensor2": dict(data=2, fsdp=2, tensor=2), "fsdp8": dict(fsdp=8)}
+# Default: Medusa (with per-part learning rates: a multi-transform optimizer state) on both meshes and every
+# other built-in drafter on the 3-axis one; the rest of the grid is slow.
+SHARDED_CASES = [pytest.param(method, mesh, marks=() if mesh == "data2-fsdp2-tensor2" or method == "medusa"
+                              else pytest.mark.slow) for method in VARIANTS for mesh in MESHES]
+
+
+def _non_replicated(tree) -> int:
+    return sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(tree))
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-def test_sharded_train_step_matches_single_device():
-    params, medusa, optimizer, examples, init_state = _setup()
-    batch = {k: np.stack([e[k] for e in examples[:8]]) for k in examples[0]}
+@pytest.mark.parametrize("method,mesh_name", SHARDED_CASES)
+def test_sharded_train_step_matches_single_device(method, mesh_name):
+    """One train step with the target, the draft params and their Adam state sharded over an emulated mesh ==
+    the same step on one device; the draft params and their optimizer state really are split."""
+    params = init_params(CONFIG, jax.random.key(0))
+    drafter = VARIANTS[method]
+    optimizer = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), 20,
+                               part_lrs={"lm_head": 1e-3} if method == "medusa" else None)
+
+    def state():  # a fresh one per step: the step donates it
+        heads = drafter.init(jax.random.key(1), Target(CONFIG, params))
+        return {"params": heads, "opt_state": optimizer.init(heads), "step": jnp.zeros((), jnp.int32)}
+
+    tokens = np.asarray(jax.random.randint(jax.random.key(7), (8, 16), 0, 256), np.int32)
+    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
     model = Transformer(CONFIG)
-    single_step, _ = make_steps(model, medusa, optimizer)
-    single_state, single_metrics = single_step(init_state(), params, batch)
-    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    single_state, single_metrics = make_steps(model, drafter, optimizer)[0](state(), params, batch)
+
+    mesh = make_mesh(**MESHES[mesh_name])
     shardings = param_shardings(CONFIG, mesh)
-    sharded_params = jax.tree.map(jax.device_put, params, shardings)
-    sharded_step, _ = make_steps(model, medusa, optimizer, mesh, shardings)
-    sharded_state, sharded_metrics = sharded_step(init_state(), sharded_params, batch)
+    sharded_params = jax.device_put(params, shardings)
+    state_shardings = train_state_shardings(drafter, Target(CONFIG, sharded_params), optimizer, mesh)
+    sharded_step, _ = make_steps(model, drafter, optimizer, mesh, shardings, state_shardings)
+    sharded_state, sharded_metrics = sharded_step(jax.device_put(state(), state_shardings), sharded_params, batch)
+
     np.testing.assert_allclose(float(sharded_metrics["loss"]), float(single_metrics["loss"]), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5),
                  sharded_state["params"], single_state["params"])
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(s, a.ndim), sharded_state,
+                                            state_shardings)))
+    largest = max(jax.tree.leaves(sharded_state["params"]), key=lambda x: x.size)
+    assert not largest.sharding.is_fully_replicated
+    moments = _non_replicated(sharded_state["opt_state"])
+    assert moments >= 2 * _non_replicated(sharded_state["params"]) > 0  # Adam's mu and nu, like their params
 
 
 class _KillAfter:

@@ -10,6 +10,7 @@ target's fingerprint (`out_dir/heads`) and the training curve is plotted (`out_d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import platform
 from pathlib import Path
@@ -27,7 +28,7 @@ from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.identity import files_digest, json_digest, matching_files, target_identity
 from amphista_jax.models.hf import DTYPES, load_config, load_params
 from amphista_jax.models.llama import Transformer, param_shapes
-from amphista_jax.sharding import make_mesh, param_shardings
+from amphista_jax.sharding import make_mesh, param_shardings, train_state_shardings
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.train.checkpoint import saved_steps
 from amphista_jax.train.corpus import build_corpus, package_version
@@ -296,11 +297,17 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
         train_examples = _with_hidden(train_examples, model, target_params, cfg.data.batch_size)
         heldout = _with_hidden(heldout, model, target_params, cfg.data.batch_size)
     optimizer = make_optimizer(cfg.optim, cfg.loop.steps, cfg.part_lrs or None)
-    train_step, eval_step = make_steps(model, drafter, optimizer, mesh, shardings)
+    target = Target(target_config, target_params)
+    state_shardings = train_state_shardings(drafter, target, optimizer, mesh) if mesh else None
+    train_step, eval_step = make_steps(model, drafter, optimizer, mesh, shardings, state_shardings)
+
+    @functools.partial(jax.jit, **({"out_shardings": state_shardings} if mesh else {}))
+    def new_state(target: Target) -> dict[str, Any]:
+        params = drafter.init(jax.random.key(cfg.data.seed), target)
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
     def init_state() -> dict[str, Any]:
-        params = drafter.init(jax.random.key(cfg.data.seed), Target(target_config, target_params))
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+        return new_state(target)  # each array made in place on its shards
 
     heldout_batches = batch_examples(heldout, cfg.data.batch_size, cfg.eval_batches)
 

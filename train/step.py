@@ -1,7 +1,8 @@
 """The draft-head train step: frozen target forward (once per batch) + the drafter's loss, one `jax.jit`.
 
-With a mesh, the target's params are sharded by their logical axes, the draft state is replicated, and the
-batch is split over `data` x `fsdp`; without one the same function runs on the default device.
+With a mesh, the target's params are sharded by their logical axes, so are the draft params and, like them,
+their optimizer state (`sharding.train_state_shardings`; replicated when none are given), and the batch is split
+over `data` x `fsdp`; without one the same function runs on the default device.
 """
 
 from __future__ import annotations
@@ -37,13 +38,18 @@ def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax
 
 
 def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransformation,
-               mesh: Mesh | None = None, target_shardings: Any = None):
+               mesh: Mesh | None = None, target_shardings: Any = None, state_shardings: dict | None = None):
     """(train_step(state, target_params, batch) -> (state, metrics), eval_step(params, target_params, batch)
-    -> metrics), jitted; sharded over `mesh` when given."""
+    -> metrics), jitted; sharded over `mesh` when given (`state_shardings`: the train state's, by default
+    replicated)."""
 
     def loss_fn(params, target_params, batch):
         with nn.logical_axis_rules(LOGICAL_RULES):
             target_out = target_forward(model, target_params, batch)
+            # Pinned here, so that the drafter's shardings do not propagate back into the target's forward.
+            target_out = target_out.replace(
+                hidden=nn.with_logical_constraint(target_out.hidden, ("batch", "length", "embed")),
+                logits=nn.with_logical_constraint(target_out.logits, ("batch", "length", "vocab")))
         return drafter.loss(params, Target(model.config, target_params), batch, target_out)
 
     def train_step(state, target_params, batch):
@@ -62,10 +68,12 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
     if mesh is None:
         return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
     replicated = NamedSharding(mesh, PartitionSpec())
+    state = state_shardings or replicated
+    params = replicated if state_shardings is None else state_shardings["params"]
     batch_spec = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-    train = jax.jit(train_step, in_shardings=(replicated, target_shardings, batch_spec),
-                    out_shardings=(replicated, replicated), donate_argnums=0)
-    evaluate = jax.jit(eval_step, in_shardings=(replicated, target_shardings, batch_spec), out_shardings=replicated)
+    train = jax.jit(train_step, in_shardings=(state, target_shardings, batch_spec),
+                    out_shardings=(state, replicated), donate_argnums=0)
+    evaluate = jax.jit(eval_step, in_shardings=(params, target_shardings, batch_spec), out_shardings=replicated)
 
     def in_mesh(fn):
         def run(state_or_params, target_params, local_batch):

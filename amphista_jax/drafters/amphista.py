@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
+    LogicalInit,
     PrefillContext,
     Proposal,
     Target,
@@ -45,6 +46,9 @@ from amphista_jax.drafters.base import (
     accepted_tokens,
     check_tree_depth,
     head_losses,
+    head_projections,
+    logical,
+    logical_dense,
     project_heads,
     split_heads,
     topk_proposal,
@@ -59,7 +63,7 @@ MAX_STAGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
-class Amphista:
+class Amphista(LogicalInit):
     num_heads: int = 4
     adaptation_stages: int = 2  # 1 = "one adaptation layer for all heads"; up to 4 (appendix A.2.3)
     staged_adaptation: bool = True  # False = "w/o staged adaptation"
@@ -91,19 +95,19 @@ class Amphista:
     def _net(self, target: ModelConfig) -> _AmphistaNet:
         return _AmphistaNet(self, target)
 
-    def init(self, rng: jax.Array, target: Target) -> dict:
+    def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d, v = target.config.hidden_size, target.config.vocab_size
         zeros = jnp.zeros((1, 1, d), jnp.float32)
-        params = nn.unbox(self._net(target.config).init(rng, zeros, zeros, jnp.zeros((1, 1), jnp.int32))["params"])
-        lm_head = target.lm_head()  # [D, V]
+        params = self._net(target.config).init(rng, zeros, zeros, jnp.zeros((1, 1), jnp.int32))["params"]
         k = self.num_heads
         if self.lm_head_rank:
-            u, s, vt = jnp.linalg.svd(lm_head, full_matrices=False)
+            u, s, vt = jnp.linalg.svd(target.lm_head(), full_matrices=False)  # of the [D, V] projection
             r = self.lm_head_rank
             root = jnp.sqrt(s[:r])
-            return params | {"lm_a": jnp.broadcast_to(u[:, :r] * root, (k, d, r)).copy(),
-                             "lm_b": jnp.broadcast_to(root[:, None] * vt[:r], (k, r, v)).copy()}
-        return params | {"lm_head": jnp.broadcast_to(lm_head, (k, d, v)).copy()}
+            return params | {"lm_a": logical(jnp.broadcast_to(u[:, :r] * root, (k, d, r)).copy(), None, "embed", None),
+                             "lm_b": logical(jnp.broadcast_to(root[:, None] * vt[:r], (k, r, v)).copy(), None, None,
+                                             "vocab")}
+        return params | {"lm_head": head_projections(target, k)}
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
         d = target_config.hidden_size
@@ -184,14 +188,16 @@ class _AmphistaNet(nn.Module):
     def setup(self) -> None:
         s, d, k = self.spec, self.target.hidden_size, self.spec.num_heads
         if s.staged_adaptation:
-            self.fc = [nn.Dense(d, name=f"fc{i}") for i in range(s.adaptation_stages)]
+            self.fc = [logical_dense(d, ("embed", "mlp"), f"fc{i}") for i in range(s.adaptation_stages)]
             self.sal = [decoder_stack(block_config(self.target, 1), jnp.float32, "xla", name=f"sal{i}")
                         for i in range(s.adaptation_stages)]
-        self.head_w = self.param("head_w", nn.initializers.zeros_init(), (k, d, d))
-        self.head_b = self.param("head_b", nn.initializers.zeros_init(), (k, d))
+        zeros = nn.initializers.zeros_init()
+        self.head_w = self.param("head_w", nn.with_logical_partitioning(zeros, (None, "embed", "mlp")), (k, d, d))
+        self.head_b = self.param("head_b", nn.with_logical_partitioning(zeros, (None, "mlp")), (k, d))
         if s.auto_embedding:
             if s.positional_encoding:
-                self.pe = self.param("pe", nn.initializers.normal(0.02), (k, d))
+                self.pe = self.param("pe", nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+                                     (k, d))
             self.encoder = decoder_stack(block_config(self.target, s.auto_embedding_layers), jnp.float32, "xla",
                                          name="auto_embedding")
 

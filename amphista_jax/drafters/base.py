@@ -4,7 +4,8 @@ the trainer never branch on a method's name.
 A drafter is a frozen (hashable) dataclass of its static settings, with these methods (`target` is the
 frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
 
-* `init(rng, target) -> params`
+* `init(rng, target) -> params`. The built-in drafters define `init_boxed` instead (`LogicalInit`): the same
+  params with every leaf naming its logical axes, which `param_axes` reads to shard them like the target.
 * `init_state(target_config, batch, cache_size) -> state`: the method's own caches (zeros) or `()`.
 * optional `prefill_extras(params, target, prompt [B, T], lengths [B]) -> Extras | None`: extra queries
   that ride along the target's prefill forward (a method without it adds none).
@@ -33,9 +34,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import flax.linen as nn
 import jax
 import optax
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, input_embeddings, output_projection
@@ -115,6 +118,43 @@ class Proposal:
     # shared q. None = deterministic (top-k) drafts (see verify.py).
     q: jax.Array | None = None
     extras: Extras | None = None  # extra queries for the verify forward (seen by no tree node, never committed)
+
+
+def logical(value: jax.Array, *names: str | None) -> nn.Partitioned:
+    """`value` boxed with the logical axis names of its dimensions (`sharding.LOGICAL_RULES` maps them)."""
+    return nn.Partitioned(value, names)
+
+
+def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
+                  kernel_init: Callable = nn.linear.default_kernel_init, use_bias: bool = True) -> nn.Dense:
+    """A fp32 `nn.Dense` whose kernel `[in, out]` has logical `axes` (its bias: `axes[1]`)."""
+    return nn.Dense(features, use_bias=use_bias, name=name,
+                    kernel_init=nn.with_logical_partitioning(kernel_init, axes),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
+
+
+def head_projections(target: Target, num_heads: int) -> nn.Partitioned:
+    """`[K, D, V]` one vocabulary projection per head, each initialised from the target's `lm_head`."""
+    lm_head = target.lm_head()
+    return logical(jax.numpy.broadcast_to(lm_head, (num_heads,) + lm_head.shape).copy(), None, "embed", "vocab")
+
+
+class LogicalInit:
+    """For drafters that define `init_boxed(rng, target)`: their params with each leaf an `nn.Partitioned` naming
+    its logical axes (flax nets through `nn.with_logical_partitioning`, the drafter's own arrays through
+    `logical`); a leaf left plain is replicated. `init` is that tree unboxed."""
+
+    def init(self, rng: jax.Array, target: Target) -> Any:
+        return nn.unbox(self.init_boxed(rng, target))  # type: ignore[attr-defined]
+
+
+def param_axes(drafter: Any, target: Target) -> Any:
+    """A tree like `drafter.init`'s params of logical `PartitionSpec`s (abstract: nothing is allocated). A drafter
+    without `init_boxed` has every parameter replicated."""
+    key = jax.random.key(0)
+    if not hasattr(drafter, "init_boxed"):
+        return jax.tree.map(lambda _: PartitionSpec(), jax.eval_shape(drafter.init, key, target))
+    return nn.get_partition_spec(jax.eval_shape(drafter.init_boxed, key, target))
 
 
 class Drafter(Protocol):

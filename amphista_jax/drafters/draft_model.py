@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
+    LogicalInit,
     PrefillContext,
     Proposal,
     Target,
@@ -42,7 +43,7 @@ from amphista_jax.drafters.eagle import FeatureDrafting
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.models.llama import Output, PrefixKV, Transformer, init_params, target_model
+from amphista_jax.models.llama import Output, PrefixKV, Transformer, target_model
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.trees import Tree, TreeBudget, TreeError, TreeSpec
 from amphista_jax.verify import Verdict
@@ -55,7 +56,7 @@ class DraftModelError(UserError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModel:
+class DraftModel(LogicalInit):
     config: ModelConfig  # the draft model's own architecture
     # 0: top-k drafts (`q = None`); > 0 (static trees): independent draws from its distribution at this
     # temperature, passed to verification as `q` (classic speculative sampling draws at the target's temperature)
@@ -89,10 +90,12 @@ class DraftModel:
     def _model(self, params: dict) -> Transformer:
         return target_model(self.config, params)
 
-    def init(self, rng: jax.Array, target: Target) -> dict:
-        """Random weights of the draft architecture (tests; real use loads a checkpoint: `from_pretrained`)."""
+    def init_boxed(self, rng: jax.Array, target: Target) -> dict:
+        """Random weights of the draft architecture in decoding's layout (tests; real use loads a checkpoint:
+        `from_pretrained`)."""
         check_vocabularies(self.config, target.config, "the draft model")
-        return init_params(self.config, rng)
+        tokens = jnp.zeros((1, 1), jnp.int32)
+        return Transformer(self.config, split=True).init(rng, tokens, tokens)["params"]
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
         c = self.config

@@ -46,12 +46,14 @@ import optax
 from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
+    LogicalInit,
     PrefillContext,
     Proposal,
     Target,
     accepted_hidden,
     accepted_tokens,
     head_losses,
+    logical_dense,
 )
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
@@ -70,7 +72,7 @@ from amphista_jax.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle:
+class Eagle(LogicalInit):
     num_layers: int = 1  # decoder layers of the draft stack (EAGLE: 1; Gumiho's serial part: 2)
     feature_noise: float = 0.1  # training: U(-a, a) added to the target's features
     reg_weight: float = 1.0  # SmoothL1 regression of the next feature
@@ -87,10 +89,10 @@ class Eagle:
     def _net(self, target: ModelConfig) -> _EagleNet:
         return _EagleNet(target, self.num_layers)
 
-    def init(self, rng: jax.Array, target: Target) -> dict:
+    def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d = target.config.hidden_size
         x = jnp.zeros((1, 1, d))
-        return nn.unbox(self._net(target.config).init(rng, x, x, jnp.zeros((1, 1), jnp.int32), None)["params"])
+        return self._net(target.config).init(rng, x, x, jnp.zeros((1, 1), jnp.int32), None)["params"]
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
         c = target_config
@@ -185,7 +187,7 @@ class _EagleNet(nn.Module):
     num_layers: int = 1
 
     def setup(self) -> None:
-        self.fc = nn.Dense(self.target.hidden_size, name="fc")
+        self.fc = logical_dense(self.target.hidden_size, ("embed", "mlp"), "fc")
         self.layer = decoder_stack(block_config(self.target, self.num_layers), jnp.float32, "xla", name="layer")
 
     def __call__(self, embeds: jax.Array, features: jax.Array, positions: jax.Array, cache: KVCache | None,

@@ -38,7 +38,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from amphista_jax.drafters.base import DraftContext, PrefillContext, Proposal, Target, head_metrics, teacher_ce
+from amphista_jax.drafters.base import (
+    DraftContext,
+    LogicalInit,
+    PrefillContext,
+    Proposal,
+    Target,
+    head_metrics,
+    logical_dense,
+    teacher_ce,
+)
 from amphista_jax.drafters.eagle import Eagle, FeatureDrafting
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
@@ -55,7 +64,7 @@ from amphista_jax.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
-class Gumiho:
+class Gumiho(LogicalInit):
     serial_layers: int = 2
     mlp_heads: int = 5
     mlp_layers: int = 5  # residual blocks after each head's first 2D -> D block
@@ -82,11 +91,11 @@ class Gumiho:
     def serial(self) -> Eagle:
         return Eagle(self.serial_layers, self.feature_noise, self.reg_weight, self.cls_weight)
 
-    def init(self, rng: jax.Array, target: Target) -> dict:
+    def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         k1, k2 = jax.random.split(rng)
         d = target.config.hidden_size
         mlps = _ParallelHeads(self.mlp_heads, self.mlp_layers, d).init(k2, jnp.zeros((1, 2 * d)))["params"]
-        return {"serial": self.serial.init(k1, target), "mlps": mlps}
+        return {"serial": self.serial.init_boxed(k1, target), "mlps": mlps}
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
         return self.serial.init_state(target_config, batch, cache_size)
@@ -180,8 +189,8 @@ class _ParallelHeads(nn.Module):
         zeros = nn.initializers.zeros_init()
         out = []
         for h in range(self.heads):
-            y = nn.silu(nn.Dense(self.features, kernel_init=zeros, name=f"head{h}_in")(x))
+            y = nn.silu(logical_dense(self.features, ("embed", "mlp"), f"head{h}_in", zeros)(x))
             for layer in range(self.layers):
-                y = y + nn.silu(nn.Dense(self.features, kernel_init=zeros, name=f"head{h}_res{layer}")(y))
+                y = y + nn.silu(logical_dense(self.features, ("embed", "mlp"), f"head{h}_res{layer}", zeros)(y))
             out.append(y)
         return jnp.stack(out, axis=-2)

@@ -40,6 +40,7 @@ import numpy as np
 from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
+    LogicalInit,
     PrefillContext,
     Proposal,
     Target,
@@ -47,6 +48,8 @@ from amphista_jax.drafters.base import (
     check_tree_depth,
     draft_by_levels,
     head_losses,
+    head_projections,
+    logical_dense,
     project_heads,
     split_heads,
 )
@@ -58,7 +61,7 @@ from amphista_jax.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
-class Hydra:
+class Hydra(LogicalInit):
     num_heads: int = 4
     num_layers: int = 1  # MLP layers per head (Hydra++: 4)
     prefix_layer: bool = False  # Hydra++'s prefix-attention decoder layer
@@ -84,12 +87,11 @@ class Hydra:
     def _net(self, target: ModelConfig) -> _HydraNet:
         return _HydraNet(self, target)
 
-    def init(self, rng: jax.Array, target: Target) -> dict:
+    def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d, k = target.config.hidden_size, self.num_heads
-        params = nn.unbox(self._net(target.config).init(
-            rng, jnp.zeros((1, 1, d)), jnp.zeros((1, 1, k, d)), jnp.zeros((1, 1), jnp.int32))["params"])
-        lm_head = target.lm_head()  # [D, V]
-        return params | {"lm_head": jnp.broadcast_to(lm_head, (k,) + lm_head.shape).copy()}
+        params = self._net(target.config).init(
+            rng, jnp.zeros((1, 1, d)), jnp.zeros((1, 1, k, d)), jnp.zeros((1, 1), jnp.int32))["params"]
+        return params | {"lm_head": head_projections(target, k)}
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict | tuple:
         if not self.prefix_layer:
@@ -188,10 +190,11 @@ class _HydraMLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         zeros = nn.initializers.zeros_init()
-        skip = nn.Dense(self.features, kernel_init=_pass_first, name="skip")(x)  # learned residual path
-        x = skip + nn.silu(nn.Dense(self.features, kernel_init=zeros, name="in")(x))
+        axes = ("embed", "mlp")
+        skip = logical_dense(self.features, axes, "skip", _pass_first)(x)  # learned residual path
+        x = skip + nn.silu(logical_dense(self.features, axes, "in", zeros)(x))
         for layer in range(1, self.num_layers):
-            x = x + nn.silu(nn.Dense(self.features, kernel_init=zeros, name=f"res{layer}")(x))
+            x = x + nn.silu(logical_dense(self.features, axes, f"res{layer}", zeros)(x))
         return x
 
 

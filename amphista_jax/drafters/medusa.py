@@ -14,12 +14,15 @@ import jax.numpy as jnp
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    LogicalInit,
     PrefillContext,
     Proposal,
     Target,
     accepted_hidden,
     check_tree_depth,
     head_losses,
+    head_projections,
+    logical,
     project_heads,
     split_heads,
     topk_proposal,
@@ -31,19 +34,18 @@ from amphista_jax.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
-class Medusa:
+class Medusa(LogicalInit):
     num_heads: int = 4
     num_layers: int = 1
     loss_decay: float = 0.8  # head k's loss weight is loss_decay ** k
 
-    def init(self, rng: jax.Array, target: Target) -> dict:
+    def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d = target.config.hidden_size
         k, n = self.num_heads, self.num_layers
-        lm_head = target.lm_head()
         return {
-            "w": jnp.zeros((k, n, d, d), jnp.float32),
-            "b": jnp.zeros((k, n, d), jnp.float32),
-            "lm_head": jnp.broadcast_to(lm_head, (k,) + lm_head.shape).copy(),
+            "w": logical(jnp.zeros((k, n, d, d), jnp.float32), None, None, "embed", "mlp"),
+            "b": logical(jnp.zeros((k, n, d), jnp.float32), None, None, "mlp"),
+            "lm_head": head_projections(target, k),
         }
 
     def head_logits(self, params: dict, hidden: jax.Array, heads: int | None = None) -> jax.Array:

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    LogicalInit,
     PrefillContext,
     Proposal,
     Target,
@@ -51,6 +52,8 @@ from amphista_jax.drafters.base import (
     check_tree_depth,
     draft_by_levels,
     head_losses,
+    logical,
+    logical_dense,
 )
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
@@ -62,7 +65,7 @@ Carry = Any  # the encoder's state over a path: a pytree of `[..., H/2]` (and `[
 
 
 @dataclasses.dataclass(frozen=True)
-class SemiAutoregressive:
+class SemiAutoregressive(LogicalInit):
     # k: draft depths trained (Eq. 8) and the deepest tree drafted; named like the head methods' depth, which the
     # tree code (tree search, the CLI's checks) reads from every static-tree drafter
     num_heads: int = 4
@@ -83,17 +86,17 @@ class SemiAutoregressive:
     def branch_width(self, target: ModelConfig) -> int:
         return self.width or max(1, target.hidden_size // 4)
 
-    def init(self, rng: jax.Array, target: Target) -> dict:
+    def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         config = target.config
         d = config.hidden_size
         path = jnp.zeros((1, 1, self.num_heads, d))
-        params = nn.unbox(self._net(config).init(rng, jnp.zeros((1, 1, d)), path)["params"])
+        params = self._net(config).init(rng, jnp.zeros((1, 1, d)), path)["params"]
         features = 2 * self.branch_width(config)
         if features == d:
             lm_head = target.lm_head()
         else:
             lm_head = jax.random.normal(jax.random.fold_in(rng, 1), (features, config.vocab_size)) / jnp.sqrt(features)
-        return params | {"lm_head": lm_head}
+        return params | {"lm_head": logical(lm_head, "embed", "vocab")}
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> tuple:
         return ()
@@ -156,13 +159,14 @@ class _SARNet(nn.Module):
     def setup(self) -> None:
         half = max(1, self.target.hidden_size // 2)
         if self.spec.encoder == "simplified":
-            self.token_mlp = [nn.Dense(half, name="mlp_in"), nn.Dense(half, name="mlp_out")]
+            self.token_mlp = [logical_dense(half, ("embed", "mlp"), "mlp_in"),
+                              logical_dense(half, ("mlp", None), "mlp_out")]
             self.alpha_logits = self.param("alpha_logits", nn.initializers.zeros_init(), (self.spec.num_heads,))
         else:
             self.cells = [nn.OptimizedLSTMCell(half, name=f"lstm{i}") for i in range(2)]
         width = self.spec.branch_width(self.target)
-        self.w_p = nn.Dense(width, name="w_p")  # its bias is b3's first half
-        self.w_q = nn.Dense(width, name="w_q")  # and this one's the second
+        self.w_p = logical_dense(width, ("embed", "mlp"), "w_p")  # its bias is b3's first half
+        self.w_q = logical_dense(width, (None, "mlp"), "w_q")  # and this one's the second
 
     def __call__(self, hidden: jax.Array, path: jax.Array) -> jax.Array:
         """Whole sequences (training, init): hidden `[B, T, D]`, path embeddings `[B, T, K, D]` (e of tokens
