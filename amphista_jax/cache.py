@@ -8,9 +8,12 @@ leaves `lengths` alone: the caller commits with `advance` (prefill, AR steps) or
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", None)  # logical axes of `k` and `v`
 
 
 @struct.dataclass
@@ -24,6 +27,12 @@ class KVCache:
               dtype: jnp.dtype = jnp.float32) -> KVCache:
         shape = (num_layers, batch, size, kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    def constrained(self) -> KVCache:
+        """This cache under logical-axis constraints (`CACHE_AXES`: rows over the batch axes, KV heads over
+        `tensor` by `sharding.LOGICAL_RULES`); a no-op outside a mesh and rules context."""
+        return KVCache(nn.with_logical_constraint(self.k, CACHE_AXES), nn.with_logical_constraint(self.v, CACHE_AXES),
+                       nn.with_logical_constraint(self.lengths, ("batch",)))
 
     @property
     def size(self) -> int:

@@ -6,7 +6,8 @@ Mesh axes: `data` (pure data parallel), `fsdp` (data parallel + parameter shardi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -36,6 +37,15 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+@contextlib.contextmanager
+def on_mesh(mesh: Mesh, rules: Sequence = LOGICAL_RULES) -> Iterator[None]:
+    """Run jitted decoding (`generate`, `speculative_generate`) sharded over `mesh`: the logical constraints of
+    the model code (activations) and of the engine (KV caches: rows over the batch axes, KV heads over
+    `tensor`) resolve through `rules`. Pass params placed by `param_shardings` / `draft_param_shardings`."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `(data, fsdp, tensor)` mesh with `Auto` axes (Linen's logical constraints need them)."""
     devices = list(devices if devices is not None else jax.devices())
@@ -62,9 +72,10 @@ def logical_sharding(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh,
     return NamedSharding(mesh, _fit(mesh_spec, shape, mesh))
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh, rules: Sequence = LOGICAL_RULES) -> dict:
-    """A tree like the target params of `NamedSharding`s from their logical axes."""
-    shapes, logical = param_shapes(config)
+def param_shardings(config: ModelConfig, mesh: Mesh, rules: Sequence = LOGICAL_RULES, split: bool = False) -> dict:
+    """A tree like the target params (`split`: in decoding's `split_layers` layout) of `NamedSharding`s from
+    their logical axes."""
+    shapes, logical = param_shapes(config, split=split)
     return jax.tree.map(lambda s, spec: logical_sharding(spec, s.shape, mesh, rules), shapes, logical,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 

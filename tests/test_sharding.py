@@ -9,10 +9,21 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from amphista_jax.decode import SpecSettings, generate, pad_prompts, scratch_slots, spec_init, speculative_generate
+from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.hf import load_params, save_params
-from amphista_jax.models.llama import Transformer, init_params, new_cache
-from amphista_jax.sharding import LOGICAL_RULES, batch_sharding, cache_sharding, make_mesh, param_shardings
+from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
+from amphista_jax.sharding import (
+    LOGICAL_RULES,
+    batch_sharding,
+    cache_sharding,
+    draft_param_shardings,
+    make_mesh,
+    on_mesh,
+    param_shardings,
+)
+from amphista_jax.trees import dynamic_tree, get_tree
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 
@@ -56,3 +67,51 @@ def test_sharded_load_places_each_param_and_matches_unsharded(tmp_path):
     ref = model.apply({"params": plain}, tokens, positions).logits
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5)
     assert out_cache.k.sharding.spec == PartitionSpec(None, ("data", "fsdp"), None, "tensor", None)
+
+
+PROMPTS4 = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4], [7, 7, 8]]
+# Trees each drafter fills (Gumiho and EAGLE-2 grow their own inside a budget).
+SPEC_TREES = {"eagle": dynamic_tree(12, 3, 4), "gumiho": dynamic_tree(24, 5, 10)}
+SHARDED_METHODS = [pytest.param(m, marks=() if m in ("medusa", "amphista", "eagle") else pytest.mark.slow)
+                   for m in VARIANTS]
+
+
+def _sharded(mesh, params, drafter=None, draft=None):
+    target = param_shardings(CONFIG, mesh, split=True)
+    params = jax.device_put(params, target)
+    if drafter is None:
+        return params, None
+    return params, jax.device_put(draft, draft_param_shardings(drafter, Target(CONFIG, params), mesh))
+
+
+@pytest.mark.parametrize("method", SHARDED_METHODS)
+def test_sharded_speculative_generate_equals_one_device(method):
+    """Greedy, batch 4: the target (decoding's layout) and the drafter sharded over (data=2, fsdp=2, tensor=2),
+    caches on batch and KV heads, give one device's tokens; AR too."""
+    params = split_layers(init_params(CONFIG, jax.random.key(0)))
+    drafter = VARIANTS[method]
+    draft = drafter.init(jax.random.key(1), Target(CONFIG, params))
+    tree = SPEC_TREES.get(method, get_tree("chain-3" if method.startswith("sar") else "small-8"))
+    tokens, lengths = pad_prompts(PROMPTS4)
+    kw = dict(config=CONFIG, drafter=drafter, tree=tree, max_new_tokens=12,
+              cache_size=tokens.shape[1] + 12 + scratch_slots(drafter, tree))
+    one = speculative_generate(params, draft, tokens, lengths, jax.random.key(0), **kw)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded_params, sharded_draft = _sharded(mesh, params, drafter, draft)
+    assert not sharded_params["layer_0"]["attn"]["q_proj"]["kernel"].sharding.is_fully_replicated
+    assert not max(jax.tree.leaves(sharded_draft), key=lambda x: x.size).sharding.is_fully_replicated
+    with on_mesh(mesh):
+        out = speculative_generate(sharded_params, sharded_draft, tokens, lengths, jax.random.key(0), **kw)
+        state = jax.jit(spec_init, static_argnames=("cache_size", "settings"))(
+            sharded_params, sharded_draft, tokens, lengths, jax.random.key(0), cache_size=kw["cache_size"],
+            settings=SpecSettings(CONFIG, drafter, tree, 12))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
+    np.testing.assert_array_equal(np.asarray(out.num_tokens), np.asarray(one.num_tokens))
+    kv = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None, "tensor"))  # rows, KV heads
+    assert state.cache.k.sharding.is_equivalent_to(kv, 5)
+    if method == "medusa":
+        ar = dict(config=CONFIG, max_new_tokens=12, cache_size=tokens.shape[1] + 12)
+        with on_mesh(mesh):
+            sharded_ar = generate(sharded_params, tokens, lengths, jax.random.key(0), **ar)
+        np.testing.assert_array_equal(np.asarray(sharded_ar.tokens),
+                                      np.asarray(generate(params, tokens, lengths, jax.random.key(0), **ar).tokens))
