@@ -8,6 +8,8 @@ leaves `lengths` alone: the caller commits with `advance` (prefill, AR steps) or
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,12 +29,6 @@ class KVCache:
               dtype: jnp.dtype = jnp.float32) -> KVCache:
         shape = (num_layers, batch, size, kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
-
-    def constrained(self) -> KVCache:
-        """This cache under logical-axis constraints (`CACHE_AXES`: rows over the batch axes, KV heads over
-        `tensor` by `sharding.LOGICAL_RULES`); a no-op outside a mesh and rules context."""
-        return KVCache(nn.with_logical_constraint(self.k, CACHE_AXES), nn.with_logical_constraint(self.v, CACHE_AXES),
-                       nn.with_logical_constraint(self.lengths, ("batch",)))
 
     @property
     def size(self) -> int:
@@ -72,3 +68,15 @@ def compact(cache: KVCache, accepted_slots: jax.Array, n_accepted: jax.Array) ->
         return write(layer, jnp.where(keep, gathered, current), lengths)
 
     return KVCache(jax.vmap(move)(cache.k), jax.vmap(move)(cache.v), lengths + n_accepted.astype(jnp.int32))
+
+
+def constrain_caches(tree: Any) -> Any:
+    """Every `KVCache` in `tree` (a cache itself, or a drafter's state) under logical-axis constraints
+    (`CACHE_AXES`: rows over the batch axes, KV heads over `tensor` by `sharding.LOGICAL_RULES`); a no-op outside a
+    mesh and rules context."""
+    def one(c: KVCache) -> KVCache:
+        return KVCache(nn.with_logical_constraint(c.k, CACHE_AXES), nn.with_logical_constraint(c.v, CACHE_AXES),
+                       nn.with_logical_constraint(c.lengths, ("batch",)))
+
+    is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
+    return jax.tree.map(lambda x: one(x) if is_cache(x) else x, tree, is_leaf=is_cache)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from amphista_jax.cache import KVCache, compact
+from amphista_jax.cache import KVCache, compact, constrain_caches
 from amphista_jax.drafters.base import DraftContext, Extras, PrefillContext, Proposal, Target, accepted_tokens
 from amphista_jax.errors import UserError
 from amphista_jax.models.attention import causal_mask
@@ -208,7 +208,7 @@ def ar_init(model: Transformer, params: dict, prompt: jax.Array, prompt_lengths:
     b = prompt.shape[0]
     dtype = jax.tree.leaves(params)[0].dtype
     _, cache, _, logits = prefill(model, params, prompt, prompt_lengths,
-                                  new_cache(model.config, b, cache_size, dtype).constrained())
+                                  constrain_caches(new_cache(model.config, b, cache_size, dtype)))
     first = select_token(logits, jax.random.fold_in(rng, 0), sampling)
     return ARState(
         cache=cache,
@@ -300,13 +300,10 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
         raise PromptTooLongError(f"padded prompt length {t} + {extras.count} prefill extras > {cache_size=}: raise "
                                  "the cache size (--max-len)")
     out, cache, hidden, logits = prefill(st.model(params), params, prompt, prompt_lengths,
-                                         new_cache(st.config, b, cache_size, dtype).constrained(), extras)
+                                         constrain_caches(new_cache(st.config, b, cache_size, dtype)), extras)
     first = select_token(logits, jax.random.fold_in(rng, 0), st.sampling)
-    is_cache = lambda x: isinstance(x, KVCache)  # noqa: E731
-    draft_state = jax.tree.map(lambda x: x.constrained() if is_cache(x) else x,
-                               st.drafter.init_state(st.config, b, cache_size), is_leaf=is_cache)
     draft_state = st.drafter.prefill(draft_params, frozen, PrefillContext(out, prompt, prompt_lengths, first),
-                                     draft_state)
+                                     constrain_caches(st.drafter.init_state(st.config, b, cache_size)))
     # The verify forward writes N + E scratch slots after the committed ones (E: the proposal's extras).
     ctx = DraftContext(hidden, first, cache.lengths, draft_state)
     shape = jax.eval_shape(lambda: st.drafter.propose(draft_params, frozen, ctx, st.tree, rng))

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from amphista_jax.cache import KVCache
-from amphista_jax.drafters.base import Target, param_axes
+from amphista_jax.drafters.base import Target, draft_param_shapes
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
 
@@ -75,17 +75,19 @@ def logical_sharding(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh,
 def param_shardings(config: ModelConfig, mesh: Mesh, rules: Sequence = LOGICAL_RULES, split: bool = False) -> dict:
     """A tree like the target params (`split`: in decoding's `split_layers` layout) of `NamedSharding`s from
     their logical axes."""
-    shapes, logical = param_shapes(config, split=split)
-    return jax.tree.map(lambda s, spec: logical_sharding(spec, s.shape, mesh, rules), shapes, logical,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return _shardings(*param_shapes(config, split=split), mesh, rules)
 
 
 def draft_param_shardings(drafter: Any, target: Target, mesh: Mesh, rules: Sequence = LOGICAL_RULES) -> Any:
-    """A tree like `drafter.init`'s params of `NamedSharding`s from their logical axes (`param_axes`), under the
-    target's rules."""
-    shapes = jax.eval_shape(drafter.init, jax.random.key(0), target)
-    return jax.tree.map(lambda s, spec: logical_sharding(spec, s.shape, mesh, rules), shapes,
-                        param_axes(drafter, target), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    """A tree like `drafter.init`'s params of `NamedSharding`s from their logical axes (`draft_param_shapes`),
+    under the target's rules."""
+    return _shardings(*draft_param_shapes(drafter, target), mesh, rules)
+
+
+def _shardings(shapes: Any, logical: Any, mesh: Mesh, rules: Sequence) -> Any:
+    """`NamedSharding`s of a tree of shapes from its tree of logical `PartitionSpec`s."""
+    return jax.tree.map(lambda s, spec: logical_sharding(spec, s.shape, mesh, rules), shapes, logical,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def train_state_shardings(drafter: Any, target: Target, optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -93,9 +95,9 @@ def train_state_shardings(drafter: Any, target: Target, optimizer: optax.Gradien
     """Shardings of the draft train state `{"params", "opt_state", "step"}`: each parameter by its logical axes,
     the optimizer's per-parameter state (Adam's moments) like its parameter, everything else (counters)
     replicated."""
-    params = draft_param_shardings(drafter, target, mesh, rules)
+    shapes, logical = draft_param_shapes(drafter, target)
+    params = _shardings(shapes, logical, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
-    shapes = jax.eval_shape(drafter.init, jax.random.key(0), target)
     by_path = {_dict_keys(path): (leaf.shape, sharding) for (path, leaf), sharding in
                zip(jax.tree_util.tree_flatten_with_path(shapes)[0], jax.tree.leaves(params), strict=True)}
 

@@ -306,8 +306,7 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
         params = drafter.init(jax.random.key(cfg.data.seed), target)
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    def init_state() -> dict[str, Any]:
-        return new_state(target)  # each array made in place on its shards
+    init_state = functools.partial(new_state, target)  # each array made in place on its shards
 
     heldout_batches = batch_examples(heldout, cfg.data.batch_size, cfg.eval_batches)
 

@@ -48,14 +48,13 @@ from amphista_jax.drafters.base import (
     head_losses,
     head_projections,
     logical,
-    logical_dense,
     project_heads,
     split_heads,
     topk_proposal,
 )
 from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, decoder_stack, run_stack
+from amphista_jax.models.llama import Output, decoder_stack, logical_dense, run_stack
 from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 

@@ -5,7 +5,7 @@ A drafter is a frozen (hashable) dataclass of its static settings, with these me
 frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
 
 * `init(rng, target) -> params`. The built-in drafters define `init_boxed` instead (`LogicalInit`): the same
-  params with every leaf naming its logical axes, which `param_axes` reads to shard them like the target.
+  params with every leaf naming its logical axes, which `draft_param_shapes` reads to shard them like the target.
 * `init_state(target_config, batch, cache_size) -> state`: the method's own caches (zeros) or `()`.
 * optional `prefill_extras(params, target, prompt [B, T], lengths [B]) -> Extras | None`: extra queries
   that ride along the target's prefill forward (a method without it adds none).
@@ -125,14 +125,6 @@ def logical(value: jax.Array, *names: str | None) -> nn.Partitioned:
     return nn.Partitioned(value, names)
 
 
-def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
-                  kernel_init: Callable = nn.linear.default_kernel_init, use_bias: bool = True) -> nn.Dense:
-    """A fp32 `nn.Dense` whose kernel `[in, out]` has logical `axes` (its bias: `axes[1]`)."""
-    return nn.Dense(features, use_bias=use_bias, name=name,
-                    kernel_init=nn.with_logical_partitioning(kernel_init, axes),
-                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
-
-
 def head_projections(target: Target, num_heads: int) -> nn.Partitioned:
     """`[K, D, V]` one vocabulary projection per head, each initialised from the target's `lm_head`."""
     lm_head = target.lm_head()
@@ -148,13 +140,15 @@ class LogicalInit:
         return nn.unbox(self.init_boxed(rng, target))  # type: ignore[attr-defined]
 
 
-def param_axes(drafter: Any, target: Target) -> Any:
-    """A tree like `drafter.init`'s params of logical `PartitionSpec`s (abstract: nothing is allocated). A drafter
-    without `init_boxed` has every parameter replicated."""
+def draft_param_shapes(drafter: Any, target: Target) -> tuple[Any, Any]:
+    """(`jax.ShapeDtypeStruct` tree, logical-axis `PartitionSpec` tree) of `drafter.init`'s params, without
+    allocating (like `llama.param_shapes`). A drafter without `init_boxed` has every parameter replicated."""
     key = jax.random.key(0)
     if not hasattr(drafter, "init_boxed"):
-        return jax.tree.map(lambda _: PartitionSpec(), jax.eval_shape(drafter.init, key, target))
-    return nn.get_partition_spec(jax.eval_shape(drafter.init_boxed, key, target))
+        shapes = jax.eval_shape(drafter.init, key, target)
+        return shapes, jax.tree.map(lambda _: PartitionSpec(), shapes)
+    boxed = jax.eval_shape(drafter.init_boxed, key, target)
+    return nn.unbox(boxed), nn.get_partition_spec(boxed)
 
 
 class Drafter(Protocol):

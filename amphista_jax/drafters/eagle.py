@@ -53,11 +53,10 @@ from amphista_jax.drafters.base import (
     accepted_hidden,
     accepted_tokens,
     head_losses,
-    logical_dense,
 )
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, run_stack
+from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, logical_dense, run_stack
 from amphista_jax.trees import (
     Expansion,
     Tree,

@@ -45,12 +45,11 @@ from amphista_jax.drafters.base import (
     Proposal,
     Target,
     head_metrics,
-    logical_dense,
     teacher_ce,
 )
 from amphista_jax.drafters.eagle import Eagle, FeatureDrafting
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output
+from amphista_jax.models.llama import Output, logical_dense
 from amphista_jax.trees import (
     Expansion,
     Tree,

@@ -49,13 +49,12 @@ from amphista_jax.drafters.base import (
     draft_by_levels,
     head_losses,
     head_projections,
-    logical_dense,
     project_heads,
     split_heads,
 )
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, run_stack
+from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, logical_dense, run_stack
 from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 

@@ -53,10 +53,9 @@ from amphista_jax.drafters.base import (
     draft_by_levels,
     head_losses,
     logical,
-    logical_dense,
 )
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output
+from amphista_jax.models.llama import Output, logical_dense
 from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 

@@ -235,8 +235,9 @@ def save_params(
     path.mkdir(parents=True, exist_ok=True)
     cast = DTYPES[dtype]
     tensors: dict[str, np.ndarray] = {}
+    names_of = _hf_layout(config)
     for key, value in _flatten(params).items():
-        name, transposed, stacked = _hf_layout(config)[key]
+        name, transposed, stacked = names_of[key]
         arr = np.asarray(jax.device_get(value))
         if cast is not None:
             arr = arr.astype(cast)

@@ -21,6 +21,7 @@ the model compiles once whatever its depth.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -60,15 +61,24 @@ class Output:
     cache: KVCache | None  # the cache with the new tokens written to their scratch slots
 
 
-def _dense(features: int, axes: tuple[str, str], use_bias: bool, name: str, param_dtype: Dtype) -> nn.Dense:
+def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
+                  kernel_init: Callable = nn.linear.default_kernel_init, use_bias: bool = True,
+                  param_dtype: Dtype = jnp.float32) -> nn.Dense:
+    """An `nn.Dense` whose kernel `[in, out]` has logical `axes` (its bias: `axes[1]`); the drafters' layers use
+    it too, so that their params shard like the target's."""
     return nn.Dense(
         features,
         use_bias=use_bias,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), axes),
+        kernel_init=nn.with_logical_partitioning(kernel_init, axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
         param_dtype=param_dtype,
         name=name,
     )
+
+
+def _dense(features: int, axes: tuple[str, str], use_bias: bool, name: str, param_dtype: Dtype) -> nn.Dense:
+    """The target's projections (normal(0.02) init)."""
+    return logical_dense(features, axes, name, nn.initializers.normal(0.02), use_bias, param_dtype)
 
 
 class RMSNorm(nn.Module):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.decode import GenerateOutput, generate, pad_prompts
-from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, write_report
+from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, nbytes, write_report
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import LAYOUTS, load_params
 
@@ -62,7 +62,7 @@ def bench(size: str, dtypes: list[str], batches: list[int], layouts: list[str], 
         for dtype, batch, layout in itertools.product(dtypes, batches, layouts):
             params, config = load_params(d, dtype=dtype, layout=layout)
             out, compile_s, ours_s = time_generate(params, config, prompts[:batch], new_tokens, runs)
-            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+            weight_bytes = nbytes(params)
             roofline = batch * bandwidth / weight_bytes  # tokens/s
             row = {"size": size, "parameters": n_params, "dtype": dtype, "batch": batch, "layout": layout,
                    "new_tokens": new_tokens, "runs": runs, "weight_bytes": weight_bytes,

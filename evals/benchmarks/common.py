@@ -16,7 +16,7 @@ from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import init_params, split_layers
 from amphista_jax.timing import median_seconds
 
-__all__ = ["SIZES", "benchmark_parser", "load_target", "median_seconds", "model_config", "random_target",
+__all__ = ["SIZES", "benchmark_parser", "load_target", "median_seconds", "model_config", "nbytes", "random_target",
            "write_report"]
 
 SIZES = {  # name -> transformers LlamaConfig kwargs
@@ -36,6 +36,11 @@ def model_config(size: str) -> ModelConfig:
                        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
                        num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
                        head_dim=hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of a tree of arrays."""
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def random_target(config: ModelConfig, dtype: str = "float32") -> dict:

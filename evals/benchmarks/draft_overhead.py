@@ -60,6 +60,7 @@ from amphista_jax.evals.benchmarks.common import (
     load_target,
     median_seconds,
     model_config,
+    nbytes,
     random_target,
     write_report,
 )
@@ -95,10 +96,6 @@ def ar_step_ms(params: dict, config: ModelConfig, batch: int, committed: int, ru
                                      max_new_tokens=MAX_NEW_TOKENS))
     state = init(params, prompt, lengths, jax.random.key(0))
     return part_ms(functools.partial(ar_step, model), params, state, runs=runs)
-
-
-def nbytes(tree: Any) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def part_ms(fn: Callable[..., Any], *args: Any, runs: int) -> float:
