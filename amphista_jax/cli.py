@@ -64,6 +64,7 @@ def _load_drafter(args: argparse.Namespace, heads: str | None, config, params):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import contextlib
     import functools
 
     import jax
@@ -72,11 +73,13 @@ def _generate(args: argparse.Namespace) -> int:
     from amphista_jax.decode import check_fits, generate, pad_prompts, scratch_slots, speculative_generate
     from amphista_jax.drafters.draft_model import AUTO_TREE, DraftModel, check_vocabularies
     from amphista_jax.models.hf import load_config, load_params
+    from amphista_jax.sharding import on_mesh, place_for_decoding
     from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
     from amphista_jax.trees import get_tree
     from amphista_jax.verify import AcceptanceConfig
 
     # Everything that can be checked before loading weights is checked here.
+    mesh = _mesh(args.mesh)
     sampling = _sampling(args)
     acceptance = AcceptanceConfig(args.acceptance)
     acceptance.resolve(sampling)
@@ -105,6 +108,7 @@ def _generate(args: argparse.Namespace) -> int:
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)
     kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, attention=args.attention,
                   sampling=sampling, eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
+    drafter = draft_params = None
     if args.draft_model:
         drafter, draft_params = DraftModel.from_pretrained(args.draft_model, config, args.model, args.dtype)
         drafter = drafter.sampling_at(args.temperature, tree)
@@ -112,6 +116,8 @@ def _generate(args: argparse.Namespace) -> int:
         drafter, draft_params = _load_drafter(args, heads, config, params)
     if speculative:
         reserve = scratch_slots(drafter, tree)
+    if mesh is not None:
+        params, draft_params = place_for_decoding(mesh, config, params, drafter, draft_params)
     if not args.max_len:
         max_len = tokens.shape[1] + args.max_new_tokens + reserve
     if speculative:
@@ -120,12 +126,13 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         run = functools.partial(generate, params, **kwargs)
     rng = jax.random.key(args.seed)
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))  # compile + warm-up
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))
-    seconds = time.perf_counter() - t0
+    with on_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))  # compile + warm-up
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))
+        seconds = time.perf_counter() - t0
     n, steps = int(out.num_tokens[0]), int(out.steps)
     new = np.asarray(out.tokens[0, :n])
     text = colour_drafts(tok, new, np.asarray(out.drafted[0, :n])) if args.show_drafts else tok.decode(
@@ -167,6 +174,26 @@ def _check_heads(heads: str, tree=None) -> None:
     if tree is not None and num_heads is not None and tree.depth > num_heads:
         raise UsageError(f"the tree has depth {tree.depth} but the heads in {heads} draft {num_heads} tokens deep: "
                          f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads})")
+
+
+def _mesh_sizes(text: str) -> tuple[int, int, int]:
+    """argparse type of --mesh: `DATA,FSDP,TENSOR`."""
+    sizes = text.split(",")
+    if len(sizes) != 3 or not all(s.strip().isdigit() and int(s) >= 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r} is not DATA,FSDP,TENSOR mesh sizes >= 1, e.g. 1,2,2")
+    return tuple(int(s) for s in sizes)
+
+
+def _mesh(sizes: tuple[int, int, int] | None):
+    """The `(data, fsdp, tensor)` mesh of --mesh over this machine's devices, or None; checked before any loading."""
+    from amphista_jax.sharding import MeshError, make_mesh
+
+    if sizes is None:
+        return None
+    try:
+        return make_mesh(*sizes)
+    except MeshError as e:
+        raise UsageError(f"--mesh {','.join(map(str, sizes))}: {e} (or drop --mesh for one device)") from None
 
 
 def _task_range(text: str) -> tuple[int, int]:
@@ -298,6 +325,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from amphista_jax.accelerators import get_accelerator
+    from amphista_jax.config_io import load_config
+    from amphista_jax.train.heads import TrainConfig
+    from amphista_jax.train.plan import describe, plan_configs, plan_request, write_plans
+
+    if args.decode_batch < 1:
+        raise UsageError(f"--decode-batch {args.decode_batch}: must be >= 1")
+    accelerator = get_accelerator(args.accelerator) if args.accelerator else None
+    requests = [plan_request(path, load_config(TrainConfig, path, args.set or []), accelerator)
+                for path in args.config]  # every config checked before the first compile
+    results = plan_configs(requests, args.decode_batch, args.tree)
+    print(describe(results))
+    if args.out:
+        write_plans(results, Path(args.out))
+    return 0 if all(p.fits is not False for plans, _ in results for p in plans) else 1
+
+
 def _distill(args: argparse.Namespace) -> int:
     from amphista_jax.train.distill import distill
 
@@ -356,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention", choices=[b.value for b in AttentionBackend], default="xla",
                    help="cached attention: dense XLA, or the Pallas tree-attention kernel (interpreted on CPU)")
     g.add_argument("--show-drafts", action="store_true", help="colour the tokens that came from the draft heads")
+    g.add_argument("--mesh", type=_mesh_sizes, default=None, metavar="DATA,FSDP,TENSOR",
+                   help="shard the target and drafter over a mesh of all devices, e.g. 1,2,2 (the sizes multiply to "
+                   "the device count); the tokens are one device's")
     g.set_defaults(func=_generate)
 
     m = sub.add_parser("demo", help="speculative decoding with the shipped heads vs AR on a HumanEval prompt")
@@ -401,6 +451,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="YAML, e.g. configs/medusa/code.yaml")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     t.set_defaults(func=_train)
+
+    pl = sub.add_parser("plan", help="per-device memory of a train config's train step and decoding, compiled from "
+                        "abstract shapes on emulated devices (no weights), and whether it fits an accelerator")
+    pl.add_argument("--config", required=True, nargs="+", help="train YAMLs, e.g. configs/medusa/llama-3-70b.yaml")
+    pl.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of every config "
+                    "(repeatable)")
+    pl.add_argument("--accelerator", default=None, help="device type to check the fit on (default: the config's "
+                    "`accelerator`): H100-SXM, H200, A100-80GB, TPU-v4, TPU-v5e, TPU-v5p, TPU-v6e")
+    pl.add_argument("--decode-batch", type=int, default=1, help="rows decoded together in the decode plan")
+    pl.add_argument("--tree", default=None, help="the decode plan's draft tree (default: the papers' 63-node tree; "
+                    "EAGLE-2's dynamic budget for eagle, dynamic-63x7x35 for gumiho)")
+    pl.add_argument("--out", default=None, help="also write plan.json and plan.md here")
+    pl.set_defaults(func=_plan)
 
     d = sub.add_parser("distill", help="answer prompts with the target to make self-distillation data")
     d.add_argument("--model", default=None)

@@ -95,15 +95,38 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: mappings merge key by key, anything else in `top` replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        both = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = _merge(out[key], value) if both else value
+    return out
+
+
+def read_yaml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config as a dict, with its `base:` files (a path or a list, relative to this file) merged under it
+    in order."""
+    path = Path(path)
+    if not path.is_file():
+        where = f" (a base of {seen[-1]})" if seen else ""
+        raise ConfigFileError(f"config file {str(path)!r} does not exist{where}")
+    if path.resolve() in seen:
+        raise ConfigFileError(f"{path}: its bases include itself ({' -> '.join(map(str, seen + (path,)))})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigFileError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(data, Mapping):
+        raise ConfigFileError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    bases = data.pop("base", None) or []
+    merged: dict[str, Any] = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        merged = _merge(merged, read_yaml(path.parent / base, seen + (path.resolve(),)))
+    return _merge(merged, data)
+
+
 def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -> T:
-    """Load `path` (YAML; None = all defaults) into `cls`, then apply `overrides`."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigFileError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigFileError(f"{path} is not valid YAML: {e}") from e
+    """Load `path` (YAML, with its `base:` files; None = all defaults) into `cls`, then apply `overrides`."""
+    data = read_yaml(path) if path is not None else {}
     return from_dict(cls, apply_overrides(data, overrides), where="" if path is None else f"{path}: ")

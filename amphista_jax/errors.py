@@ -8,6 +8,7 @@ A message says what is wrong and how to fix it. Every module's own error class d
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def check_writable_dir(path: str | Path, what: str, need_bytes: int = 0) -> None
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise UsageError(f"{what} {path}: {existing} is a file, not a directory; pick another path")
-    probe = existing / f".amphista-write-probe-{id(path)}"
+    probe = existing / f".amphista-write-probe-{os.getpid()}-{id(path)}"
     try:
         probe.touch()
         probe.unlink()

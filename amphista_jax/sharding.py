@@ -18,8 +18,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import Target, draft_param_shapes
+from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import param_shapes
+from amphista_jax.models.llama import has_split_layers, param_shapes
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -37,20 +38,25 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+class MeshError(UserError, ValueError):
+    """Mesh sizes that do not fit the devices."""
+
+
 @contextlib.contextmanager
 def on_mesh(mesh: Mesh, rules: Sequence = LOGICAL_RULES) -> Iterator[None]:
     """Run jitted decoding (`generate`, `speculative_generate`) sharded over `mesh`: the logical constraints of
     the model code (activations) and of the engine (KV caches: rows over the batch axes, KV heads over
-    `tensor`) resolve through `rules`. Pass params placed by `param_shardings` / `draft_param_shardings`."""
+    `tensor`) resolve through `rules`. Pass params placed by `place_for_decoding`."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         yield
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A `(data, fsdp, tensor)` mesh with `Auto` axes (Linen's logical constraints need them)."""
+    """A `(data, fsdp, tensor)` mesh with `Auto` axes (Linen's logical constraints need them) over `devices`
+    (default: all); `MeshError` unless the sizes multiply to their count."""
     devices = list(devices if devices is not None else jax.devices())
     if data * fsdp * tensor != len(devices):
-        raise ValueError(f"mesh {data=} x {fsdp=} x {tensor=} = {data * fsdp * tensor} devices, but "
+        raise MeshError(f"mesh {data=} x {fsdp=} x {tensor=} = {data * fsdp * tensor} devices, but "
                          f"{len(devices)} are available: choose sizes whose product is the device count")
     grid = np.asarray(devices).reshape(data, fsdp, tensor)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
@@ -82,6 +88,18 @@ def draft_param_shardings(drafter: Any, target: Target, mesh: Mesh, rules: Seque
     """A tree like `drafter.init`'s params of `NamedSharding`s from their logical axes (`draft_param_shapes`),
     under the target's rules."""
     return _shardings(*draft_param_shapes(drafter, target), mesh, rules)
+
+
+def place_for_decoding(mesh: Mesh, config: ModelConfig, params: dict, drafter: Any = None, draft_params: Any = None,
+                       rules: Sequence = LOGICAL_RULES) -> tuple[dict, Any]:
+    """(target params, draft params) on `mesh` by their logical axes, for `generate` / `speculative_generate` under
+    `on_mesh(mesh)`: the target in its layout (decoding's per-layer one, or stacked), the drafter's params by its
+    `init_boxed` axes (replicated without). Without `drafter` (AR) the draft params come back as None. Arrays already
+    placed so are not copied again (one target serves every drafter)."""
+    params = jax.device_put(params, param_shardings(config, mesh, rules, split=has_split_layers(params)))
+    if drafter is None:
+        return params, None
+    return params, jax.device_put(draft_params, draft_param_shardings(drafter, Target(config, params), mesh, rules))
 
 
 def _shardings(shapes: Any, logical: Any, mesh: Mesh, rules: Sequence) -> Any:

@@ -4,10 +4,14 @@ For each method (the AR baseline first, then each drafter with its heads and tre
 generated with identical settings (sampling, max_new_tokens, batch size, dtype, seed per prompt). Prompts
 are right-padded to a multiple of `pad_multiple` tokens so that one compiled program serves many prompts;
 each new shape is compiled ahead of time (timed apart as `compile_s`) and run once untimed (warm-up) before
-the timed runs. One JSON line per finished prompt goes to `results/<label>.process<i>.jsonl`
+the timed runs. With `mesh: {data, fsdp, tensor}` the target and each method's heads are sharded over a mesh of
+the devices (`sharding.place_for_decoding`) and every program runs under `sharding.on_mesh`; the tokens are one
+device's. One JSON line per finished prompt goes to `results/<label>.process<i>.jsonl`
 (`amphista_jax.evals.results`); a rerun skips finished prompts. Several processes (`jax.distributed`, see
 `amphista_jax.evals.launch_local`) split the unfinished prompts; they share `out_dir` on one filesystem, and process 0
-merges every file into `summary.json`, `report.md` and the plots (`amphista_jax.evals.report`).
+merges every file into `summary.json`, `report.md` and the plots (`amphista_jax.evals.report`). With both, each
+process decodes its own prompts on a mesh of its own (local) devices: the mesh's sizes multiply to
+`jax.local_device_count()`.
 
 Every input is checked before the target is loaded: the config, the dataset, each method spec and, when
 resuming, that `run.json` records the same settings and the same content (sha256) of the target, the heads
@@ -16,6 +20,7 @@ and the dataset (`amphista_jax.identity`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -25,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from amphista_jax.assets import default_model_dir
@@ -41,8 +47,9 @@ from amphista_jax.identity import RunMismatchError, changes, sha256_file, target
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.hf import DTYPES, load_config, load_params
 from amphista_jax.sampling import SamplingConfig
+from amphista_jax.sharding import MeshError, make_mesh, on_mesh, place_for_decoding
 from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
-from amphista_jax.train.heads import DataConfig
+from amphista_jax.train.heads import DataConfig, MeshConfig
 from amphista_jax.train.loop import maybe_initialize_distributed
 from amphista_jax.verify import AcceptanceConfig
 
@@ -67,6 +74,7 @@ class EvalConfig:
     heldout: DataConfig = DataConfig(kind="stdlib")  # per-head accuracy data
     heldout_batches: int = 4  # 0 = skip per-head accuracy
     allow_mismatch: bool = False  # exit 0 even when a method's greedy output differs from AR's
+    mesh: MeshConfig | None = None  # None = one device; sizes multiply to each process's device count
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.pad_multiple < 1:
@@ -163,6 +171,24 @@ class _Session:
     tok: Any
     settings: dict[str, Any]
     results_dir: Path
+    mesh: Mesh | None = None
+
+    def on_mesh(self) -> contextlib.AbstractContextManager:
+        """Where programs are traced and run: `on_mesh(self.mesh)`, or nothing special without a mesh."""
+        return on_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+
+def eval_mesh(mesh: MeshConfig | None) -> Mesh | None:
+    """A mesh of this process's devices (each process of a multi-process run decodes its own prompts), or None;
+    a one-line error naming the fix when the sizes do not multiply to their count."""
+    if mesh is None:
+        return None
+    try:
+        return make_mesh(mesh.data, mesh.fsdp, mesh.tensor, devices=jax.local_devices())
+    except MeshError as e:
+        per_process = f" (each of the {jax.process_count()} processes meshes its own devices)" * (
+            jax.process_count() > 1)
+        raise MeshError(f"{e}{per_process}, or set mesh=null for one device") from None
 
 
 def _run_batch(s: _Session, method: Method, batch: list[tuple[int, Prompt]], programs: dict,
@@ -180,17 +206,20 @@ def _run_batch(s: _Session, method: Method, batch: list[tuple[int, Prompt]], pro
         check_fits(lengths, cfg.max_new_tokens, tokens.shape[1] + cfg.max_new_tokens, s.settings["config"])
         rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), rows[0][0]), t)
         args = method.args(s.params, tokens, lengths, rng)
-        if tokens.shape not in programs:
+        with s.on_mesh():
+            if tokens.shape not in programs:
+                t0 = time.perf_counter()
+                programs[tokens.shape] = method.compile(
+                    s.params, tokens, lengths, rng,
+                    cache_size=tokens.shape[1] + cfg.max_new_tokens + method.scratch_slots,
+                    **s.settings, **({"acceptance": AcceptanceConfig(cfg.acceptance)} if method.drafter else {}))
+                compile_s = time.perf_counter() - t0
+                jax.block_until_ready(programs[tokens.shape](*args))  # warm-up, not timed
+                compile_log.write({"process": jax.process_index(), "shape": list(tokens.shape),
+                                   "compile_s": compile_s})
             t0 = time.perf_counter()
-            programs[tokens.shape] = method.compile(
-                s.params, tokens, lengths, rng, cache_size=tokens.shape[1] + cfg.max_new_tokens + method.scratch_slots,
-                **s.settings, **({"acceptance": AcceptanceConfig(cfg.acceptance)} if method.drafter else {}))
-            compile_s = time.perf_counter() - t0
-            jax.block_until_ready(programs[tokens.shape](*args))  # warm-up, not timed
-            compile_log.write({"process": jax.process_index(), "shape": list(tokens.shape), "compile_s": compile_s})
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(programs[tokens.shape](*args))
-        seconds = time.perf_counter() - t0
+            out = jax.block_until_ready(programs[tokens.shape](*args))
+            seconds = time.perf_counter() - t0
         out = jax.device_get(out)
         for row, (i, _) in enumerate(rows):
             n = int(out.num_tokens[row])
@@ -241,7 +270,8 @@ def _head_accuracies(s: _Session, methods: list[Method], config: Any, out_dir: P
     if drafts and s.cfg.heldout_batches > 0:
         batches = heldout_batches(s.tok, s.cfg.heldout, s.cfg.heldout_batches)
         for m in drafts:
-            acc = head_accuracy(Target(config, s.params), m.drafter, m.draft_params, batches)
+            with s.on_mesh():
+                acc = head_accuracy(Target(config, s.params), m.drafter, m.draft_params, batches)
             cache[m.label] = {str(k): v for k, v in acc.items()}
         path.write_text(json.dumps(cache, indent=2) + "\n")
     return {m.label: cache[m.label] for m in methods if m.label in cache}
@@ -290,6 +320,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     out_dir = Path(cfg.out_dir)
     # Bad input is found here, before any model is loaded.
     load_config(model_dir)
+    mesh = eval_mesh(cfg.mesh)
     check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)
     methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed, cfg.temperature)
@@ -297,15 +328,20 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     if jax.process_index() == 0:
         print(report.summary())
     params, config = load_params(model_dir, dtype=cfg.dtype, layout="split")
+    if mesh is not None:
+        params, _ = place_for_decoding(mesh, config, params)
     tok = load_tokenizer(model_dir)
     methods = load_methods(methods, Target(config, params), cfg.seed)
+    if mesh is not None:  # the target is in place already: only the heads move
+        methods = [dataclasses.replace(m, draft_params=place_for_decoding(mesh, config, params, m.drafter,
+                                                                          m.draft_params)[1]) for m in methods]
     results_dir = out_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     write_run_file(out_dir, run)
     settings = dict(config=config, max_new_tokens=cfg.max_new_tokens, attention=cfg.attention,
                     sampling=SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
                     eos_ids=stop_token_ids(model_dir, tok, config), pad_id=config.pad_token_id or 0)
-    session = _Session(cfg, params, tok, settings, results_dir)
+    session = _Session(cfg, params, tok, settings, results_dir, mesh)
     for method in methods:
         run_method(session, method, prompts)
     _barrier("eval-generated")

@@ -1,10 +1,13 @@
-"""What the drafter and engine tests share: the tiny target's prompts, heads fitted to its own continuations,
-prefill + commit replays against a known sequence, compile counting, and the chi-square statistic."""
+"""What the tests share: the tiny target's prompts, heads fitted to its own continuations, prefill + commit
+replays against a known sequence, compile counting, the chi-square statistic, a small code corpus, and the
+environment of the CLI run in subprocesses (one CPU device each, as `jax.distributed` processes)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,6 +23,7 @@ from amphista_jax.train.step import make_steps, target_forward
 from amphista_jax.trees import TreeSpec, batched, chain, tree_arrays
 from amphista_jax.verify import Verdict
 
+ROOT = Path(__file__).parents[1]
 CONFIG = tiny_llama_config()
 PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]
 
@@ -163,3 +167,19 @@ def assert_greedy_lossless(target: Target, drafter: Any, params: Any, tree: Tree
     if trained and tree.depth > 1:
         tau = 39 / int(spec.steps)
         assert tau > 1.5, tau  # the drafts are used: accepted paths longer than the root alone
+
+
+def subprocess_env() -> dict[str, str]:
+    """This environment for a subprocess running the CLI: one CPU device, this checkout importable, no
+    distributed job unless a launcher sets one."""
+    env = dict(os.environ) | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    return env
+
+
+def write_code_files(directory: Path, n: int = 30) -> Path:
+    """`n` small Python modules in `directory` (created): a `data.kind=text` training set."""
+    directory.mkdir(parents=True)
+    for i in range(n):
+        (directory / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 6)
+    return directory

@@ -85,6 +85,9 @@ GEN = ["generate", "--model", MODEL, "--prompt", "def add(a, b):", "--max-new-to
     (["--tree", "no-such-tree", "--draft", "medusa"], ["unknown tree", "preset"]),
     (["--heads", "/nonexistent/heads"], ["--heads", "not a draft-head checkpoint"]),
     (["--draft", "amphista", "--heads", HEADS, "--tree", "chain-1"], ["medusa heads"]),
+    (["--mesh", "3,1,1"], ["--mesh 3,1,1", "3 devices", "device count", "drop --mesh"]),
+    (["--mesh", "1,2"], ["--mesh", "DATA,FSDP,TENSOR"]),
+    (["--mesh", "0,1,1"], ["--mesh", ">= 1"]),
 ])
 def test_generate_bad_arguments(capsys, extra, needles):
     assert_bad_input(run_cli(capsys, GEN + extra), *needles)
@@ -321,6 +324,8 @@ def test_distill_prompts_that_are_not_json(capsys, tmp_path):
     (["--methods", "ar", "foo"], ["method spec 'foo'", "neither"]),
     (["--methods", "ar", "medusa:untrained@nosuch"], ["'medusa:untrained@nosuch'", "unknown tree"]),
     (["--methods", "ar", "x="], ["method spec 'x='", "names no source"]),
+    (["--set", "mesh.data=3"], ["3 devices", "device count", "mesh=null"]),
+    (["--set", "mesh.tensor=0"], ["tensor=0", ">= 1"]),
 ])
 def test_eval_bad_arguments(capsys, tmp_path, extra, needles):
     out = tmp_path / "eval"

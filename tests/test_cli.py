@@ -43,6 +43,23 @@ def test_speculative_generate_equals_ar_and_reports_tau(smoke_model, capsys, tmp
     assert "untrained medusa heads" in capsys.readouterr().err
 
 
+def test_generate_on_a_mesh_prints_the_one_device_text(smoke_model, capsys):
+    """--mesh 2,2,2 shards the target (AR) and the target and heads (speculative): the one-device text."""
+    import jax
+    import pytest
+
+    if jax.device_count() != 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS host device count)")
+    run_dir, _ = smoke_model
+    args = ["generate", "--model", str(run_dir / "export"), "--prompt", "def f(x):", "--max-new-tokens", "8"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main(args + ["--mesh", "2,2,2"]) == 0
+    assert capsys.readouterr().out == one
+    assert main(args + ["--mesh", "2,2,2", "--draft", "medusa", "--tree", "small-8"]) == 0
+    assert capsys.readouterr().out == one
+
+
 def test_convert_reshards_and_keeps_the_tokenizer(smoke_model, tmp_path):
     import json
 

@@ -13,9 +13,11 @@ from amphista_jax.train.heads import TrainConfig
 from amphista_jax.train.pretrain_target import PretrainConfig
 
 CONFIGS = Path(__file__).parents[1] / "configs"
+BASES = CONFIGS / "base"  # fragments (pods, method recipes) that configs merge with `base:`
+LAUNCHABLE = sorted(p for p in CONFIGS.rglob("*.yaml") if BASES not in p.parents)
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
+@pytest.mark.parametrize("path", LAUNCHABLE, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_config_file_parses(path):
     kind = path.relative_to(CONFIGS).parts[0]  # "target", "eval", or a method's directory
     cls = {"target": PretrainConfig, "eval": EvalConfig}.get(kind, TrainConfig)
@@ -26,6 +28,31 @@ def test_config_file_parses(path):
     if cls is TrainConfig:
         assert cfg.method == kind and kind in DRAFTERS
     assert f"--config configs/{path.relative_to(CONFIGS)}" in path.read_text()  # header shows its run command
+
+
+def test_every_base_is_used_and_bases_merge_under_the_file(tmp_path):
+    used = {(p.parent / b).resolve() for p in LAUNCHABLE
+            for b in (lambda b: [b] if isinstance(b, str) else b or [])(read_yaml_raw(p).get("base"))}
+    assert used == {p.resolve() for p in BASES.glob("*.yaml")}
+    (tmp_path / "pod.yaml").write_text("mesh: {data: 1, fsdp: 4, tensor: 2}\ndata: {batch_size: 64, max_len: 9}\n")
+    (tmp_path / "recipe.yaml").write_text("method: hydra\ndata: {kind: text, train: x, batch_size: 32}\n")
+    (tmp_path / "job.yaml").write_text("base: [recipe.yaml, pod.yaml]\ndata: {microbatches: 4}\n")
+    cfg = load_config(TrainConfig, tmp_path / "job.yaml", ["data.max_len=16"])
+    assert (cfg.method, cfg.mesh.fsdp, cfg.data.kind, cfg.data.batch_size, cfg.data.microbatches,
+            cfg.data.max_len) == ("hydra", 4, "text", 64, 4, 16)  # later bases win, the file wins, then --set
+    (tmp_path / "loop.yaml").write_text("base: job2.yaml\n")
+    (tmp_path / "job2.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigFileError, match="its bases include itself"):
+        load_config(TrainConfig, tmp_path / "loop.yaml")
+    (tmp_path / "lost.yaml").write_text("base: nope.yaml\n")
+    with pytest.raises(ConfigFileError, match="does not exist \\(a base of"):
+        load_config(TrainConfig, tmp_path / "lost.yaml")
+
+
+def read_yaml_raw(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
 
 
 def test_overrides_and_errors():

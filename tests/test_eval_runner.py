@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -12,12 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from amphista_jax import cli
 from amphista_jax.evals.results import read_results
+from tests.helpers import ROOT, subprocess_env
 
-ROOT = Path(__file__).parents[1]
 PROMPTS = [
     {"id": "add", "category": "code", "prompt": "def add(a, b):\n"},
     {"id": "stack", "category": "code", "prompt": "class Stack:\n    def __init__(self):\n"},
@@ -63,12 +63,6 @@ def reference(prompts_file, tmp_path_factory) -> Path:
     return out
 
 
-def _subprocess_env() -> dict[str, str]:
-    env = dict(os.environ) | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": str(ROOT)}
-    env.pop("JAX_COORDINATOR_ADDRESS", None)
-    return env
-
-
 def test_reference_run_is_complete_lossless_and_reported(reference):
     summary = json.loads((reference / "summary.json").read_text())
     assert summary["lossless"] == {"checked": True, "mismatches": []}
@@ -93,7 +87,7 @@ def test_reference_run_is_complete_lossless_and_reported(reference):
 def test_resume_after_kill_matches_an_uninterrupted_run(prompts_file, reference, tmp_path):
     out = tmp_path / "resumed"
     proc = subprocess.Popen([sys.executable, "-m", "amphista_jax.cli", *_args(prompts_file, out)], cwd=ROOT,
-                            env=_subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and len(_lines(out) if (out / "results").is_dir() else []) < 2:
         time.sleep(0.02)
@@ -119,7 +113,7 @@ def test_two_local_processes_merge_to_the_one_process_result(prompts_file, refer
     out = tmp_path / "two"
     args = _args(prompts_file, out) + ["--set", "batch_size=2"]
     launch = [sys.executable, "-m", "amphista_jax.evals.launch_local", "-n", "2", "--"]
-    result = subprocess.run([*launch, sys.executable, "-m", "amphista_jax.cli", *args], cwd=ROOT, env=_subprocess_env(),
+    result = subprocess.run([*launch, sys.executable, "-m", "amphista_jax.cli", *args], cwd=ROOT, env=subprocess_env(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "2 process(es)" in (out / "report.md").read_text()
@@ -128,6 +122,26 @@ def test_two_local_processes_merge_to_the_one_process_result(prompts_file, refer
             f"{label.replace('@', '_')}.process*.jsonl"))]
         assert per_process == [3, 2]  # prompts were split between the two processes
     assert _essence(out) == _essence(reference)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+def test_a_mesh_gives_the_one_device_tokens(reference, tmp_path, monkeypatch):
+    """The target and the heads sharded over (data=2, fsdp=2, tensor=2): the tokens of the one-device run (two of
+    its prompts, one with two turns)."""
+    from amphista_jax.evals import runner
+
+    placed = []
+    place = runner.place_for_decoding
+    monkeypatch.setattr(runner, "place_for_decoding", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "mesh"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS if p["id"] in ("add", "two-turns")))
+    mesh = ["--set", "mesh.data=2", "--set", "mesh.fsdp=2", "--set", "mesh.tensor=2"]
+    assert cli.main(_args(prompts, out) + mesh) == 0
+    sharded = lambda tree: not max(jax.tree.leaves(tree), key=lambda x: x.size).sharding.is_fully_replicated  # noqa: E731
+    assert sharded(placed[0][0]) and sharded(placed[-1][1])  # the target; the Medusa heads
+    assert json.loads((out / "summary.json").read_text())["config"]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    one = {label: [r for r in rows if r[0] in ("add", "two-turns")] for label, rows in _essence(reference).items()}
+    assert _essence(out) == one
 
 
 def test_lossless_check_fails_loudly_on_a_wrong_drafter_output(reference, prompts_file, tmp_path, capsys):

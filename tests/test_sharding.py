@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from amphista_jax.decode import SpecSettings, generate, pad_prompts, scratch_slots, spec_init, speculative_generate
 from amphista_jax.drafters import VARIANTS, Target
+from amphista_jax.errors import UserError
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.hf import load_params, save_params
 from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
@@ -18,10 +19,10 @@ from amphista_jax.sharding import (
     LOGICAL_RULES,
     batch_sharding,
     cache_sharding,
-    draft_param_shardings,
     make_mesh,
     on_mesh,
     param_shardings,
+    place_for_decoding,
 )
 from amphista_jax.trees import dynamic_tree, get_tree
 
@@ -69,19 +70,26 @@ def test_sharded_load_places_each_param_and_matches_unsharded(tmp_path):
     assert out_cache.k.sharding.spec == PartitionSpec(None, ("data", "fsdp"), None, "tensor", None)
 
 
+def test_place_for_decoding_keeps_the_layout_and_places_once():
+    """Either layout lands by its logical axes; arrays placed already are not copied (one target, many drafters);
+    sizes that do not fit the devices are a `UserError` naming the fix."""
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    stacked = jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))
+    for params, q in ((stacked, ("layers",)), (split_layers(stacked), ("layer_0",))):
+        placed, none = place_for_decoding(mesh, CONFIG, params)
+        kernel = placed[q[0]]["attn"]["q_proj"]["kernel"]
+        assert none is None and tuple(kernel.sharding.spec)[-2:] == ("fsdp", "tensor")
+        again, _ = place_for_decoding(mesh, CONFIG, placed)
+        assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(placed), strict=True))
+    with pytest.raises(UserError, match="12 devices, but 8 are available"):
+        make_mesh(data=3, fsdp=2, tensor=2)
+
+
 PROMPTS4 = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4], [7, 7, 8]]
 # Trees each drafter fills (Gumiho and EAGLE-2 grow their own inside a budget).
 SPEC_TREES = {"eagle": dynamic_tree(12, 3, 4), "gumiho": dynamic_tree(24, 5, 10)}
 SHARDED_METHODS = [pytest.param(m, marks=() if m in ("medusa", "amphista", "eagle") else pytest.mark.slow)
                    for m in VARIANTS]
-
-
-def _sharded(mesh, params, drafter=None, draft=None):
-    target = param_shardings(CONFIG, mesh, split=True)
-    params = jax.device_put(params, target)
-    if drafter is None:
-        return params, None
-    return params, jax.device_put(draft, draft_param_shardings(drafter, Target(CONFIG, params), mesh))
 
 
 @pytest.mark.parametrize("method", SHARDED_METHODS)
@@ -97,7 +105,7 @@ def test_sharded_speculative_generate_equals_one_device(method):
               cache_size=tokens.shape[1] + 12 + scratch_slots(drafter, tree))
     one = speculative_generate(params, draft, tokens, lengths, jax.random.key(0), **kw)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    sharded_params, sharded_draft = _sharded(mesh, params, drafter, draft)
+    sharded_params, sharded_draft = place_for_decoding(mesh, CONFIG, params, drafter, draft)
     assert not sharded_params["layer_0"]["attn"]["q_proj"]["kernel"].sharding.is_fully_replicated
     assert not max(jax.tree.leaves(sharded_draft), key=lambda x: x.size).sharding.is_fully_replicated
     with on_mesh(mesh):

@@ -1,5 +1,6 @@
 """grain pipelines: packed fixed-length sequences (pre-training, plain text/code) and chat conversations
-(ShareGPT / messages) with assistant-only loss masks. Every pipeline is sharded by JAX process."""
+(ShareGPT / messages) with assistant-only loss masks. The JAX processes read one shuffled order together, each
+its own rows of every global batch, so the batches do not depend on how many processes there are."""
 
 from __future__ import annotations
 
@@ -35,17 +36,24 @@ def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, seq_len: int, pad
     return stream[idx]
 
 
-def packed_dataset(windows: np.ndarray, batch_size: int, seed: int, skip: int = 0) -> grain.MapDataset:
-    """Shuffled, repeated batches `[batch_size, seq_len + 1]` of this process's share of `windows`; the first
-    `skip` windows of the shuffled order (those an earlier stage read) come at the end of each epoch instead.
+def process_rows(ds: grain.MapDataset, batch_size: int) -> grain.MapDataset:
+    """`ds` repeated and cut into global batches of `batch_size x process_count` rows, of which this process yields
+    its contiguous `batch_size` rows: the share `jax.make_array_from_process_local_data` takes from it when the
+    batch is split over a mesh of `jax.devices()` (process-major). So N processes reading `batch_size` rows each
+    see the batches one process sees reading `N x batch_size`. The iterator's `get_state()` is JSON and resumes
+    exactly."""
+    return ds.repeat().batch(batch_size, drop_remainder=True)[jax.process_index()::jax.process_count()]
 
-    Each JAX process reads a disjoint slice; the iterator's `get_state()` is JSON and resumes exactly.
-    """
-    ds = grain.MapDataset.source(windows)[jax.process_index()::jax.process_count()].shuffle(seed=seed)
+
+def packed_dataset(windows: np.ndarray, batch_size: int, seed: int, skip: int = 0) -> grain.MapDataset:
+    """Shuffled, repeated batches of `windows`, this process's `[batch_size, seq_len + 1]` rows of each
+    (`process_rows`); the first `skip` windows of the shuffled order (those an earlier stage read) come at the end
+    of each epoch instead."""
+    ds = grain.MapDataset.source(windows).shuffle(seed=seed)
     skip %= len(ds)
     if skip:
         ds = grain.MapDataset.concatenate([ds[skip:], ds[:skip]])
-    return ds.repeat().batch(batch_size, drop_remainder=True)
+    return process_rows(ds, batch_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,6 +215,6 @@ def text_examples(pattern: str, tok: PreTrainedTokenizerBase, seq_len: int) -> t
 
 
 def example_dataset(examples: list[dict[str, np.ndarray]], batch_size: int, seed: int) -> grain.MapDataset:
-    """Shuffled, repeated batches of this process's share of `examples` (dicts of equal-shape arrays)."""
-    ds = grain.MapDataset.source(examples)[jax.process_index()::jax.process_count()]
-    return ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)
+    """Shuffled, repeated batches of `examples` (dicts of equal-shape arrays), this process's `batch_size` rows of
+    each (`process_rows`)."""
+    return process_rows(grain.MapDataset.source(examples).shuffle(seed=seed), batch_size)

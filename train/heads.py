@@ -13,22 +13,29 @@ import dataclasses
 import functools
 import json
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.sharding import Mesh
 
 from amphista_jax import config_io
+from amphista_jax.accelerators import get_accelerator
 from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import DRAFTERS, Target
 from amphista_jax.drafters.io import META_FILE, save_draft
 from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.identity import files_digest, json_digest, matching_files, target_identity
-from amphista_jax.models.hf import DTYPES, load_config, load_params
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.hf import DTYPES, load_config, load_params, param_dtype
 from amphista_jax.models.llama import Transformer, param_shapes
-from amphista_jax.sharding import make_mesh, param_shardings, train_state_shardings
+from amphista_jax.models.shapes import known_target
+from amphista_jax.plan import MemoryPlan, abstract, accelerator_capacity, compiled_plan, mesh_devices, plan_table
+from amphista_jax.sharding import batch_sharding, make_mesh, param_shardings, train_state_shardings
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.train.checkpoint import saved_steps
 from amphista_jax.train.corpus import build_corpus, package_version
@@ -37,7 +44,7 @@ from amphista_jax.train.loop import LoopConfig, maybe_initialize_distributed, me
 from amphista_jax.train.optim import OptimConfig, make_optimizer
 from amphista_jax.train.pretrain_target import PretrainConfig
 from amphista_jax.train.run_identity import RUN_FILE, check_same_run, read_identity, write_identity
-from amphista_jax.train.step import make_steps, target_forward
+from amphista_jax.train.step import Step, make_steps, target_forward
 
 DATA_KINDS = ("text", "sharegpt", "stdlib")
 OUTPUTS = ("checkpoints", "metrics.jsonl", "heads", "summary.json", "training_curve.png")  # what a run writes
@@ -60,7 +67,10 @@ class DataConfig:
     # training_summary.json); "" = the standard library alone
     corpus: str = ""
     max_len: int = 256
-    batch_size: int = 8
+    batch_size: int = 8  # rows per step, over all processes (each process reads batch_size / processes)
+    # Each step runs its batch as this many sequential slices and averages their gradients (gradient
+    # accumulation): the same batch and step count, with 1/microbatches of the activation memory.
+    microbatches: int = 1
     seed: int = 0
     cache_target_hidden: bool = False  # precompute the target's hidden states once (small targets)
 
@@ -73,6 +83,9 @@ class DataConfig:
             raise ValueError(f"data.max_len={self.max_len} must be >= 2 (a token and the next one to predict)")
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size={self.batch_size} must be >= 1")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise ValueError(f"data.microbatches={self.microbatches} must be >= 1 and divide data.batch_size="
+                             f"{self.batch_size}")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
 
@@ -101,6 +114,10 @@ class TrainConfig:
     loop: LoopConfig = LoopConfig()
     mesh: MeshConfig | None = None  # None = single device
     dtype: str = "float32"  # target params
+    # The architecture of `model` by name (`models.shapes.KNOWN_TARGETS`), so that `plan` can run where the
+    # checkpoint is absent; where it is present, its config.json is used and must have this shape.
+    target_shape: str = ""
+    accelerator: str = ""  # the device type `mesh` is for (`accelerators.ACCELERATORS`): what `plan` checks
     eval_batches: int = 4
 
     def __post_init__(self) -> None:
@@ -117,6 +134,33 @@ class TrainConfig:
             raise ValueError(f"part_lrs {bad}: every learning rate must be > 0")
         if self.eval_batches < 1:
             raise ValueError(f"eval_batches={self.eval_batches} must be >= 1")
+        if self.target_shape:
+            known_target(self.target_shape)
+        if self.accelerator:
+            get_accelerator(self.accelerator)
+
+
+def check_target_shape(name: str, config: ModelConfig, model: str) -> None:
+    """`model`'s config must have the shape `target_shape` names (its token ids and limits may differ)."""
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    want = known_target(name)
+    if diff := [f"{f} {getattr(config, f)} != {getattr(want, f)}" for f in fields
+                if getattr(config, f) != getattr(want, f)]:
+        raise TrainConfigError(f"model {model} is not a {name} ({', '.join(diff)}): fix target_shape or model")
+
+
+def check_batch_split(cfg: TrainConfig, processes: int) -> None:
+    """The batch must split evenly over the processes, and each microbatch over the mesh's batch axes."""
+    if cfg.data.batch_size % processes:
+        raise TrainConfigError(f"data.batch_size {cfg.data.batch_size} does not split over {processes} processes: "
+                               f"make it a multiple of {processes}")
+    if not cfg.mesh:
+        return
+    rows, ways = cfg.data.batch_size // cfg.data.microbatches, cfg.mesh.data * cfg.mesh.fsdp
+    if rows % ways:
+        raise TrainConfigError(f"a microbatch of {rows} rows (data.batch_size {cfg.data.batch_size} / "
+                               f"data.microbatches {cfg.data.microbatches}) does not split over mesh data x fsdp = "
+                               f"{ways}: make it a multiple of {ways}")
 
 
 def _corpus_recipe(cfg: DataConfig) -> PretrainConfig | None:
@@ -243,6 +287,9 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
     if cfg.data.max_len > target_config.max_positions:
         raise TrainConfigError(f"data.max_len={cfg.data.max_len} exceeds the target's {target_config.max_positions} "
                                "positions: lower it")
+    if cfg.target_shape:
+        check_target_shape(cfg.target_shape, target_config, model_dir)
+    check_batch_split(cfg, jax.process_count())
     _check_data(cfg.data)
     drafter = DRAFTERS[cfg.method](**cfg.method_settings)
     try:
@@ -269,6 +316,68 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
     return model_dir, identity
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainJob:
+    """What a train run compiles, from its config and the target's shape alone (no weights)."""
+
+    config: ModelConfig
+    model: Transformer
+    drafter: Any
+    optimizer: optax.GradientTransformation
+    mesh: Mesh | None
+    target_shardings: Any  # None: one device
+    state_shardings: dict | None
+    train_step: Step
+    eval_step: Step
+    new_state: Callable[[Target], dict[str, Any]]  # jitted: each array made in place on its shards
+
+
+def train_job(cfg: TrainConfig, target_config: ModelConfig, devices: list[jax.Device] | None = None) -> TrainJob:
+    """`cfg`'s job on `devices` (default: all of them)."""
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices) if cfg.mesh else None
+    target_shardings = param_shardings(target_config, mesh) if mesh else None
+    model = Transformer(target_config)
+    drafter = DRAFTERS[cfg.method](**cfg.method_settings)
+    optimizer = make_optimizer(cfg.optim, cfg.loop.steps, cfg.part_lrs or None)
+    abstract_target = Target(target_config, param_shapes(target_config)[0])
+    state_shardings = train_state_shardings(drafter, abstract_target, optimizer, mesh) if mesh else None
+    train_step, eval_step = make_steps(model, drafter, optimizer, mesh, target_shardings, state_shardings,
+                                       cfg.data.microbatches)
+
+    @functools.partial(jax.jit, **({"out_shardings": state_shardings} if mesh else {}))
+    def new_state(target: Target) -> dict[str, Any]:
+        params = drafter.init(jax.random.key(cfg.data.seed), target)
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return TrainJob(target_config, model, drafter, optimizer, mesh, target_shardings, state_shardings, train_step,
+                    eval_step, new_state)
+
+
+def batch_shapes(cfg: DataConfig, batch: int, hidden_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch the train step takes: the examples' arrays stacked `batch` deep."""
+    shapes = {"tokens": jax.ShapeDtypeStruct((batch, cfg.max_len), jnp.int32),
+              "loss_mask": jax.ShapeDtypeStruct((batch, cfg.max_len), jnp.int32)}
+    if cfg.cache_target_hidden:
+        shapes["hidden"] = jax.ShapeDtypeStruct((batch, cfg.max_len, hidden_size), jnp.float16)
+    return shapes
+
+
+def plan_training(cfg: TrainConfig, job: TrainJob, target_dtype: Any, capacity: int | None = None,
+                  where: str = "") -> MemoryPlan:
+    """The memory plan of `job`'s train step, compiled from abstract shapes (the target's params in
+    `target_dtype`)."""
+    params = abstract(param_shapes(job.config, target_dtype)[0], job.target_shardings)
+    state = abstract(jax.eval_shape(job.new_state, Target(job.config, params)), job.state_shardings)
+    batch = batch_shapes(cfg.data, cfg.data.batch_size, job.config.hidden_size)
+    if job.mesh is not None:
+        batch = abstract(batch, jax.tree.map(lambda b: batch_sharding(job.mesh, b.shape), batch))
+    compiled = job.train_step.compile(state, params, batch)
+    return compiled_plan(f"train {cfg.method}", compiled, {
+        "target params": params, "draft params": state["params"],
+        "optimizer state": (state["opt_state"], state["step"]), "batch": batch}, mesh_devices(job.mesh), capacity,
+        where)
+
+
 def _finished(cfg: TrainConfig) -> dict[str, Any] | None:
     """The summary of `out_dir` when it holds this run, trained to the end and saved; else None."""
     out = Path(cfg.out_dir)
@@ -285,30 +394,26 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
               f"its heads are in {Path(cfg.out_dir) / 'heads'}; nothing was changed (use a new out_dir to train "
               "again)")
         return summary
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) if cfg.mesh else None
     target_config = load_config(model_dir)
-    shardings = param_shardings(target_config, mesh) if mesh else None
-    target_params, target_config = load_params(model_dir, dtype=cfg.dtype, shardings=shardings)
+    job = train_job(cfg, target_config)
+    plan = plan_training(cfg, job, param_dtype(model_dir, cfg.dtype), *accelerator_capacity(None))
+    print(plan_table([plan]))
+    print(f"memory plan: {plan.verdict()}")
+    if plan.fits is False:
+        raise TrainConfigError(f"the train step needs {plan.total / 2**30:.2f} GiB per device, more than the "
+                               f"{plan.capacity / 2**30:.2f} GiB of {plan.where}: raise data.microbatches, lower "
+                               "data.max_len, or use more devices (mesh)")
+    target_params, target_config = load_params(model_dir, dtype=cfg.dtype, shardings=job.target_shardings)
     tok = load_tokenizer(model_dir)
-    model = Transformer(target_config)
-    drafter = DRAFTERS[cfg.method](**cfg.method_settings)
     train_examples, heldout = split_examples(cfg.data, tok)
     if cfg.data.cache_target_hidden:
-        train_examples = _with_hidden(train_examples, model, target_params, cfg.data.batch_size)
-        heldout = _with_hidden(heldout, model, target_params, cfg.data.batch_size)
-    optimizer = make_optimizer(cfg.optim, cfg.loop.steps, cfg.part_lrs or None)
-    target = Target(target_config, target_params)
-    state_shardings = train_state_shardings(drafter, target, optimizer, mesh) if mesh else None
-    train_step, eval_step = make_steps(model, drafter, optimizer, mesh, shardings, state_shardings)
+        train_examples = _with_hidden(train_examples, job.model, target_params, cfg.data.batch_size)
+        heldout = _with_hidden(heldout, job.model, target_params, cfg.data.batch_size)
+    drafter, train_step, eval_step = job.drafter, job.train_step, job.eval_step
+    init_state = functools.partial(job.new_state, Target(target_config, target_params))  # made in place on shards
 
-    @functools.partial(jax.jit, **({"out_shardings": state_shardings} if mesh else {}))
-    def new_state(target: Target) -> dict[str, Any]:
-        params = drafter.init(jax.random.key(cfg.data.seed), target)
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
-
-    init_state = functools.partial(new_state, target)  # each array made in place on its shards
-
-    heldout_batches = batch_examples(heldout, cfg.data.batch_size, cfg.eval_batches)
+    rows = cfg.data.batch_size // jax.process_count()  # this process's share of each batch
+    heldout_batches = batch_examples(heldout[jax.process_index()::jax.process_count()], rows, cfg.eval_batches)
 
     def evaluate(state: dict[str, Any]) -> dict[str, float]:
         return mean_metrics([eval_step(state["params"], target_params, b) for b in heldout_batches])
@@ -324,8 +429,8 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     state, extra = run_loop(
         run_dir=out_dir, cfg=cfg.loop, init_state=init_state,
         train_step=lambda s, b: train_step(s, target_params, b),
-        data=iter(example_dataset(train_examples, cfg.data.batch_size, cfg.data.seed)), evaluate=evaluate,
-        tokens_per_batch=cfg.data.batch_size * cfg.data.max_len * jax.process_count(), desc=f"train {cfg.method}")
+        data=iter(example_dataset(train_examples, rows, cfg.data.seed)), evaluate=evaluate,
+        tokens_per_batch=cfg.data.batch_size * cfg.data.max_len, desc=f"train {cfg.method}")
     summary = {
         "method": cfg.method, "settings": dataclasses.asdict(drafter), "model": model_dir,
         "steps": extra["steps"], "tokens_seen": extra["tokens_seen"], "train_seconds": round(extra["train_seconds"], 1),

@@ -7,6 +7,9 @@ over `data` x `fsdp`; without one the same function runs on the default device.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -37,11 +40,37 @@ def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax
     return jax.lax.stop_gradient(out.replace(hidden=out.hidden.astype(jnp.float32)))
 
 
+def over_microbatches(fn: Callable[[dict, jax.Array], Any], batch: dict, rng: jax.Array, microbatches: int) -> Any:
+    """The mean over `microbatches` slices of `batch` of `fn(slice, rng)` (a pytree of arrays), computed one after
+    another (`lax.scan`), so that only one slice's activations are live: gradient accumulation. Slice j holds
+    rows j, j + k, j + 2k, ... (k = `microbatches`), so every device keeps its own rows; slice j's key is
+    `fold_in(rng, j)`."""
+    if microbatches == 1:
+        return fn(batch, rng)
+    k = microbatches
+
+    def rows(x: jax.Array) -> jax.Array:  # [B, ...] -> [k, B / k, ...]
+        return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+
+    def body(total: Any, j_slice: tuple[jax.Array, dict]) -> tuple[Any, None]:
+        j, part = j_slice
+        with nn.logical_axis_rules(LOGICAL_RULES):
+            part = jax.tree.map(lambda x: nn.with_logical_constraint(x, ("batch",) + (None,) * (x.ndim - 1)), part)
+        return jax.tree.map(jnp.add, total, fn(part, jax.random.fold_in(rng, j))), None
+
+    slices = (jnp.arange(k), jax.tree.map(rows, batch))
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, jax.tree.map(lambda x: x[0], slices[1]), rng))
+    total, _ = jax.lax.scan(body, zeros, slices)
+    return jax.tree.map(lambda t: t / k, total)
+
+
 def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransformation,
-               mesh: Mesh | None = None, target_shardings: Any = None, state_shardings: dict | None = None):
+               mesh: Mesh | None = None, target_shardings: Any = None, state_shardings: dict | None = None,
+               microbatches: int = 1):
     """(train_step(state, target_params, batch) -> (state, metrics), eval_step(params, target_params, batch)
     -> metrics), jitted; sharded over `mesh` when given (`state_shardings`: the train state's, by default
-    replicated)."""
+    replicated). Both run the batch as `microbatches` sequential slices (`over_microbatches`): the update is the
+    one of the slices' mean loss, with 1/`microbatches` of the activation memory."""
 
     def loss_fn(params, target_params, batch):
         with nn.logical_axis_rules(LOGICAL_RULES):
@@ -54,34 +83,54 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
 
     def train_step(state, target_params, batch):
         # Training-time randomness for the losses that use it (Hydra's embedding noise); eval gets none.
-        batch = batch | {"rng": jax.random.fold_in(jax.random.key(0), state["step"])}
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], target_params, batch)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, metrics), grads = over_microbatches(
+            lambda part, rng: grad_fn(state["params"], target_params, part | {"rng": rng}), batch,
+            jax.random.fold_in(jax.random.key(0), state["step"]), microbatches)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = metrics | {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def eval_step(params, target_params, batch):
-        loss, metrics = loss_fn(params, target_params, batch)
+        loss, metrics = over_microbatches(lambda part, _: loss_fn(params, target_params, part), batch,
+                                          jax.random.key(0), microbatches)
         return metrics | {"loss": loss}
 
+    # keep_unused: a target weight the loss never reads (Medusa's lm_head) is resident all the same, and so is
+    # counted in the compiled step's arguments (what a memory plan reads).
     if mesh is None:
-        return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
+        return (Step(jax.jit(train_step, donate_argnums=0, keep_unused=True)),
+                Step(jax.jit(eval_step, keep_unused=True)))
     replicated = NamedSharding(mesh, PartitionSpec())
     state = state_shardings or replicated
     params = replicated if state_shardings is None else state_shardings["params"]
     batch_spec = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
     train = jax.jit(train_step, in_shardings=(state, target_shardings, batch_spec),
-                    out_shardings=(state, replicated), donate_argnums=0)
-    evaluate = jax.jit(eval_step, in_shardings=(params, target_shardings, batch_spec), out_shardings=replicated)
+                    out_shardings=(state, replicated), donate_argnums=0, keep_unused=True)
+    evaluate = jax.jit(eval_step, in_shardings=(params, target_shardings, batch_spec), out_shardings=replicated,
+                       keep_unused=True)
+    return Step(train, mesh), Step(evaluate, mesh)
 
-    def in_mesh(fn):
-        def run(state_or_params, target_params, local_batch):
-            # Each process holds its own slice of the global batch (grain shards by process).
-            batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_spec, np.asarray(x)),
-                                 local_batch)
-            with jax.set_mesh(mesh):
-                return fn(state_or_params, target_params, batch)
-        return run
 
-    return in_mesh(train), in_mesh(evaluate)
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A jitted step `(state or draft params, target params, batch)`. With a mesh it runs inside it, and each
+    process passes its own slice of the global batch (grain shards by process)."""
+
+    jitted: Any  # the `jax.jit` function
+    mesh: Mesh | None = None
+
+    def __call__(self, state_or_params: Any, target_params: dict, local_batch: dict) -> Any:
+        if self.mesh is None:
+            return self.jitted(state_or_params, target_params, local_batch)
+        spec = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
+        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(spec, np.asarray(x)), local_batch)
+        with jax.set_mesh(self.mesh):
+            return self.jitted(state_or_params, target_params, batch)
+
+    def compile(self, state_or_params: Any, target_params: dict, batch: dict) -> jax.stages.Compiled:
+        """Compiled ahead of time for global arguments (arrays or `jax.ShapeDtypeStruct`s): what a memory plan
+        reads."""
+        with jax.set_mesh(self.mesh) if self.mesh else contextlib.nullcontext():
+            return self.jitted.lower(state_or_params, target_params, batch).compile()

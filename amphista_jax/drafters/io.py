@@ -90,6 +90,10 @@ def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict
             "differ); train heads for this target, or pass the --model they were trained on")
     drafter = DRAFTERS[method](**meta["settings"])
     abstract = jax.eval_shape(lambda: drafter.init(jax.random.key(0), Target(target_config, target_params)))
+    # Onto this process's first device: without a sharding orbax restores the saved one, whose devices (heads
+    # trained on several processes or devices) need not be here.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
     try:
         with ocp.StandardCheckpointer() as ckpt:
             params = ckpt.restore(path / "params", abstract)

@@ -61,6 +61,15 @@ def load_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_json(_checkpoint_dir(path) / "config.json")
 
 
+def param_dtype(path: str | Path, dtype: str) -> Any:
+    """The dtype `load_params(path, dtype)` gives the params: `dtype`, or for "checkpoint" the `torch_dtype` that
+    config.json records (float32 when it records none)."""
+    if DTYPES[dtype] is not None:
+        return DTYPES[dtype]
+    stored = json.loads((_checkpoint_dir(path) / "config.json").read_text()).get("torch_dtype") or "float32"
+    return DTYPES.get(stored) or jnp.float32
+
+
 def _checkpoint_dir(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_dir():

@@ -24,7 +24,6 @@ Writes roofline.json and roofline.md to `--out`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -34,49 +33,17 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from amphista_jax.accelerators import ACCELERATORS, Accelerator
 from amphista_jax.decode import SpecSettings, ar_init, ar_step, decode_params, scratch_slots, spec_init, spec_step
 from amphista_jax.drafters import VARIANTS, Target
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
-from amphista_jax.models.config import ModelConfig, tiny_llama_config
+from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes, target_model
+from amphista_jax.models.shapes import KNOWN_TARGETS
 from amphista_jax.trees import get_tree
 
 MAX_NEW_TOKENS = 128
 
-# HF config shapes of the targets the papers evaluate.
-TARGETS: dict[str, Callable[[], ModelConfig]] = {
-    "tiny": tiny_llama_config,
-    "vicuna-7b": lambda: ModelConfig(32000, 4096, 11008, 32, 32, 32, 128, max_position_embeddings=4096),
-    "vicuna-13b": lambda: ModelConfig(32000, 5120, 13824, 40, 40, 40, 128, max_position_embeddings=4096),
-    "vicuna-33b": lambda: ModelConfig(32000, 6656, 17920, 60, 52, 52, 128, max_position_embeddings=4096),
-    "llama-3-8b": lambda: ModelConfig(128256, 4096, 14336, 32, 32, 8, 128, rope_theta=500000.0,
-                                      max_position_embeddings=8192),
-    "llama-3-70b": lambda: ModelConfig(128256, 8192, 28672, 80, 64, 8, 128, rope_theta=500000.0,
-                                       max_position_embeddings=8192),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-    name: str
-    peak_flops: float  # dense bf16 FLOP/s
-    bandwidth: float  # HBM bytes/s
-
-    def seconds(self, flops: float, bytes_accessed: float) -> float:
-        return max(flops / self.peak_flops, bytes_accessed / self.bandwidth)
-
-    def bound(self, flops: float, bytes_accessed: float) -> str:
-        return "compute" if flops / self.peak_flops > bytes_accessed / self.bandwidth else "memory"
-
-
-# Vendors' data sheets: dense (no sparsity) bf16 peak and HBM bandwidth.
-ACCELERATORS = {a.name: a for a in (
-    Accelerator("H100-SXM", 989e12, 3.35e12),
-    Accelerator("H200", 989e12, 4.8e12),
-    Accelerator("A100-80GB", 312e12, 2.039e12),
-    Accelerator("TPU-v5e", 197e12, 0.819e12),
-    Accelerator("TPU-v5p", 459e12, 2.765e12),
-)}
 DEFAULT_RUNS = ("medusa@mc_sim_7b_63", "medusa@chain-4", "amphista@mc_sim_7b_63", "hydra@mc_sim_7b_63",
                 "hydra++@mc_sim_7b_63", "eagle@mc_sim_7b_63", "eagle@dynamic", "gumiho@dynamic-63x7x35",
                 "sar@mc_sim_7b_63", "sar-lstm@mc_sim_7b_63")
@@ -125,7 +92,7 @@ def predict(cost: dict[str, float], accelerators: list[Accelerator]) -> dict[str
 
 def main() -> None:
     parser = benchmark_parser(__doc__)  # --model: a Hugging Face model directory (its config.json only)
-    parser.add_argument("--target", default="vicuna-7b", choices=list(TARGETS))
+    parser.add_argument("--target", default="vicuna-7b", choices=list(KNOWN_TARGETS))
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--context", type=int, nargs="+", default=[512])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -134,7 +101,7 @@ def main() -> None:
                         choices=list(ACCELERATORS))
     parser.add_argument("--tau", type=float, nargs="+", default=[2.0, 3.0, 4.0])
     args = parser.parse_args()
-    config = ModelConfig.from_json(f"{args.model}/config.json") if args.model else TARGETS[args.target]()
+    config = ModelConfig.from_json(f"{args.model}/config.json") if args.model else KNOWN_TARGETS[args.target]()
     # XLA:CPU runs bf16 matrix products through fp32 converts, and its cost analysis counts them (a bf16 AR step
     # of Vicuna-7B "accesses" 83 GB for 13.5 GB of weights). So the steps are compiled in fp32, whose op structure
     # is the accelerators', and the bytes scaled to --dtype's size (weights, caches and activations alike).

@@ -1,0 +1,157 @@
+"""Memory plans: a plan from abstract shapes is the program the run compiles (its per-device bytes equal the real
+arrays' and the compiled step's), microbatches cut the activations, the 70B pod config plans on CPU and fits,
+and a config that cannot be planned is one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from amphista_jax.assets import default_model_dir
+from amphista_jax.cli import main
+from amphista_jax.config_io import load_config
+from amphista_jax.decode import scratch_slots, speculative_generate
+from amphista_jax.drafters import Target
+from amphista_jax.models.hf import load_config as load_model_config
+from amphista_jax.models.hf import load_params
+from amphista_jax.plan import decode_plan, device_bytes
+from amphista_jax.sharding import batch_sharding, make_mesh, on_mesh, place_for_decoding
+from amphista_jax.train.heads import DataConfig, MeshConfig, TrainConfig, plan_training, train_job
+from amphista_jax.train.plan import plan_request
+from amphista_jax.trees import get_tree
+from tests.helpers import ROOT, subprocess_env
+
+MODEL = str(default_model_dir())
+CONFIG = load_model_config(MODEL)
+DATA = DataConfig(kind="stdlib", max_len=64, batch_size=8)
+
+
+def _train_config(method: str = "medusa", microbatches: int = 1) -> TrainConfig:
+    return TrainConfig(data=dataclasses.replace(DATA, microbatches=microbatches), method=method,
+                       mesh=MeshConfig(data=2, fsdp=2, tensor=2))
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes device 0 holds of real arrays (measured from their shards)."""
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device.id == 0)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_train_plan_is_the_compiled_step_of_the_real_run(method):
+    cfg = _train_config(method)
+    job = train_job(cfg, CONFIG)
+    plan = plan_training(cfg, job, jnp.float32)
+    # The run: real weights on their shards, the state made in place, a real batch split over the batch axes.
+    params, _ = load_params(MODEL, dtype="float32", shardings=job.target_shardings)
+    state = job.new_state(Target(CONFIG, params))
+    tokens = np.asarray(jax.random.randint(jax.random.key(0), (8, 64), 0, CONFIG.vocab_size), np.int32)
+    measured = {"target params": _shard_bytes(params), "draft params": _shard_bytes(state["params"]),
+                "optimizer state": _shard_bytes((state["opt_state"], state["step"]))}
+    assert {k: plan.inputs[k] for k in measured} == measured
+    assert plan.inputs["batch"] == 2 * 8 * 64 * 4 // 4  # tokens + loss_mask, rows over data x fsdp
+    assert max(measured.values()) < 0.6 * device_bytes(jax.tree.map(  # really split: not whole copies
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state["params"])))
+    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
+    spec = jax.sharding.NamedSharding(job.mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    real = job.train_step.compile(state, params, jax.tree.map(lambda x: jax.device_put(x, spec), batch))
+    stats = real.memory_analysis()
+    assert stats.argument_size_in_bytes == sum(plan.inputs.values())
+    assert (stats.temp_size_in_bytes, stats.output_size_in_bytes - stats.alias_size_in_bytes) == (plan.temp,
+                                                                                                     plan.outputs)
+    new_state, metrics = job.train_step(state, params, batch)  # and it runs
+    assert np.isfinite(float(metrics["loss"])) and int(new_state["step"]) == 1
+
+
+def test_decode_plan_is_the_compiled_loop_of_a_sharded_generation():
+    drafter = train_job(_train_config(), CONFIG).drafter
+    tree, mesh = get_tree("small-8"), make_mesh(data=2, fsdp=2, tensor=2)
+    plan = decode_plan(CONFIG, drafter, tree, mesh, jnp.float32, batch=2, prompt_len=16, max_new_tokens=8)
+    params, _ = load_params(MODEL, dtype="float32", layout="split")
+    params, draft = place_for_decoding(mesh, CONFIG, params, drafter,
+                                       drafter.init(jax.random.key(0), Target(CONFIG, params)))
+    assert (plan.inputs["target params"], plan.inputs["draft params"]) == (_shard_bytes(params), _shard_bytes(draft))
+    rows = lambda x: jax.device_put(x, batch_sharding(mesh, x.shape))  # noqa: E731
+    prompt, lengths = rows(np.full((2, 16), 5, np.int32)), rows(np.array([16, 9], np.int32))
+    with on_mesh(mesh):
+        real = speculative_generate.lower(
+            params, draft, prompt, lengths, jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec())),
+            config=CONFIG, drafter=drafter,
+            tree=tree, max_new_tokens=8, cache_size=16 + 8 + scratch_slots(drafter, tree)).compile()
+    assert real.memory_analysis().temp_size_in_bytes == plan.temp > 0
+
+
+def test_microbatches_cut_the_train_steps_activations():
+    temps = {}
+    for k in (1, 8):  # 32 rows of 256 tokens: 8 rows, then 1, per batch shard at a time
+        cfg = dataclasses.replace(_train_config("medusa", microbatches=k), data=dataclasses.replace(
+            DATA, batch_size=32, max_len=256, microbatches=k))
+        temps[k] = plan_training(cfg, train_job(cfg, CONFIG), jnp.float32).temp
+    assert temps[8] < 0.3 * temps[1], temps
+
+
+def test_70b_pod_config_plans_on_cpu_and_fits(tmp_path):
+    """The whole CLI on the Llama-3-70B config (32 emulated devices, no weights): both plans fit a TPU v5p."""
+    out = tmp_path / "plan"
+    result = subprocess.run([sys.executable, "-m", "amphista_jax.cli", "plan", "--config",
+                             "configs/medusa/llama-3-70b.yaml", "--out", str(out)], cwd=ROOT, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "plan.json").read_text())
+    (setup, plans), = [(r["setup"], r["plans"]) for r in rows]
+    assert setup["params"] > 70e9 and setup["devices"] == 32 and setup["processes"] == 8
+    assert [p["job"] for p in plans] == ["train medusa", "decode"] and all(p["fits"] for p in plans)
+    train = plans[0]
+    # 70B bf16 over 32 devices, the heads and their Adam moments split too (replicated they would be 4 x larger)
+    assert 70e9 * 2 / 32 <= train["inputs"]["target params"] < 1.05 * 70.6e9 * 2 / 32
+    assert train["inputs"]["optimizer state"] == pytest.approx(2 * train["inputs"]["draft params"], rel=0.01)
+    assert "fits:" in result.stdout and "TPU-v5p" in (out / "plan.md").read_text()
+
+
+def test_plan_refuses_what_it_cannot_plan(tmp_path, capsys):
+    assert jax.device_count() == 8  # JAX runs: `plan` in this process cannot emulate more devices
+    base = ["plan", "--config", "configs/medusa/vicuna-7b.yaml"]
+    cases = {("--set", "target_shape=''"): "has no config.json here: set target_shape",
+             ("--set", "target_shape=llama-9b"): "target shape 'llama-9b' is not known",
+             ("--accelerator", "TPU-v9"): "accelerator 'TPU-v9' is not known",
+             ("--set", f"model={MODEL}"): "is not a vicuna-7b",
+             ("--set", "data.microbatches=32"): "does not split over mesh data x fsdp = 4",
+             ("--set", "mesh.fsdp=8"): "needs 16 devices but this process started JAX with 8"}
+    for extra, message in cases.items():
+        assert main(base + list(extra)) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, (extra, err)
+
+
+def _pod_configs() -> list[str]:
+    """The shipped configs with a pod (a named target shape): every one must plan and fit."""
+    paths = sorted((ROOT / "configs").glob("*/*.yaml"))
+    return [str(p.relative_to(ROOT)) for p in paths if p.parent.name not in ("base", "target", "eval")
+            and load_config(TrainConfig, p).target_shape]
+
+
+def test_every_pod_config_is_checked_without_compiling():
+    """Each shipped pod config names a known target and accelerator, and its batch splits over its slice's
+    processes and its mesh (what `plan` checks before compiling)."""
+    configs = _pod_configs()
+    assert len(configs) >= 25
+    for path in configs:
+        req = plan_request(path, load_config(TrainConfig, ROOT / path))
+        assert req.accelerator is not None and req.target.num_params > 6e9, path
+
+
+@pytest.mark.slow
+def test_every_pod_config_fits(tmp_path):
+    """The plan of every shipped pod config: each train step and decode loop fits its accelerator (~35 min)."""
+    out = tmp_path / "plans"
+    result = subprocess.run([sys.executable, "-m", "amphista_jax.cli", "plan", "--config", *_pod_configs(), "--out",
+                             str(out)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=5400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert all(p["fits"] for row in json.loads((out / "plan.json").read_text()) for p in row["plans"])
