@@ -73,7 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     from amphista_jax.decode import check_fits, generate, pad_prompts, scratch_slots, speculative_generate
     from amphista_jax.drafters.draft_model import AUTO_TREE, DraftModel, check_vocabularies
     from amphista_jax.models.hf import load_config, load_params
-    from amphista_jax.sharding import on_mesh, place_for_decoding
+    from amphista_jax.sharding import on_mesh, param_shardings, place_for_decoding
     from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
     from amphista_jax.trees import get_tree
     from amphista_jax.verify import AcceptanceConfig
@@ -103,7 +103,9 @@ def _generate(args: argparse.Namespace) -> int:
     reserve = tree.num_nodes if speculative else 0  # the drafter's extras are added once it is loaded
     max_len = args.max_len or len(ids) + args.max_new_tokens + reserve
     check_fits(np.array([len(ids)]), args.max_new_tokens + reserve, max_len, config)
-    params, config = load_params(args.model, dtype=args.dtype, layout="split")
+    # On a mesh each device reads only its slices of the target (no whole copy on the host).
+    shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
+    params, config = load_params(args.model, dtype=args.dtype, shardings=shardings, layout="split")
     pad_id = config.pad_token_id or 0
     tokens, lengths = pad_prompts([ids], pad_id=pad_id)
     kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, attention=args.attention,

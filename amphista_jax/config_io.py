@@ -110,7 +110,8 @@ def read_yaml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         where = f" (a base of {seen[-1]})" if seen else ""
-        raise ConfigFileError(f"config file {str(path)!r} does not exist{where}")
+        problem = "is a directory, not a YAML file" if path.is_dir() else "does not exist"
+        raise ConfigFileError(f"config file {str(path)!r} {problem}{where}")
     if path.resolve() in seen:
         raise ConfigFileError(f"{path}: its bases include itself ({' -> '.join(map(str, seen + (path,)))})")
     try:
@@ -120,8 +121,12 @@ def read_yaml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise ConfigFileError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
     bases = data.pop("base", None) or []
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigFileError(f"{path}: base must be a file name or a list of them (relative to {path.parent}), got "
+                              f"{bases!r}")
     merged: dict[str, Any] = {}
-    for base in [bases] if isinstance(bases, str) else bases:
+    for base in bases:
         merged = _merge(merged, read_yaml(path.parent / base, seen + (path.resolve(),)))
     return _merge(merged, data)
 

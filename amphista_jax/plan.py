@@ -27,15 +27,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from amphista_jax.accelerators import Accelerator
+from amphista_jax.accelerators import GIB, Accelerator
 from amphista_jax.decode import scratch_slots, speculative_generate
 from amphista_jax.drafters.base import Target
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
 from amphista_jax.sharding import batch_sharding, draft_param_shardings, on_mesh, param_shardings
 from amphista_jax.trees import Tree
-
-GIB = 1 << 30
 
 
 def device_bytes(tree: Any) -> int:
@@ -87,13 +85,12 @@ class MemoryPlan:
 
 def compiled_plan(job: str, compiled: jax.stages.Compiled, inputs: Mapping[str, Any], devices: int,
                   capacity: int | None = None, where: str = "") -> MemoryPlan:
-    """The plan of `compiled`, whose arguments are the trees in `inputs` (named, in order). The named parts must
-    account for XLA's argument bytes, so a plan cannot silently leave an argument out."""
+    """The plan of `compiled`, whose arguments are the trees in `inputs` (named, in order). Argument bytes XLA
+    counts beyond the named parts' shard bytes (a device layout's tile padding) are the part "layout padding"."""
     stats = compiled.memory_analysis()
     parts = {name: device_bytes(tree) for name, tree in inputs.items()}
-    if sum(parts.values()) != stats.argument_size_in_bytes:
-        raise AssertionError(f"{job}: the named inputs hold {sum(parts.values())} bytes per device but the compiled "
-                             f"program's arguments hold {stats.argument_size_in_bytes}")
+    if padding := stats.argument_size_in_bytes - sum(parts.values()):
+        parts["layout padding"] = padding
     return MemoryPlan(job, devices, parts, stats.output_size_in_bytes - stats.alias_size_in_bytes,
                       stats.temp_size_in_bytes, stats.generated_code_size_in_bytes, capacity, where)
 
@@ -145,12 +142,13 @@ def plan_table(plans: list[MemoryPlan], names: list[str] | None = None) -> str:
     unit, scale = ("GiB", GIB) if max(p.total for p in plans) >= GIB else ("MiB", 1 << 20)
     parts = list(dict.fromkeys(name for p in plans for name in p.inputs))
     head = (f"| {'config | ' if names else ''}job | devices | {' | '.join(parts)} | outputs | temporaries | "
-            f"total {unit} | capacity {unit} | fits |")
+            f"code | total {unit} | capacity {unit} | fits |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans):
         cells = " | ".join(f"{p.inputs[n] / scale:.2f}" if n in p.inputs else "-" for n in parts)
         cap = f"{p.capacity / scale:.1f} ({p.where})" if p.capacity else "-"
         fits = {True: "yes", False: "**no**", None: "-"}[p.fits]
         lines.append(f"| {f'{names[i]} | ' if names else ''}{p.job} | {p.devices} | {cells} | "
-                     f"{p.outputs / scale:.2f} | {p.temp / scale:.2f} | {p.total / scale:.2f} | {cap} | {fits} |")
+                     f"{p.outputs / scale:.2f} | {p.temp / scale:.2f} | {p.code / scale:.2f} | {p.total / scale:.2f} | "
+                     f"{cap} | {fits} |")
     return "\n".join(lines)

@@ -141,6 +141,26 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(mesh, _fit(PartitionSpec(BATCH_AXES), shape, mesh))
 
 
+def local_batch_shards(mesh: Mesh) -> tuple[range, int]:
+    """(the batch shards this process's devices hold, of the mesh's data x fsdp): a batch shard's devices differ
+    only along `tensor`, and may span processes, which then hold (and read) the same rows."""
+    shards = mesh.devices.reshape(-1, mesh.shape["tensor"])  # [data x fsdp, tensor]
+    mine = [i for i, row in enumerate(shards) if any(d.process_index == jax.process_index() for d in row)]
+    if mine != list(range(mine[0], mine[-1] + 1)):
+        raise ValueError(f"process {jax.process_index()} holds batch shards {mine}, not consecutive ones: order the "
+                         "mesh's devices by process")
+    return range(mine[0], mine[-1] + 1), len(shards)
+
+
+def process_batch_rows(mesh: Mesh | None, rows: int) -> slice:
+    """The rows of a global batch of `rows` (split over `data` x `fsdp`) that this process feeds: those its devices
+    hold. Without a mesh, all."""
+    if mesh is None:
+        return slice(0, rows)
+    mine, ways = local_batch_shards(mesh)
+    return slice(mine.start * rows // ways, mine.stop * rows // ways)
+
+
 def cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
     """KV cache `[L, B, S, KVH, Dh]`: batch over `data` x `fsdp`, KV heads over `tensor`."""
     kv = NamedSharding(mesh, _fit(PartitionSpec(None, BATCH_AXES, None, "tensor"), cache.k.shape, mesh))

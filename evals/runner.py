@@ -47,7 +47,7 @@ from amphista_jax.identity import RunMismatchError, changes, sha256_file, target
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.hf import DTYPES, load_config, load_params
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.sharding import MeshError, make_mesh, on_mesh, place_for_decoding
+from amphista_jax.sharding import MeshError, make_mesh, on_mesh, param_shardings, place_for_decoding
 from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
 from amphista_jax.train.heads import DataConfig, MeshConfig
 from amphista_jax.train.loop import maybe_initialize_distributed
@@ -319,7 +319,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     model_dir = cfg.model or str(default_model_dir())
     out_dir = Path(cfg.out_dir)
     # Bad input is found here, before any model is loaded.
-    load_config(model_dir)
+    config = load_config(model_dir)
     mesh = eval_mesh(cfg.mesh)
     check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)
@@ -327,9 +327,9 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))
     if jax.process_index() == 0:
         print(report.summary())
-    params, config = load_params(model_dir, dtype=cfg.dtype, layout="split")
-    if mesh is not None:
-        params, _ = place_for_decoding(mesh, config, params)
+    # On a mesh each device reads only its slices of the target (no whole copy on the host).
+    shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
+    params, config = load_params(model_dir, dtype=cfg.dtype, shardings=shardings, layout="split")
     tok = load_tokenizer(model_dir)
     methods = load_methods(methods, Target(config, params), cfg.seed)
     if mesh is not None:  # the target is in place already: only the heads move

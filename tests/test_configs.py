@@ -44,6 +44,10 @@ def test_every_base_is_used_and_bases_merge_under_the_file(tmp_path):
     (tmp_path / "job2.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ConfigFileError, match="its bases include itself"):
         load_config(TrainConfig, tmp_path / "loop.yaml")
+    for bad in ("3", "[{x: 1}]"):
+        (tmp_path / "odd.yaml").write_text(f"base: {bad}\n")
+        with pytest.raises(ConfigFileError, match="base must be a file name or a list of them"):
+            load_config(TrainConfig, tmp_path / "odd.yaml")
     (tmp_path / "lost.yaml").write_text("base: nope.yaml\n")
     with pytest.raises(ConfigFileError, match="does not exist \\(a base of"):
         load_config(TrainConfig, tmp_path / "lost.yaml")

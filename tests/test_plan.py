@@ -56,6 +56,7 @@ def test_train_plan_is_the_compiled_step_of_the_real_run(method):
     measured = {"target params": _shard_bytes(params), "draft params": _shard_bytes(state["params"]),
                 "optimizer state": _shard_bytes((state["opt_state"], state["step"]))}
     assert {k: plan.inputs[k] for k in measured} == measured
+    assert "layout padding" not in plan.inputs  # the named parts are every argument byte XLA counts
     assert plan.inputs["batch"] == 2 * 8 * 64 * 4 // 4  # tokens + loss_mask, rows over data x fsdp
     assert max(measured.values()) < 0.6 * device_bytes(jax.tree.map(  # really split: not whole copies
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state["params"])))

@@ -17,16 +17,24 @@ from amphista_jax.train.step import make_steps
 CONFIG = tiny_llama_config(vocab_size=256)
 
 
-@pytest.mark.parametrize("method", ["medusa", "amphista"])
-@pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "data2-fsdp2-tensor2"])
-def test_microbatches_give_the_whole_batchs_update(method, sharded):
-    """Every row has the same number of loss tokens, so the mean of the 4 slices' mean losses is the batch's mean
-    loss: the same metrics, gradients and updated params (to fp32 rounding), one device or sharded."""
+@pytest.mark.parametrize("method,sharded,masked", [
+    ("medusa", False, False), ("amphista", False, False), ("medusa", True, False),
+    pytest.param("amphista", True, False, marks=pytest.mark.slow),
+    ("medusa", False, True), ("amphista", True, True)],
+    ids=["medusa", "amphista", "medusa-sharded", "amphista-sharded", "medusa-masked", "amphista-sharded-masked"])
+def test_microbatches_give_the_whole_batchs_update(method, sharded, masked):
+    """4 slices weighted by their loss tokens give the whole batch's mean loss: the same metrics, gradients and
+    updated params (to fp32 rounding), one device or sharded over (data=2, fsdp=2, tensor=2). `masked`: rows 0, 4
+    and 1 are not trained, so slice 0 has no loss token and slice 1 half of the others' (an unweighted mean of the
+    slices would differ)."""
     params = init_params(CONFIG, jax.random.key(0))
     drafter = VARIANTS[method]
     optimizer = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), 10)
     tokens = np.asarray(jax.random.randint(jax.random.key(7), (8, 16), 0, 256), np.int32)
-    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
+    loss_mask = np.ones_like(tokens)
+    if masked:
+        loss_mask[[0, 4, 1]] = 0
+    batch = {"tokens": tokens, "loss_mask": loss_mask}
     mesh = make_mesh(data=2, fsdp=2, tensor=2) if sharded else None
     shardings = param_shardings(CONFIG, mesh) if sharded else None
     state_shardings = train_state_shardings(drafter, Target(CONFIG, params), optimizer, mesh) if sharded else None

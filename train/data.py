@@ -36,24 +36,24 @@ def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, seq_len: int, pad
     return stream[idx]
 
 
-def process_rows(ds: grain.MapDataset, batch_size: int) -> grain.MapDataset:
-    """`ds` repeated and cut into global batches of `batch_size x process_count` rows, of which this process yields
-    its contiguous `batch_size` rows: the share `jax.make_array_from_process_local_data` takes from it when the
-    batch is split over a mesh of `jax.devices()` (process-major). So N processes reading `batch_size` rows each
-    see the batches one process sees reading `N x batch_size`. The iterator's `get_state()` is JSON and resumes
-    exactly."""
-    return ds.repeat().batch(batch_size, drop_remainder=True)[jax.process_index()::jax.process_count()]
+def process_rows(ds: grain.MapDataset, batch_size: int, rows: slice = slice(None)) -> grain.MapDataset:
+    """`ds` repeated and cut into global batches of `batch_size` rows, of which this process yields `rows` (those
+    its devices hold: `sharding.process_batch_rows`). Every process reads the one shuffled order, so the batches do
+    not depend on how many processes share them. The iterator's `get_state()` is JSON and resumes exactly."""
+    ds = ds.repeat().batch(batch_size, drop_remainder=True)
+    return ds if rows == slice(None) else ds.map(lambda batch: jax.tree.map(lambda x: x[rows], batch))
 
 
-def packed_dataset(windows: np.ndarray, batch_size: int, seed: int, skip: int = 0) -> grain.MapDataset:
-    """Shuffled, repeated batches of `windows`, this process's `[batch_size, seq_len + 1]` rows of each
+def packed_dataset(windows: np.ndarray, batch_size: int, seed: int, skip: int = 0,
+                   rows: slice = slice(None)) -> grain.MapDataset:
+    """Shuffled, repeated `[batch_size, seq_len + 1]` batches of `windows`, this process's `rows` of each
     (`process_rows`); the first `skip` windows of the shuffled order (those an earlier stage read) come at the end
     of each epoch instead."""
     ds = grain.MapDataset.source(windows).shuffle(seed=seed)
     skip %= len(ds)
     if skip:
         ds = grain.MapDataset.concatenate([ds[skip:], ds[:skip]])
-    return process_rows(ds, batch_size)
+    return process_rows(ds, batch_size, rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,7 +214,8 @@ def text_examples(pattern: str, tok: PreTrainedTokenizerBase, seq_len: int) -> t
     return packed_examples(texts, tok, seq_len), report
 
 
-def example_dataset(examples: list[dict[str, np.ndarray]], batch_size: int, seed: int) -> grain.MapDataset:
-    """Shuffled, repeated batches of `examples` (dicts of equal-shape arrays), this process's `batch_size` rows of
-    each (`process_rows`)."""
-    return process_rows(grain.MapDataset.source(examples).shuffle(seed=seed), batch_size)
+def example_dataset(examples: list[dict[str, np.ndarray]], batch_size: int, seed: int,
+                    rows: slice = slice(None)) -> grain.MapDataset:
+    """Shuffled, repeated batches of `batch_size` `examples` (dicts of equal-shape arrays), this process's `rows`
+    of each (`process_rows`)."""
+    return process_rows(grain.MapDataset.source(examples).shuffle(seed=seed), batch_size, rows)

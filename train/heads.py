@@ -24,7 +24,7 @@ import optax
 from jax.sharding import Mesh
 
 from amphista_jax import config_io
-from amphista_jax.accelerators import get_accelerator
+from amphista_jax.accelerators import GIB, get_accelerator
 from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import DRAFTERS, Target
 from amphista_jax.drafters.io import META_FILE, save_draft
@@ -35,7 +35,12 @@ from amphista_jax.models.hf import DTYPES, load_config, load_params, param_dtype
 from amphista_jax.models.llama import Transformer, param_shapes
 from amphista_jax.models.shapes import known_target
 from amphista_jax.plan import MemoryPlan, abstract, accelerator_capacity, compiled_plan, mesh_devices, plan_table
-from amphista_jax.sharding import batch_sharding, make_mesh, param_shardings, train_state_shardings
+from amphista_jax.sharding import (
+    make_mesh,
+    param_shardings,
+    process_batch_rows,
+    train_state_shardings,
+)
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.train.checkpoint import saved_steps
 from amphista_jax.train.corpus import build_corpus, package_version
@@ -68,8 +73,9 @@ class DataConfig:
     corpus: str = ""
     max_len: int = 256
     batch_size: int = 8  # rows per step, over all processes (each process reads batch_size / processes)
-    # Each step runs its batch as this many sequential slices and averages their gradients (gradient
-    # accumulation): the same batch and step count, with 1/microbatches of the activation memory.
+    # Each step runs its batch as this many sequential slices and averages their gradients weighted by their loss
+    # tokens (gradient accumulation, `train.step.over_microbatches`): the same batch and step count, with
+    # 1/microbatches of the activation memory.
     microbatches: int = 1
     seed: int = 0
     cache_target_hidden: bool = False  # precompute the target's hidden states once (small targets)
@@ -149,11 +155,15 @@ def check_target_shape(name: str, config: ModelConfig, model: str) -> None:
         raise TrainConfigError(f"model {model} is not a {name} ({', '.join(diff)}): fix target_shape or model")
 
 
-def check_batch_split(cfg: TrainConfig, processes: int) -> None:
-    """The batch must split evenly over the processes, and each microbatch over the mesh's batch axes."""
-    if cfg.data.batch_size % processes:
-        raise TrainConfigError(f"data.batch_size {cfg.data.batch_size} does not split over {processes} processes: "
-                               f"make it a multiple of {processes}")
+def check_positions(cfg: TrainConfig, config: ModelConfig) -> None:
+    if cfg.data.max_len > config.max_positions:
+        raise TrainConfigError(f"data.max_len={cfg.data.max_len} exceeds the target's {config.max_positions} "
+                               "positions: lower it")
+
+
+def check_batch_split(cfg: TrainConfig) -> None:
+    """Each microbatch must split evenly over the mesh's batch axes (each process feeds the rows its devices
+    hold)."""
     if not cfg.mesh:
         return
     rows, ways = cfg.data.batch_size // cfg.data.microbatches, cfg.mesh.data * cfg.mesh.fsdp
@@ -284,12 +294,10 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
         raise TrainConfigError(f"mesh {cfg.mesh.data} x {cfg.mesh.fsdp} x {cfg.mesh.tensor} = {n} devices, but "
                                f"{jax.device_count()} are available: choose sizes whose product is the device "
                                "count, or set mesh=null for one device")
-    if cfg.data.max_len > target_config.max_positions:
-        raise TrainConfigError(f"data.max_len={cfg.data.max_len} exceeds the target's {target_config.max_positions} "
-                               "positions: lower it")
+    check_positions(cfg, target_config)
     if cfg.target_shape:
         check_target_shape(cfg.target_shape, target_config, model_dir)
-    check_batch_split(cfg, jax.process_count())
+    check_batch_split(cfg)
     _check_data(cfg.data)
     drafter = DRAFTERS[cfg.method](**cfg.method_settings)
     try:
@@ -370,7 +378,7 @@ def plan_training(cfg: TrainConfig, job: TrainJob, target_dtype: Any, capacity: 
     state = abstract(jax.eval_shape(job.new_state, Target(job.config, params)), job.state_shardings)
     batch = batch_shapes(cfg.data, cfg.data.batch_size, job.config.hidden_size)
     if job.mesh is not None:
-        batch = abstract(batch, jax.tree.map(lambda b: batch_sharding(job.mesh, b.shape), batch))
+        batch = abstract(batch, jax.tree.map(lambda _: Step.batch_spec(job.mesh), batch))
     compiled = job.train_step.compile(state, params, batch)
     return compiled_plan(f"train {cfg.method}", compiled, {
         "target params": params, "draft params": state["params"],
@@ -397,11 +405,11 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     target_config = load_config(model_dir)
     job = train_job(cfg, target_config)
     plan = plan_training(cfg, job, param_dtype(model_dir, cfg.dtype), *accelerator_capacity(None))
-    print(plan_table([plan]))
-    print(f"memory plan: {plan.verdict()}")
+    if jax.process_index() == 0:
+        print(f"{plan_table([plan])}\nmemory plan: {plan.verdict()}")
     if plan.fits is False:
-        raise TrainConfigError(f"the train step needs {plan.total / 2**30:.2f} GiB per device, more than the "
-                               f"{plan.capacity / 2**30:.2f} GiB of {plan.where}: raise data.microbatches, lower "
+        raise TrainConfigError(f"the train step needs {plan.total / GIB:.2f} GiB per device, more than the "
+                               f"{plan.capacity / GIB:.2f} GiB of {plan.where}: raise data.microbatches, lower "
                                "data.max_len, or use more devices (mesh)")
     target_params, target_config = load_params(model_dir, dtype=cfg.dtype, shardings=job.target_shardings)
     tok = load_tokenizer(model_dir)
@@ -412,8 +420,9 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     drafter, train_step, eval_step = job.drafter, job.train_step, job.eval_step
     init_state = functools.partial(job.new_state, Target(target_config, target_params))  # made in place on shards
 
-    rows = cfg.data.batch_size // jax.process_count()  # this process's share of each batch
-    heldout_batches = batch_examples(heldout[jax.process_index()::jax.process_count()], rows, cfg.eval_batches)
+    rows = process_batch_rows(job.mesh, cfg.data.batch_size)  # this process's rows of every global batch
+    heldout_batches = [jax.tree.map(lambda x: x[rows], b)
+                       for b in batch_examples(heldout, cfg.data.batch_size, cfg.eval_batches)]
 
     def evaluate(state: dict[str, Any]) -> dict[str, float]:
         return mean_metrics([eval_step(state["params"], target_params, b) for b in heldout_batches])
@@ -429,7 +438,7 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     state, extra = run_loop(
         run_dir=out_dir, cfg=cfg.loop, init_state=init_state,
         train_step=lambda s, b: train_step(s, target_params, b),
-        data=iter(example_dataset(train_examples, rows, cfg.data.seed)), evaluate=evaluate,
+        data=iter(example_dataset(train_examples, cfg.data.batch_size, cfg.data.seed, rows)), evaluate=evaluate,
         tokens_per_batch=cfg.data.batch_size * cfg.data.max_len, desc=f"train {cfg.method}")
     summary = {
         "method": cfg.method, "settings": dataclasses.asdict(drafter), "model": model_dir,

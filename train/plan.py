@@ -26,8 +26,8 @@ from amphista_jax.models.shapes import known_target
 from amphista_jax.plan import MemoryPlan, accelerator_capacity, decode_plan, plan_table
 from amphista_jax.train.heads import (
     TrainConfig,
-    TrainConfigError,
     check_batch_split,
+    check_positions,
     check_target_shape,
     plan_training,
     train_job,
@@ -76,16 +76,14 @@ def plan_request(name: str, cfg: TrainConfig, accelerator: Accelerator | None = 
     if dtype is None:
         raise PlanError(f"{name}: dtype checkpoint, but the checkpoint is not here to say its dtype: set dtype (e.g. "
                         "--set dtype=bfloat16)")
-    if cfg.data.max_len > target.max_positions:
-        raise TrainConfigError(f"{name}: data.max_len={cfg.data.max_len} exceeds the target's "
-                               f"{target.max_positions} positions: lower it")
+    check_positions(cfg, target)
     devices = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor if cfg.mesh else 1
-    check_batch_split(cfg, processes(devices, accelerator))
+    check_batch_split(cfg)
     return PlanRequest(name, cfg, target, source, dtype, devices, accelerator)
 
 
 def processes(devices: int, accelerator: Accelerator | None) -> int:
-    return max(1, devices // accelerator.devices_per_host) if accelerator else 1
+    return -(-devices // accelerator.devices_per_host) if accelerator else 1
 
 
 def emulate_devices(count: int) -> list[jax.Device]:
@@ -113,6 +111,9 @@ def plan_config(req: PlanRequest, devices: list[jax.Device], decode_batch: int =
     tree = get_tree(tree_name)
     prompt_len = min(cfg.data.max_len,
                      req.target.max_positions - DECODE_NEW_TOKENS - scratch_slots(job.drafter, tree))
+    if prompt_len < 1:
+        raise PlanError(f"{req.name}: the target's {req.target.max_positions} positions leave no room for a prompt "
+                        f"besides {DECODE_NEW_TOKENS} new tokens and tree {tree_name}: plan a smaller --tree")
     plans = [plan_training(cfg, job, req.dtype, *capacity),
              decode_plan(req.target, job.drafter, tree, job.mesh, req.dtype, decode_batch, prompt_len,
                          DECODE_NEW_TOKENS, *capacity)]

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from amphista_jax.drafters.base import Target
 from amphista_jax.models.llama import Output, Transformer
-from amphista_jax.sharding import BATCH_AXES, LOGICAL_RULES
+from amphista_jax.sharding import BATCH_AXES, LOGICAL_RULES, local_batch_shards
 
 
 def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax.Array]) -> Output:
@@ -41,10 +41,14 @@ def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax
 
 
 def over_microbatches(fn: Callable[[dict, jax.Array], Any], batch: dict, rng: jax.Array, microbatches: int) -> Any:
-    """The mean over `microbatches` slices of `batch` of `fn(slice, rng)` (a pytree of arrays), computed one after
-    another (`lax.scan`), so that only one slice's activations are live: gradient accumulation. Slice j holds
-    rows j, j + k, j + 2k, ... (k = `microbatches`), so every device keeps its own rows; slice j's key is
-    `fold_in(rng, j)`."""
+    """`fn(batch, rng)` (a pytree of masked means: losses, metrics, their gradients) computed over `microbatches`
+    slices one after another (`lax.scan`), so that only one slice's activations are live: gradient accumulation.
+
+    Slice j holds rows j, j + k, j + 2k, ... (k = `microbatches`), so every device keeps its own rows; its key is
+    `fold_in(rng, j)`. The slices' results are averaged weighted by their loss tokens (`loss_mask`), so a slice
+    with few (or none) counts as little: this equals the whole batch's mean exactly when every term's mask is the
+    row's `loss_mask` or a fixed shift of it on whole rows (rows trained or not), and closely otherwise (a head's
+    shifted mask loses up to its depth in tokens per row)."""
     if microbatches == 1:
         return fn(batch, rng)
     k = microbatches
@@ -52,16 +56,18 @@ def over_microbatches(fn: Callable[[dict, jax.Array], Any], batch: dict, rng: ja
     def rows(x: jax.Array) -> jax.Array:  # [B, ...] -> [k, B / k, ...]
         return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
 
-    def body(total: Any, j_slice: tuple[jax.Array, dict]) -> tuple[Any, None]:
+    def body(total: tuple[Any, jax.Array], j_slice: tuple[jax.Array, dict]) -> tuple[tuple[Any, jax.Array], None]:
         j, part = j_slice
         with nn.logical_axis_rules(LOGICAL_RULES):
             part = jax.tree.map(lambda x: nn.with_logical_constraint(x, ("batch",) + (None,) * (x.ndim - 1)), part)
-        return jax.tree.map(jnp.add, total, fn(part, jax.random.fold_in(rng, j))), None
+        weight = part["loss_mask"].sum().astype(jnp.float32)
+        out = fn(part, jax.random.fold_in(rng, j))
+        return (jax.tree.map(lambda t, x: t + weight * x, total[0], out), total[1] + weight), None
 
     slices = (jnp.arange(k), jax.tree.map(rows, batch))
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, jax.tree.map(lambda x: x[0], slices[1]), rng))
-    total, _ = jax.lax.scan(body, zeros, slices)
-    return jax.tree.map(lambda t: t / k, total)
+    (total, weight), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), slices)
+    return jax.tree.map(lambda t: t / jnp.maximum(weight, 1.0), total)
 
 
 def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransformation,
@@ -70,7 +76,7 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
     """(train_step(state, target_params, batch) -> (state, metrics), eval_step(params, target_params, batch)
     -> metrics), jitted; sharded over `mesh` when given (`state_shardings`: the train state's, by default
     replicated). Both run the batch as `microbatches` sequential slices (`over_microbatches`): the update is the
-    one of the slices' mean loss, with 1/`microbatches` of the activation memory."""
+    one of the slices' loss-token weighted mean loss, with 1/`microbatches` of the activation memory."""
 
     def loss_fn(params, target_params, batch):
         with nn.logical_axis_rules(LOGICAL_RULES):
@@ -105,7 +111,7 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
     replicated = NamedSharding(mesh, PartitionSpec())
     state = state_shardings or replicated
     params = replicated if state_shardings is None else state_shardings["params"]
-    batch_spec = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    batch_spec = Step.batch_spec(mesh)
     train = jax.jit(train_step, in_shardings=(state, target_shardings, batch_spec),
                     out_shardings=(state, replicated), donate_argnums=0, keep_unused=True)
     evaluate = jax.jit(eval_step, in_shardings=(params, target_shardings, batch_spec), out_shardings=replicated,
@@ -116,16 +122,26 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
 @dataclasses.dataclass(frozen=True)
 class Step:
     """A jitted step `(state or draft params, target params, batch)`. With a mesh it runs inside it, and each
-    process passes its own slice of the global batch (grain shards by process)."""
+    process passes the rows of the global batch its devices hold (`sharding.process_batch_rows`)."""
 
     jitted: Any  # the `jax.jit` function
     mesh: Mesh | None = None
 
+    @staticmethod
+    def batch_spec(mesh: Mesh) -> NamedSharding:
+        return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
     def __call__(self, state_or_params: Any, target_params: dict, local_batch: dict) -> Any:
         if self.mesh is None:
             return self.jitted(state_or_params, target_params, local_batch)
-        spec = NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
-        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(spec, np.asarray(x)), local_batch)
+        mine, ways = local_batch_shards(self.mesh)
+        spec = self.batch_spec(self.mesh)
+
+        def global_array(x: np.ndarray) -> jax.Array:
+            shape = (x.shape[0] * ways // len(mine), *x.shape[1:])  # processes sharing a shard hold the same rows
+            return jax.make_array_from_process_local_data(spec, np.asarray(x), shape)
+
+        batch = jax.tree.map(global_array, local_batch)
         with jax.set_mesh(self.mesh):
             return self.jitted(state_or_params, target_params, batch)
 
