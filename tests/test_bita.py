@@ -239,3 +239,101 @@ def test_a_tree_deeper_than_the_masks_is_refused(target, bita_params):
     with pytest.raises(TreeError, match="depth 4 needs 4"):
         speculative_generate(target, bita_params, tokens, lengths, jax.random.key(0), config=CONFIG, drafter=BiTA(),
                              tree=chain(4), max_new_tokens=8, cache_size=96)
+
+
+# Training (`BiTA.loss`): G mask groups at consecutive cut points, one forward of the frozen target per sequence.
+
+
+def _batch(target, b=2, t=10, seed=5):
+    from tests.helpers import sequence
+
+    tokens, _ = sequence(Target(CONFIG, target), b, t, seed)
+    return {"tokens": tokens, "loss_mask": jnp.ones(tokens.shape, jnp.int32).at[1, :4].set(0)}
+
+
+def test_training_groups_equal_direct_forwards(target, bita_params):
+    """Every group's mask logits in the one training forward equal a plain causal forward of the tokens up to
+    its cut and the masks (the decoding layout); the loss is the sum over masks of their masked mean CE
+    against the token at cut + i + 1. Row 1's loss mask starts at token 4, so its groups would start at cut 3,
+    but all G = T - 2 groups must fit in the row: they start at cut 1."""
+    import optax
+
+    drafter, (b, t), m = BiTA(), (2, 10), 3
+    batch = _batch(target, b, t)
+    loss, metrics = drafter.loss(bita_params, Target(CONFIG, target), batch)
+    cuts = np.asarray(drafter._cut_points(batch))
+    assert cuts.tolist() == [list(range(0, 8)), list(range(1, 9))]
+    tokens, weights = np.asarray(batch["tokens"]), np.asarray(batch["loss_mask"])
+    ce, count = np.zeros(m), np.zeros(m)
+    for row in range(b):
+        for p in cuts[row]:
+            logits = _direct_logits(target, bita_params, jnp.asarray(tokens[row, : p + 1]), jnp.arange(p + 1 + m), m)
+            for i in range(m):  # 0-based: mask i + 1 predicts the token at p + i + 2
+                if p + i + 2 < t and weights[row, p + i + 2]:
+                    ce[i] += float(optax.softmax_cross_entropy_with_integer_labels(logits[i], tokens[row, p + i + 2]))
+                    count[i] += 1
+    for i in range(m):
+        np.testing.assert_allclose(float(metrics[f"head{i}/loss"]), ce[i] / count[i], rtol=2e-4)
+    np.testing.assert_allclose(float(loss), (ce / count).sum(), rtol=2e-4)
+
+
+def test_training_moves_only_the_prompt_and_the_masks(target):
+    """Gradients reach both the prompt and the masks through the frozen target; a train step changes them and
+    leaves the target's params bit-identical (they are not in the optimizer's state); prompt dropout acts
+    only when the batch carries an rng (training)."""
+    import optax
+
+    from amphista_jax.train.step import make_steps
+
+    drafter = BiTA()
+    frozen = Target(CONFIG, target)
+    params = drafter.init(jax.random.key(1), frozen)
+    batch = _batch(target)
+    grads = jax.grad(lambda p: drafter.loss(p, frozen, batch | {"rng": jax.random.key(3)})[0])(params)
+    assert set(grads) == {"masks", "prompt_k", "prompt_v"}
+    for name, g in grads.items():
+        assert float(jnp.abs(g).max()) > 0, name
+    dropped = drafter.loss(params, frozen, batch | {"rng": jax.random.key(3)})[0]
+    assert float(drafter.loss(params, frozen, batch)[0]) != float(dropped)
+    assert float(BiTA(prompt_dropout=0.0).loss(params, frozen, batch)[0]) == float(drafter.loss(params, frozen,
+                                                                                               batch)[0])
+    before = jax.tree.map(np.array, target)
+    optimizer = optax.adamw(3e-2)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    step, _ = make_steps(Transformer(CONFIG), drafter, optimizer)
+    old = jax.tree.map(np.array, params)
+    state, metrics = step(state, target, {k: np.asarray(v) for k, v in batch.items()})
+    assert float(metrics["grad_norm"]) > 0
+    for name in old:
+        assert not np.array_equal(np.asarray(state["params"][name]), old[name]), name
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, target), before)
+
+
+def test_a_few_steps_lower_the_mask_loss(target):
+    from tests.helpers import assert_trains
+
+    assert_trains(BiTA(), Target(CONFIG, target), steps=8, lr=3e-2)
+
+
+@pytest.mark.parametrize("tree", ["efficient-3x2", "chain-3"])
+def test_trained_bita_is_lossless_and_drafts_well(target, tree):
+    """Masks and prompt fitted to the target's own greedy continuations (self-distillation, appendix A): greedy
+    decoding stays lossless and commits more than 1.5 tokens per target forward (`_fitted`)."""
+    params = _fitted(target)
+    spec = efficient_tree(3, 2) if tree == "efficient-3x2" else chain(3)
+    assert_greedy_lossless(Target(CONFIG, target), BiTA(), params, spec, trained=True)
+
+
+_FITTED = {}
+
+
+def _fitted(target):
+    """BiTA's defaults (16 prompt tokens, 3 masks) fitted for 400 steps at lr 0.1. The tiny random target's
+    logits are nearly flat (lm_head ~ N(0, 0.02)) and BiTA can only steer it through 3 + 2 x 2 x 16 vectors, so
+    its top-1 reaches ~0.27 here (Medusa's heads memorise these sequences); that already gives tau ~2."""
+    from tests.helpers import fitted_heads
+
+    if "params" not in _FITTED:
+        _FITTED["params"] = fitted_heads(BiTA(), Target(CONFIG, target), steps=400, lr=0.1, metric="head0/top1",
+                                         threshold=0.2)
+    return _FITTED["params"]

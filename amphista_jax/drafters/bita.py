@@ -43,8 +43,15 @@ Medusa's heads do; `efficient_tree` is the paper's tree, where only top-1 candid
 are deterministic top-k (`q = None`), so greedy and lossless rejection sampling both apply. The prefill runs
 the prompt's own mask group (`prefill_extras`) so the first step already has drafts.
 
-Training (not yet, issue #16 part 2): the SAR loss of equation (1), gradients flowing through the frozen
-target into the prompt and mask parameters, with dropout `prompt_dropout` on the prompt tokens.
+Training (`loss`, section 3.1 with the efficient layout): the SAR loss of equation (1) in ONE forward of the
+frozen target per sequence. G mask groups sit at consecutive cut points p = s .. s + G - 1 of each row; the
+group at cut p is the decoding layout above with the sequence's own tokens as the accepted path: its mask i
+(1-based) sits at position p + i, sees tokens 0 .. p, the prompt keys and the earlier masks of its group, and
+is trained on the token at p + i + 1 (under `loss_mask`). The sequence's tokens see no mask and no prompt key,
+so the target's own outputs are those of a plain forward. The drafter sets `loss_runs_target`: the train step
+hands it no stop-gradient target output, and gradients flow through the frozen target (whose params are not
+differentiated) into the masks and the prompt. Prompt dropout is element-wise inverted dropout on the prompt
+keys/values (P-tuning v2's dropout on its `past_key_values`), with `batch["rng"]` when the batch has one.
 """
 
 from __future__ import annotations
@@ -64,11 +71,13 @@ from amphista_jax.drafters.base import (
     Target,
     accepted_hidden,
     check_tree_depth,
+    head_metrics,
     logical,
     topk_proposal,
 )
+from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output
+from amphista_jax.models.llama import Output, PrefixKV, target_model
 from amphista_jax.trees import Tree, TreeArrays, TreeSpec
 from amphista_jax.verify import Verdict, last_accepted_node
 
@@ -103,13 +112,17 @@ def mask_groups(tree: TreeArrays, lengths: jax.Array, num_masks: int) -> tuple[j
 class BiTA(LogicalInit):
     num_masks: int = 3  # M mask tokens: drafts up to depth M
     num_prompt: int = 16  # P prompt tokens per layer (0: mask tokens only, the paper's ablation)
-    prompt_dropout: float = 0.1  # on the prompt tokens in training (not used by decoding)
+    prompt_dropout: float = 0.1  # on the prompt keys/values in training (not used by decoding)
+    train_groups: int = 0  # G mask groups per sequence in training (consecutive cut points); 0: every cut point
+    loss_runs_target = True  # the loss runs the frozen target itself (train/step.py passes no target output)
 
     def __post_init__(self) -> None:
         if self.num_masks < 1:
             raise ValueError(f"BiTA {self.num_masks=} must be >= 1 (the masks draft the tree)")
         if self.num_prompt < 0:
             raise ValueError(f"BiTA {self.num_prompt=} must be >= 0")
+        if self.train_groups < 0:
+            raise ValueError(f"BiTA {self.train_groups=} must be >= 0 (0: a mask group at every cut point)")
         if not 0.0 <= self.prompt_dropout < 1.0:
             raise ValueError(f"BiTA {self.prompt_dropout=} must be in [0, 1)")
 
@@ -173,6 +186,71 @@ class BiTA(LogicalInit):
         logits = jnp.take_along_axis(verify_out.logits, rows[:, :, None], axis=1)
         return state | {"logits": logits.astype(jnp.float32)}, accepted_hidden(verdict, verify_out)
 
-    def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
-        raise NotImplementedError("BiTA training (the SAR loss through the frozen target) is not implemented yet: "
-                                  "issue #16 part 2")
+    def _cut_points(self, batch: dict) -> jax.Array:
+        """`[B, G]` consecutive cut points per row. G = `train_groups` (0: T - 2, every cut whose mask 1 has a
+        label). They start at the cut before the row's first loss token, shifted by a uniform random offset
+        within the row when the batch carries an `rng` (training)."""
+        tokens, mask = batch["tokens"], batch["loss_mask"]
+        b, t = tokens.shape
+        g = min(self.train_groups or t - 2, t - 2)
+        if g < 1:
+            raise ValueError(f"BiTA training needs sequences of >= 3 tokens, got {t}")
+        last = t - 1 - g  # the latest start whose groups all lie within the row
+        lo = jnp.clip(jnp.argmax(mask > 0, axis=1) - 1, 0, last)  # [B]
+        if "rng" in batch:
+            lo = lo + jax.random.randint(jax.random.fold_in(batch["rng"], 1), (b,), 0, last - lo + 1)
+        return lo[:, None] + jnp.arange(g, dtype=jnp.int32)  # [B, G]
+
+    def _training_extras(self, params: dict, cuts: jax.Array, t: int, rng: jax.Array | None) -> Extras:
+        """The groups at `cuts [B, G]` as extras over a sequence of `t` tokens: group g's masks at positions
+        cut + 1 .. cut + M, seeing tokens 0 .. cut and the earlier masks of their own group."""
+        b, g = cuts.shape
+        m = self.num_masks
+        positions = (cuts[:, :, None] + jnp.arange(1, m + 1, dtype=jnp.int32)).reshape(b, g * m)  # [B, E]
+        sees_new = jnp.repeat(jnp.arange(t)[None, None, :] <= cuts[:, :, None], m, axis=1)  # [B, E, T]
+        group = np.arange(g * m) // m
+        own = (group[:, None] == group[None, :]) & (np.arange(g * m)[None, :] <= np.arange(g * m)[:, None])
+        extras = self._extras(params, positions, sees_new, jnp.broadcast_to(jnp.asarray(own), (b, g * m, g * m)))
+        if self.num_prompt and self.prompt_dropout and rng is not None:
+            keep = 1.0 - self.prompt_dropout
+            k_k, k_v = jax.random.split(jax.random.fold_in(rng, 2))
+            drop = lambda x, k: jnp.where(jax.random.bernoulli(k, keep, x.shape), x / keep, 0.0)  # noqa: E731
+            extras = extras.replace(prefix_k=drop(extras.prefix_k, k_k), prefix_v=drop(extras.prefix_v, k_v))
+        return extras
+
+    def loss(self, params: dict, target: Target, batch: dict, target_out: Output | None = None
+             ) -> tuple[jax.Array, dict]:
+        """The SAR loss (equation (1)): the sum over masks i of the masked mean CE of mask i of every group
+        against the token at its cut + i + 1, from one forward of the frozen target over `batch["tokens"] [B,
+        T]` with G = `train_groups` groups attached (see the module docstring). `target_out` is not used (the
+        loss runs the target itself: `loss_runs_target`). Metrics `head{i-1}/loss|top1|top5` per mask i."""
+        tokens = batch["tokens"]
+        b, t = tokens.shape
+        m = self.num_masks
+        cuts = self._cut_points(batch)  # [B, G]
+        g = cuts.shape[1]
+        extras = self._training_extras(params, cuts, t, batch.get("rng"))
+        e = extras.count
+        mask = jnp.concatenate([jnp.concatenate([causal_mask(b, t), jnp.zeros((b, t, e), bool)], 2),
+                                jnp.concatenate([extras.sees_new, extras.sees_extras], 2)], 1)  # [B, T + E, T + E]
+        prefix = None
+        if extras.prefix_k is not None:
+            visible = jnp.broadcast_to((jnp.arange(t + e) >= t)[None, :, None], (b, t + e, extras.prefix_k.shape[2]))
+            prefix = PrefixKV(extras.prefix_k, extras.prefix_v, visible)
+        positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), extras.positions], 1)
+        out = target_model(target.config, target.params).apply(
+            {"params": target.params}, tokens, positions, None, mask, False, extras.embeds, prefix)
+        hidden = out.hidden[:, t:].astype(jnp.float32).reshape(b, g, m, -1)  # [B, G, M, D]
+        label_pos = cuts[:, :, None] + jnp.arange(2, m + 2, dtype=jnp.int32)  # [B, G, M] mask i: cut + i + 1
+        inside = label_pos < t
+        flat = jnp.clip(label_pos, 0, t - 1).reshape(b, g * m)
+        labels = jnp.take_along_axis(tokens, flat, 1).reshape(b, g, m)
+        weights = (jnp.take_along_axis(batch["loss_mask"], flat, 1).reshape(b, g, m) > 0) & inside
+        lm_head = target.lm_head()
+        total, metrics = 0.0, {}
+        for i in range(m):
+            head_loss, head = head_metrics(hidden[:, :, i] @ lm_head, labels[:, :, i],
+                                           weights[:, :, i].astype(jnp.float32))
+            total = total + head_loss
+            metrics |= {f"head{i}/{name}": v for name, v in head.items()}
+        return total, metrics
