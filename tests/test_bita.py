@@ -3,7 +3,8 @@
 The visibility of a small tree with its mask groups is checked against the matrix drawn in `bita.py`; the
 target's logits at the prompt and the tree are those of a forward without BiTA; every mask group's logits
 equal a plain causal forward over the committed prefix, the group's path and the masks (the prompt keys seen
-by the masks alone); decoding is lossless and compiles once.
+by the masks alone); decoding is lossless and compiles once. Training: the groups of the one training forward
+equal direct forwards, only the prompt and the masks move, and fitted masks draft well and stay lossless.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def test_settings_registration_and_paper_defaults():
     big = tiny_llama_config(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
                             vocab_size=32000, head_dim=128)
     assert BiTA.for_target(small).num_masks == 3 and BiTA.for_target(big).num_masks == 4
-    for bad in (dict(num_masks=0), dict(num_prompt=-1), dict(prompt_dropout=1.0)):
+    for bad in (dict(num_masks=0), dict(num_prompt=-1), dict(prompt_dropout=1.0), dict(train_groups=-1)):
         with pytest.raises(ValueError):
             BiTA(**bad)
     assert scratch_slots(BiTA(), PRESETS["small-8"]) == 8 + 8 * 3
