@@ -46,7 +46,7 @@ def test_untrained_medusa_heads_equal_the_targets_own_head_shifted():
 FAST_HEAD_ACCURACY = {"medusa", "eagle", "gumiho"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_HEAD_ACCURACY else pytest.mark.slow)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_HEAD_ACCURACY else (pytest.mark.slow,))
                                   for n in sorted(DRAFTERS)])
 def test_every_registered_drafter_reports_per_head_accuracy(name: str):
     model_dir = default_model_dir()

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.drafters import Amphista, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive, Target
+from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
+from amphista_jax.drafters import Amphista, BiTA, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive, Target
 from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.models.config import tiny_llama_config
@@ -293,8 +293,10 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     pytest.param(SemiAutoregressive(num_heads=3), PRESETS["small-8"], marks=pytest.mark.slow),
     pytest.param(DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32)), PRESETS["small-8"],
                  marks=pytest.mark.slow),
-    (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32), temperature=1.0), PRESETS["small-8"])],
-    ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "gumiho", "sar", "draft-model", "draft-model-iid-q"])
+    (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32), temperature=1.0), PRESETS["small-8"]),
+    (BiTA(), PRESETS["small-8"])],
+    ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "gumiho", "sar", "draft-model", "draft-model-iid-q",
+         "bita"])
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""
@@ -306,7 +308,7 @@ def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     rows = 4000
     tokens, lengths = pad_prompts([prompt] * rows, length=4)
     out = speculative_generate(params, heads, tokens, lengths, jax.random.key(9), config=config, drafter=drafter,
-                               tree=tree, max_new_tokens=3, cache_size=16,
+                               tree=tree, max_new_tokens=3, cache_size=max(16, 4 + 3 + scratch_slots(drafter, tree)),
                                sampling=SamplingConfig(temperature=1.0))
     second = np.asarray(out.tokens[:, 1])
     model = Transformer(config)

@@ -52,7 +52,8 @@ MESHES = {"data2-fsdp2-tensor2": dict(data=2, fsdp=2, tensor=2), "fsdp8": dict(f
 # Default: Medusa (with per-part learning rates: a multi-transform optimizer state) on both meshes and every
 # other built-in drafter on the 3-axis one; the rest of the grid is slow.
 SHARDED_CASES = [pytest.param(method, mesh, marks=() if mesh == "data2-fsdp2-tensor2" or method == "medusa"
-                              else pytest.mark.slow) for method in VARIANTS for mesh in MESHES]
+                                                  else (pytest.mark.slow,))
+                 for method in VARIANTS for mesh in MESHES]
 
 
 def _non_replicated(tree) -> int:

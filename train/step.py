@@ -1,5 +1,9 @@
 """The draft-head train step: frozen target forward (once per batch) + the drafter's loss, one `jax.jit`.
 
+A drafter with `loss_runs_target = True` (BiTA) runs the target inside its own loss (`target_out` is None):
+gradients then flow through the target's activations into the draft params. Either way only the draft params
+are differentiated and updated; the target's params stay frozen.
+
 With a mesh, the target's params are sharded by their logical axes, so are the draft params and, like them,
 their optimizer state (`sharding.train_state_shardings`; replicated when none are given), and the batch is split
 over `data` x `fsdp`; without one the same function runs on the default device.
@@ -78,14 +82,20 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
     replicated). Both run the batch as `microbatches` sequential slices (`over_microbatches`): the update is the
     one of the slices' loss-token weighted mean loss, with 1/`microbatches` of the activation memory."""
 
+    runs_target = getattr(drafter, "loss_runs_target", False)  # optional in the contract
+
     def loss_fn(params, target_params, batch):
+        target = Target(model.config, target_params)
+        if runs_target:  # the drafter runs the frozen target in its loss: gradients reach its params through it
+            with nn.logical_axis_rules(LOGICAL_RULES):
+                return drafter.loss(params, target, batch, None)
         with nn.logical_axis_rules(LOGICAL_RULES):
             target_out = target_forward(model, target_params, batch)
             # Pinned here, so that the drafter's shardings do not propagate back into the target's forward.
             target_out = target_out.replace(
                 hidden=nn.with_logical_constraint(target_out.hidden, ("batch", "length", "embed")),
                 logits=nn.with_logical_constraint(target_out.logits, ("batch", "length", "vocab")))
-        return drafter.loss(params, Target(model.config, target_params), batch, target_out)
+        return drafter.loss(params, target, batch, target_out)
 
     def train_step(state, target_params, batch):
         # Training-time randomness for the losses that use it (Hydra's embedding noise); eval gets none.

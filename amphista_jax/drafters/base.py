@@ -26,7 +26,10 @@ frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
   generation before the decode loop (`split_heads`: stacked per-head weights as one array per head).
 * `loss(params, target, batch, target_out) -> (loss, metrics)`: the training objective. `batch` holds
   `tokens [B, T]` and `loss_mask [B, T]`; in a train step (never in evaluation) also `rng`, a key for
-  training-time randomness (Hydra's embedding noise).
+  training-time randomness (Hydra's embedding noise). `target_out` is the frozen target's stop-gradient
+  output over the batch, or None when the drafter sets
+* optional `loss_runs_target = True`: its loss runs the target itself (BiTA's masks ride in the target's own
+  forward), so gradients flow through the frozen target's activations into the draft params.
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ class Drafter(Protocol):
     def commit(self, params: Any, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: Any) -> tuple[Any, jax.Array]: ...
 
-    def loss(self, params: Any, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]: ...
+    def loss(self, params: Any, target: Target, batch: dict, target_out: Output | None) -> tuple[jax.Array, dict]: ...
 
 
 def accepted_hidden(verdict: Verdict, verify_out: Output) -> jax.Array:
