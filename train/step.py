@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -141,14 +142,20 @@ class Step:
     def batch_spec(mesh: Mesh) -> NamedSharding:
         return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
+    @functools.cached_property
+    def _shard_ratio(self) -> tuple[int, int]:
+        """(the mesh's batch shards, this process's): a local batch's rows x this ratio = the global batch's (processes
+        sharing a shard hold the same rows). Found once, not per step."""
+        mine, ways = local_batch_shards(self.mesh)
+        return ways, len(mine)
+
     def __call__(self, state_or_params: Any, target_params: dict, local_batch: dict) -> Any:
         if self.mesh is None:
             return self.jitted(state_or_params, target_params, local_batch)
-        mine, ways = local_batch_shards(self.mesh)
-        spec = self.batch_spec(self.mesh)
+        spec, (ways, mine) = self.batch_spec(self.mesh), self._shard_ratio
 
         def global_array(x: np.ndarray) -> jax.Array:
-            shape = (x.shape[0] * ways // len(mine), *x.shape[1:])  # processes sharing a shard hold the same rows
+            shape = (x.shape[0] * ways // mine, *x.shape[1:])
             return jax.make_array_from_process_local_data(spec, np.asarray(x), shape)
 
         batch = jax.tree.map(global_array, local_batch)
