@@ -170,7 +170,8 @@ def _check_heads(heads: str, tree=None) -> None:
         raise UsageError(f"--heads {heads}: not a draft-head checkpoint (no {META_FILE}); pass the heads/ directory "
                          "that `amphista-jax train` wrote")
     try:
-        num_heads = json.loads(meta.read_text()).get("settings", {}).get("num_heads")
+        settings = json.loads(meta.read_text()).get("settings", {})
+        num_heads = settings.get("num_heads", settings.get("num_masks"))  # BiTA's mask i drafts depth i
     except (json.JSONDecodeError, AttributeError) as e:
         raise UsageError(f"--heads {heads}: {META_FILE} is damaged ({e}); retrain or re-save the heads") from None
     if tree is not None and num_heads is not None and tree.depth > num_heads:

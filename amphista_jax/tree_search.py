@@ -1,9 +1,9 @@
 """Data-driven, hardware-aware draft trees: Medusa/Hydra's greedy construction priced by a measured step.
 
 1. **Acceptance statistics.** `collect_rates` decodes calibration prompts (never the evaluation set) greedily
-   with a *calibration tree* (every rank `0..R-1` at every depth, under the top-1 chain) and reads the
-   per-(depth, rank) counts `speculative_generate` already keeps: `rates[d, r]` = P(the depth-`d+1` head's
-   rank-`r` candidate is the target's token | the path to its parent was accepted).
+   with a *calibration tree* (every rank `0..R-1` at every depth, under the top-1 chain: BiTA's
+   `efficient_tree`) and reads the per-(depth, rank) counts `speculative_generate` already keeps: `rates[d, r]`
+   = P(the depth-`d+1` head's rank-`r` candidate is the target's token | the path to its parent was accepted).
 2. **Growth.** `grow_trees` adds nodes one at a time, always the candidate with the largest path probability
    (the product of the rates along its path). Rates are <= 1, so a child never outranks its parent: every tree
    is prefix-closed, and tree `k` maximises the expected accept length `1 + sum(path probabilities)` over all
@@ -28,7 +28,7 @@ import numpy as np
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.trees import TreeSpec
+from amphista_jax.trees import TreeSpec, efficient_tree
 
 
 class TreeSearchError(UserError, ValueError):
@@ -36,11 +36,6 @@ class TreeSearchError(UserError, ValueError):
 
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 63)
-
-
-def calibration_tree(depth: int, ranks: int) -> TreeSpec:
-    """Ranks `0..ranks-1` at every depth `1..depth`, each under the top-1 chain: `depth * ranks` draft nodes."""
-    return TreeSpec(tuple((0,) * d + (r,) for d in range(depth) for r in range(ranks)))
 
 
 def acceptance_rates(tries: np.ndarray, hits: np.ndarray) -> np.ndarray:
@@ -225,7 +220,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     method, drafter, draft_params = load_draft(heads_dir, config, params)
     pad_id = config.pad_token_id or 0
     ids = [encode_prompt(tok, p) for p in prompts]
-    calib = calibration_tree(drafter.num_heads, ranks)
+    calib = efficient_tree(drafter.num_heads, ranks)
     with tqdm(total=len(ids), desc="acceptance statistics", unit="prompt") as bar:
         tries, hits = collect_rates(params, draft_params, drafter, config, ids, calib, max_new_tokens,
                                     stop_token_ids(model_dir, tok, config), pad_id, progress=bar.update)

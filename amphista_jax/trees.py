@@ -429,6 +429,14 @@ def chain(depth: int) -> TreeSpec:
     return TreeSpec(tuple((0,) * d for d in range(1, depth + 1)))
 
 
+def efficient_tree(depth: int, top_k: int) -> TreeSpec:
+    """BiTA's "efficient" token tree (its figure 5): the top-`top_k` candidates at every depth up to `depth`, all
+    children of the previous depth's top-1 candidate (`depth * top_k` draft nodes). Tree search calibrates on it."""
+    if depth < 1 or top_k < 1:
+        raise TreeError(f"efficient tree: {depth=} and {top_k=} must be >= 1")
+    return TreeSpec(tuple((0,) * d + (r,) for d in range(depth) for r in range(top_k)))
+
+
 def load_tree(path: str | Path) -> TreeSpec:
     """A tree from a JSON list of paths (e.g. `[[0], [0, 0], [1]]`) with at least one draft node."""
     try:
@@ -467,12 +475,22 @@ def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Pat
 
 
 DYNAMIC = "dynamic"  # EAGLE-2's budget with the paper's defaults; `dynamic-TxDxK` sets them
+EFFICIENT = "efficient"  # `efficient-DxK`: BiTA's efficient tree of depth D, top-K per depth
+
+
+def _sizes(name: str, kind: str, what: str, form: str, example: str) -> list[int]:
+    """The sizes in a tree name `<kind>-<form>` (positive integers joined by `x`, e.g. `dynamic-60x6x10`)."""
+    sizes = name[len(kind) + 1:].split("x")
+    if len(sizes) == form.count("x") + 1 and all(s.isdigit() and int(s) >= 1 for s in sizes):
+        return [int(s) for s in sizes]
+    raise TreeError(f"tree {name!r}: {what} reads {kind}-{form} (each >= 1), e.g. {kind}-{example}")
 
 
 def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> Tree:
     """A preset by name, a JSON file of paths, `auto` (the tree searched for the heads in `heads_dir` on this
-    device class (`amphista-jax tree-search`), else the papers' tree, with a note on stderr), or the budget of
-    a tree grown on device every step: `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
+    device class (`amphista-jax tree-search`), else the papers' tree, with a note on stderr), BiTA's efficient
+    tree `efficient-DxK`, or the budget of a tree grown on device every step: `dynamic` (60 nodes, depth 6,
+    top-10) or `dynamic-TxDxK`."""
     if name_or_path == AUTO:
         path = searched_tree_path(heads_dir) if heads_dir is not None else None
         if path is not None and path.is_file():
@@ -488,12 +506,11 @@ def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> Tree:
     if name_or_path == DYNAMIC:
         return dynamic_tree()
     if name_or_path.startswith(DYNAMIC + "-"):
-        sizes = name_or_path[len(DYNAMIC) + 1:].split("x")
-        if len(sizes) == 3 and all(s.isdigit() and int(s) >= 1 for s in sizes):
-            return dynamic_tree(*map(int, sizes))
-        raise TreeError(f"tree {name_or_path!r}: a dynamic budget reads dynamic-TxDxK (drafted nodes x depth x "
-                        "top-k, each >= 1), e.g. dynamic-60x6x10")
+        return dynamic_tree(*_sizes(name_or_path, DYNAMIC, "a dynamic budget (drafted nodes x depth x top-k)",
+                                   "TxDxK", "60x6x10"))
+    if name_or_path.startswith(EFFICIENT + "-"):
+        return efficient_tree(*_sizes(name_or_path, EFFICIENT, "an efficient tree (depth x top-k)", "DxK", "3x5"))
     if Path(name_or_path).is_file():
         return load_tree(name_or_path)
-    raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N), a JSON file "
-                    "of paths, or a dynamic budget (dynamic, dynamic-TxDxK)")
+    raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N, efficient-DxK), a "
+                    "JSON file of paths, or a dynamic budget (dynamic, dynamic-TxDxK)")

@@ -433,6 +433,8 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "data.max_len=100000"], ["data.max_len=100000", "2048 positions"]),
     (["--set", "mesh.data=3"], ["3 devices", "device count"]),
     (["--set", "part_lrs.nothere=0.1"], ["part_lrs ['nothere']", "parameter groups"]),
+    (["--set", "method=bita", "--set", "method_settings={}", "--set", "data.cache_target_hidden=true"],
+     ["bita runs the target inside its own loss", "data.cache_target_hidden=false"]),
 ])
 def test_train_bad_settings_fail_before_any_work(capsys, tmp_path, extra, needles):
     data, out = _code(tmp_path / "code"), tmp_path / "run"

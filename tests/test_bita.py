@@ -27,10 +27,10 @@ from amphista_jax.decode import (
     speculative_generate,
 )
 from amphista_jax.drafters import DRAFTERS, VARIANTS, BiTA, Target
-from amphista_jax.drafters.bita import efficient_tree, mask_groups
+from amphista_jax.drafters.bita import mask_groups
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params, new_cache
-from amphista_jax.trees import PRESETS, TreeError, TreeSpec, batched, chain, tree_arrays
+from amphista_jax.trees import PRESETS, TreeError, TreeSpec, batched, chain, efficient_tree, get_tree, tree_arrays
 from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless
 
 NEW = 12
@@ -75,6 +75,10 @@ def test_mask_group_visibility_literal():
 def test_efficient_tree_is_the_papers_figure_5():
     assert efficient_tree(3, 2) == TreeSpec(((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1)))
     assert efficient_tree(4, 3).num_nodes == 13 and efficient_tree(4, 3).depth == 4
+    assert get_tree("efficient-4x3") == efficient_tree(4, 3)  # figure 5 by name
+    for bad in ("efficient-3", "efficient-0x5", "efficient-3x5x1", "efficient-ax5"):
+        with pytest.raises(TreeError, match="efficient-DxK"):
+            get_tree(bad)
 
 
 def test_settings_registration_and_paper_defaults():

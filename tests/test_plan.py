@@ -44,7 +44,7 @@ def _shard_bytes(tree) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device.id == 0)
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "bita"])  # BiTA's step runs the target with gradients
 def test_train_plan_is_the_compiled_step_of_the_real_run(method):
     cfg = _train_config(method)
     job = train_job(cfg, CONFIG)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from amphista_jax.assets import default_model_dir, draft_model_dir, shipped_heads, shipped_heads_dir
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.demo import humaneval_prompt
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.drafters.io import load_draft
@@ -25,8 +25,11 @@ MODEL = default_model_dir()
 # Fill static trees; each has a CPU tree searched for it.
 METHODS = ("medusa", "amphista", "hydra", "hydra-plus", "sar", "sar-lstm")
 VARIANT_OF = {"hydra-plus": "hydra", "sar-lstm": "sar"}  # shipped name -> registered method
-GROWN = {"eagle": ("mc_sim_7b_63", "dynamic"), "gumiho": ("dynamic-63x7x35",)}  # feature-level drafters
-SHIPPED = sorted(METHODS + tuple(GROWN))
+# Their own trees: EAGLE's and Gumiho's (feature-level drafters), BiTA's (mask tokens: depth <= 3) searched one and
+# its paper's efficient tree.
+OWN_TREES = {"eagle": ("mc_sim_7b_63", "dynamic"), "gumiho": ("dynamic-63x7x35",), "bita": ("auto", "efficient-3x5")}
+SEARCHED = METHODS + ("bita",)
+SHIPPED = sorted(METHODS + tuple(OWN_TREES))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def heads(target):
     return {m: load_draft(shipped_heads_dir(m), config, params)[1:] for m in SHIPPED}
 
 
-def test_shipped_heads_files(target):
+def test_shipped_heads_files(target, heads):
     _, config, _ = target
     assert shipped_heads() == SHIPPED
     for name in SHIPPED:
@@ -49,29 +52,31 @@ def test_shipped_heads_files(target):
         meta = json.loads((path / "draft.json").read_text())
         assert meta["method"] == VARIANT_OF.get(name, name) and meta["target"]["vocab_size"] == config.vocab_size
         assert sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) < 8 * 2**20  # bf16 on disk
-        if name not in METHODS:
+        if name not in SEARCHED:
             continue
         tree = get_tree("auto", path)  # the CPU tree searched for these heads, within the heads' depth
         assert searched_tree_path(path, "cpu").is_file() and 1 <= tree.num_nodes - 1 <= 63
-        assert tree.depth <= meta["settings"]["num_heads"]
+        assert tree.depth <= heads[name][0].num_heads
     with pytest.raises(FileNotFoundError, match="train them"):
         shipped_heads_dir("no-such-method")
 
 
 @pytest.mark.parametrize(("method", "tree_name"), [
     pytest.param(m, t, marks=pytest.mark.slow if m.startswith("sar") and t != "auto" else ())
-    for m in METHODS for t in ("auto", "mc_sim_7b_63")] + [(m, t) for m, trees in GROWN.items() for t in trees])
+    for m in METHODS for t in ("auto", "mc_sim_7b_63")] + [(m, t) for m, trees in OWN_TREES.items() for t in trees])
 def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, tree_name):
     """Greedy speculative decoding with the trained heads == AR, batch 3 (three HumanEval prompts of
     different lengths), on the tree searched for the heads and on the papers' 63-node tree (EAGLE: also its
-    dynamic tree; Gumiho: its dynamic budget); trained heads commit clearly more than 1 token/forward (more than
-    1.5 on the large trees; a searched one-node tree drafts less)."""
+    dynamic tree; Gumiho: its dynamic budget; BiTA: its searched tree and its paper's efficient tree); trained
+    heads commit clearly more than 1 token/forward (more than 1.5 on the large trees; a searched one-node tree
+    drafts less)."""
     params, config, tok = target
     drafter, draft_params = heads[method]
     prompts = [encode_prompt(tok, humaneval_prompt(f"HumanEval/{i}")) for i in (2, 4, 7)]
     tokens, lengths = pad_prompts(prompts, pad_id=config.pad_token_id or 0)
     tree = get_tree(tree_name, shipped_heads_dir(method))
-    settings = dict(config=config, max_new_tokens=48, cache_size=tokens.shape[1] + 48 + tree.num_nodes)
+    settings = dict(config=config, max_new_tokens=48,
+                    cache_size=tokens.shape[1] + 48 + scratch_slots(drafter, tree))  # BiTA: nodes + mask groups
     ar = generate(params, tokens, lengths, jax.random.key(0), **settings)
     spec = speculative_generate(params, draft_params, tokens, lengths, jax.random.key(0), drafter=drafter,
                                 tree=tree, **settings)

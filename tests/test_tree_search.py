@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from amphista_jax.tree_search import acceptance_rates, calibration_tree, grow_trees, pick
-from amphista_jax.trees import AUTO_FALLBACK, PRESETS, TreeSpec, get_tree, searched_tree_path
+from amphista_jax.tree_search import acceptance_rates, grow_trees, pick
+from amphista_jax.trees import AUTO_FALLBACK, PRESETS, TreeSpec, efficient_tree, get_tree, searched_tree_path
 
 
 def _expected_tau(choices, rates) -> float:
@@ -59,7 +59,7 @@ def test_pick_maximises_expected_tokens_per_second():
 
 def test_rates_and_calibration_tree():
     assert acceptance_rates(np.array([[4, 0]]), np.array([[1, 0]])).tolist() == [[0.25, 0.0]]
-    tree = calibration_tree(depth=3, ranks=2)
+    tree = efficient_tree(depth=3, top_k=2)
     assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1))
 
 

@@ -300,6 +300,9 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
     check_batch_split(cfg)
     _check_data(cfg.data)
     drafter = DRAFTERS[cfg.method](**cfg.method_settings)
+    if cfg.data.cache_target_hidden and getattr(drafter, "loss_runs_target", False):
+        raise TrainConfigError(f"method {cfg.method} runs the target inside its own loss, so cached target hidden "
+                               "states would be computed and never used: set data.cache_target_hidden=false")
     try:
         heads = jax.eval_shape(lambda p: drafter.init(jax.random.key(0), Target(target_config, p)),
                                param_shapes(target_config)[0])

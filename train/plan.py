@@ -35,8 +35,16 @@ from amphista_jax.train.heads import (
 from amphista_jax.trees import get_tree
 
 DECODE_NEW_TOKENS = 256
-PAPER_TREE = "mc_sim_7b_63"  # the decode plan's tree, but for the methods that grow their own (their papers' budgets):
-DYNAMIC_TREES = {"eagle": "dynamic", "gumiho": "dynamic-63x7x35"}
+PAPER_TREE = "mc_sim_7b_63"
+GROWN_TREES = {"eagle": "dynamic", "gumiho": "dynamic-63x7x35"}  # EAGLE-2's and Gumiho's budgets
+
+
+def paper_tree(method: str, drafter: Any) -> str:
+    """The tree the decode plan drafts by default: the method's paper's. The papers' 63-node tree, the budgets of
+    EAGLE-2's and Gumiho's trees grown on device, BiTA's efficient tree of depth M, top-5 (its section 4.1)."""
+    if method == "bita":
+        return f"efficient-{drafter.num_masks}x5"
+    return GROWN_TREES.get(method, PAPER_TREE)
 
 
 class PlanError(UserError, ValueError):
@@ -105,8 +113,8 @@ def plan_config(req: PlanRequest, devices: list[jax.Device], decode_batch: int =
     """The train and decode plans of `req` on `devices` (its mesh's count), and what they were made for; the decode
     plan drafts `tree_name` (default: the method's tree in its paper)."""
     cfg, accelerator = req.cfg, req.accelerator
-    tree_name = tree_name or DYNAMIC_TREES.get(cfg.method, PAPER_TREE)
     job = train_job(cfg, req.target, devices[:req.devices])
+    tree_name = tree_name or paper_tree(cfg.method, job.drafter)
     capacity = accelerator_capacity(accelerator) if accelerator else (None, "")
     tree = get_tree(tree_name)
     prompt_len = min(cfg.data.max_len,

@@ -39,9 +39,10 @@ prefix C of length L and the prompt keys P (`mask_groups`; the test checks this 
 
 After acceptance, `commit` keeps the logits of the group attached to the last accepted node (the one whose
 own logits gave the bonus token): mask i's top-k fill depth i of the next static tree (`topk_proposal`, as
-Medusa's heads do; `efficient_tree` is the paper's tree, where only top-1 candidates have children). Drafts
-are deterministic top-k (`q = None`), so greedy and lossless rejection sampling both apply. The prefill runs
-the prompt's own mask group (`prefill_extras`) so the first step already has drafts.
+Medusa's heads do; the paper's tree, where only top-1 candidates have children, is `trees.efficient_tree`:
+`--tree efficient-3x5`). Drafts are deterministic top-k (`q = None`), so greedy and lossless rejection sampling
+both apply. The prefill runs the prompt's own mask group (`prefill_extras`) so the first step already has
+drafts.
 
 Training (`loss`, section 3.1 with the efficient layout): the SAR loss of equation (1) in ONE forward of the
 frozen target per sequence. G mask groups sit at consecutive cut points p = s .. s + G - 1 of each row; the
@@ -78,18 +79,10 @@ from amphista_jax.drafters.base import (
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, target_model
-from amphista_jax.trees import Tree, TreeArrays, TreeSpec
+from amphista_jax.trees import Tree, TreeArrays
 from amphista_jax.verify import Verdict, last_accepted_node
 
 LARGE_TARGET = 13.5e9  # the paper: 3 mask tokens for targets up to 13B parameters, 4 above
-
-
-def efficient_tree(depth: int, top_k: int) -> TreeSpec:
-    """The paper's "efficient" token tree (figure 5): the top-`top_k` candidates at every depth up to `depth`,
-    all children of the previous depth's top-1 candidate (`depth * top_k` drafted nodes)."""
-    if depth < 1 or top_k < 1:
-        raise ValueError(f"{depth=} and {top_k=} must be >= 1")
-    return TreeSpec(tuple((0,) * d + (r,) for d in range(depth) for r in range(top_k)))
 
 
 def mask_groups(tree: TreeArrays, lengths: jax.Array, num_masks: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -125,6 +118,11 @@ class BiTA(LogicalInit):
             raise ValueError(f"BiTA {self.train_groups=} must be >= 0 (0: a mask group at every cut point)")
         if not 0.0 <= self.prompt_dropout < 1.0:
             raise ValueError(f"BiTA {self.prompt_dropout=} must be in [0, 1)")
+
+    @property
+    def num_heads(self) -> int:
+        """The deepest draft (mask i drafts depth i): what tree search calibrates and `check_tree_depth` allows."""
+        return self.num_masks
 
     @classmethod
     def for_target(cls, config: ModelConfig, **overrides) -> BiTA:
@@ -173,7 +171,7 @@ class BiTA(LogicalInit):
         return state | {"logits": hidden.astype(jnp.float32) @ target.lm_head()}
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        tree = check_tree_depth(tree, self.num_masks, "BiTA")
+        tree = check_tree_depth(tree, self.num_heads, "BiTA")
         proposal = topk_proposal(ctx.state["logits"][:, :max(tree.depth, 1)], ctx.root, tree)
         positions, sees_new, sees_extras = mask_groups(proposal.tree, ctx.lengths, self.num_masks)
         return proposal.replace(extras=self._extras(params, positions, sees_new, sees_extras))

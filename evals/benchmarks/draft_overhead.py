@@ -11,7 +11,9 @@ The state is the engine's own: `spec_init` on random prompts of `--committed` to
 then the drafter's), then one `spec_step`. On that state each part of the step is jitted on its own and timed
 (median of `--runs` calls after a warm-up):
 - propose: `spec_propose`, the drafter's tree and tokens;
-- verify: `spec_verify`, one target forward over the tree and the acceptance rule;
+- verify: `spec_verify`, one target forward over the tree and the acceptance rule; its query rows are the tree's
+  nodes plus the drafter's verify-time extras (`queries`: BiTA's mask groups, N x M of them), so the extras'
+  cost is the verify time of such a method minus that of one without extras (Medusa) on the same tree;
 - commit: the drafter's `commit` alone (its own causal layers: Amphista's adaptation layers, Hydra++'s prefix
   layer), on that step's real proposal and verdict;
 - engine commit: `spec_commit`, i.e. KV compaction + the drafter's commit + emit;
@@ -146,7 +148,8 @@ def main() -> None:
         by_depth = [part_ms(functools.partial(spec_propose, settings=dataclasses.replace(settings, tree=cut(spec, d))),
                             params, draft_params, s, runs=args.runs) for d in cuts]
         parts = step_parts_ms(params, draft_params, settings, s, args.runs)
-        rows.append({"method": method, "tree": tree, "nodes": spec.num_nodes, "batch": args.batch, **parts,
+        rows.append({"method": method, "tree": tree, "nodes": spec.num_nodes,
+                     "queries": scratch_slots(drafter, spec), "batch": args.batch, **parts,
                      "ar_step_ms": ar_ms, "draft_over_ar": (parts["propose_ms"] + parts["commit_ms"]) / ar_ms,
                      "draft_over_target_bytes": nbytes(draft_params) / nbytes(params),
                      "propose_ms_by_depth": by_depth,
@@ -155,16 +158,17 @@ def main() -> None:
     heads = "".join(f" head {i + 1} |" for i in range(depth))
     lines = [f"model: {model}; batch {args.batch}; {args.committed} committed tokens; backend: "
              f"{jax.default_backend()}; times in ms (median of {args.runs}); each part of `spec_step` jitted on its "
-             f"own; AR step {ar_ms:.3f} ms; draft share = (propose + commit) / step; draft / AR = (propose + commit) "
-             "/ AR step; bytes = drafter / target parameter bytes; head i = propose on the tree cut at depth i minus "
-             "at depth i - 1", "",
-             f"| method | tree | nodes | propose | verify | commit | engine commit | step | draft share | draft / AR "
-             f"| bytes |{heads}",
-             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * depth]
+             f"own; AR step {ar_ms:.3f} ms; queries = verify query rows (tree nodes + the drafter's extras); draft "
+             "share = (propose + commit) / step; draft / AR = (propose + commit) / AR step; bytes = drafter / target "
+             "parameter bytes; head i = propose on the tree cut at depth i minus at depth i - 1", "",
+             f"| method | tree | nodes | queries | propose | verify | commit | engine commit | step | draft share | "
+             f"draft / AR | bytes |{heads}",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * depth]
     for r in rows:
         inc = [f"{x:.3f}" for x in r["head_increment_ms"]] + ["-"] * (depth - len(r["head_increment_ms"]))
-        lines.append(f"| {r['method']} | {r['tree']} | {r['nodes']} | {r['propose_ms']:.3f} | {r['verify_ms']:.3f} | "
-                     f"{r['commit_ms']:.3f} | {r['engine_commit_ms']:.3f} | {r['step_ms']:.3f} | "
+        lines.append(f"| {r['method']} | {r['tree']} | {r['nodes']} | {r['queries']} | {r['propose_ms']:.3f} | "
+                     f"{r['verify_ms']:.3f} | {r['commit_ms']:.3f} | {r['engine_commit_ms']:.3f} | "
+                     f"{r['step_ms']:.3f} | "
                      f"{r['draft_share']:.0%} | {r['draft_over_ar']:.0%} | {r['draft_over_target_bytes']:.0%} |"
                      + "".join(f" {x} |" for x in inc))
     write_report(args.out, "draft_overhead", rows, "\n".join(lines))
