@@ -298,6 +298,9 @@ def test_training_moves_only_the_prompt_and_the_masks(target):
     assert set(grads) == {"masks", "prompt_k", "prompt_v"}
     for name, g in grads.items():
         assert float(jnp.abs(g).max()) > 0, name
+    # recomputing the target's layers in the backward pass (the default) gives the gradients of keeping them
+    kept = jax.grad(lambda p: BiTA(remat=False).loss(p, frozen, batch | {"rng": jax.random.key(3)})[0])(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, kept)
     dropped = drafter.loss(params, frozen, batch | {"rng": jax.random.key(3)})[0]
     assert float(drafter.loss(params, frozen, batch)[0]) != float(dropped)
     assert float(BiTA(prompt_dropout=0.0).loss(params, frozen, batch)[0]) == float(drafter.loss(params, frozen,

@@ -51,8 +51,10 @@ group at cut p is the decoding layout above with the sequence's own tokens as th
 is trained on the token at p + i + 1 (under `loss_mask`). The sequence's tokens see no mask and no prompt key,
 so the target's own outputs are those of a plain forward. The drafter sets `loss_runs_target`: the train step
 hands it no stop-gradient target output, and gradients flow through the frozen target (whose params are not
-differentiated) into the masks and the prompt. Prompt dropout is element-wise inverted dropout on the prompt
-keys/values (P-tuning v2's dropout on its `past_key_values`), with `batch["rng"]` when the batch has one.
+differentiated) into the masks and the prompt. The target's layers are recomputed in the backward pass
+(`remat`): keeping their activations over T + G * M tokens does not fit a 7B pod's devices. Prompt dropout is
+element-wise inverted dropout on the prompt keys/values (P-tuning v2's dropout on its `past_key_values`), with
+`batch["rng"]` when the batch has one.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class BiTA(LogicalInit):
     num_prompt: int = 16  # P prompt tokens per layer (0: mask tokens only, the paper's ablation)
     prompt_dropout: float = 0.1  # on the prompt keys/values in training (not used by decoding)
     train_groups: int = 0  # G mask groups per sequence in training (consecutive cut points); 0: every cut point
+    remat: bool = True  # training recomputes each target layer in the backward pass (keeps one layer's activations)
     loss_runs_target = True  # the loss runs the frozen target itself (train/step.py passes no target output)
 
     def __post_init__(self) -> None:
@@ -236,7 +239,7 @@ class BiTA(LogicalInit):
             visible = jnp.broadcast_to((jnp.arange(t + e) >= t)[None, :, None], (b, t + e, extras.prefix_k.shape[2]))
             prefix = PrefixKV(extras.prefix_k, extras.prefix_v, visible)
         positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), extras.positions], 1)
-        out = target_model(target.config, target.params).apply(
+        out = target_model(target.config, target.params, remat=self.remat).apply(
             {"params": target.params}, tokens, positions, None, mask, False, extras.embeds, prefix)
         hidden = out.hidden[:, t:].astype(jnp.float32).reshape(b, g, m, -1)  # [B, G, M, D]
         label_pos = cuts[:, :, None] + jnp.arange(2, m + 2, dtype=jnp.int32)  # [B, G, M] mask i: cut + i + 1

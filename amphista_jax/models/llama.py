@@ -165,14 +165,21 @@ class DecoderLayer(nn.Module):
         return x, (layer_k, layer_v)
 
 
-def decoder_stack(config: ModelConfig, param_dtype: Dtype, attention: str, name: str) -> nn.Module:
+def decoder_layer(remat: bool) -> type[nn.Module]:
+    """The decoder layer class; with `remat`, one whose activations are recomputed in the backward pass (only
+    its input is kept), for a loss that differentiates through the target (BiTA)."""
+    return nn.remat(DecoderLayer, prevent_cse=False) if remat else DecoderLayer
+
+
+def decoder_stack(config: ModelConfig, param_dtype: Dtype, attention: str, name: str, remat: bool = False
+                  ) -> nn.Module:
     """`config.num_layers` decoder layers stacked on a leading `layers` axis (`nn.scan`: one compiled body).
 
     Draft methods build their own stacks from the target's block type (Amphista's adaptation layers and
     auto-embedding block, Hydra++'s prefix layer) and run them with `run_stack`.
     """
     return nn.scan(
-        DecoderLayer,
+        decoder_layer(remat),
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=(0, nn.broadcast),
@@ -224,6 +231,7 @@ class Transformer(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
     split: bool = False  # params in the `split_layers` layout: one module per layer, no loop over layers
+    remat: bool = False  # recompute each layer's activations in the backward pass (`decoder_layer`)
 
     def setup(self) -> None:
         AttentionBackend.parse(self.attention)
@@ -232,10 +240,10 @@ class Transformer(nn.Module):
             c.vocab_size, c.hidden_size, param_dtype=self.param_dtype,
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
         if self.split:
-            self.layers = [DecoderLayer(c, self.param_dtype, self.attention, name=f"layer_{i}")
+            self.layers = [decoder_layer(self.remat)(c, self.param_dtype, self.attention, name=f"layer_{i}")
                            for i in range(c.num_layers)]
         else:
-            self.layers = decoder_stack(c, self.param_dtype, self.attention, name="layers")
+            self.layers = decoder_stack(c, self.param_dtype, self.attention, name="layers", remat=self.remat)
         self.final_norm = RMSNorm(c.rms_norm_eps, self.param_dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, ("embed", "vocab"), False, "lm_head", self.param_dtype)
@@ -297,9 +305,9 @@ def layer_params(params: dict, i: int) -> dict:
     return params[f"layer_{i % n}"]
 
 
-def target_model(config: ModelConfig, params: dict, attention: str = "xla") -> Transformer:
+def target_model(config: ModelConfig, params: dict, attention: str = "xla", remat: bool = False) -> Transformer:
     """The `Transformer` that applies `params` in their layout (stacked or `split_layers`)."""
-    return Transformer(config, attention=attention, split=has_split_layers(params))
+    return Transformer(config, attention=attention, split=has_split_layers(params), remat=remat)
 
 
 def input_embeddings(params: dict, tokens: jax.Array) -> jax.Array:
