@@ -163,17 +163,17 @@ def _check_heads(heads: str, tree=None) -> None:
     import json
     from pathlib import Path
 
-    from amphista_jax.drafters.io import META_FILE
+    from amphista_jax.drafters.io import META_FILE, saved_drafter
 
     meta = Path(heads) / META_FILE
     if not meta.is_file():
         raise UsageError(f"--heads {heads}: not a draft-head checkpoint (no {META_FILE}); pass the heads/ directory "
                          "that `amphista-jax train` wrote")
     try:
-        settings = json.loads(meta.read_text()).get("settings", {})
-        num_heads = settings.get("num_heads", settings.get("num_masks"))  # BiTA's mask i drafts depth i
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise UsageError(f"--heads {heads}: {META_FILE} is damaged ({e}); retrain or re-save the heads") from None
+        json.loads(meta.read_text())["settings"]
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise UsageError(f"--heads {heads}: {META_FILE} is damaged ({e!r}); retrain or re-save the heads") from None
+    num_heads = getattr(saved_drafter(heads), "num_heads", None)  # the deepest draft (BiTA: its masks)
     if tree is not None and num_heads is not None and tree.depth > num_heads:
         raise UsageError(f"the tree has depth {tree.depth} but the heads in {heads} draft {num_heads} tokens deep: "
                          f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads})")

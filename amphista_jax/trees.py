@@ -466,7 +466,7 @@ PRESETS: dict[str, TreeSpec] = {
 
 
 AUTO = "auto"
-AUTO_FALLBACK = "mc_sim_7b_63"  # `auto` without a tree searched for these heads on this device class
+PAPER_TREE = "mc_sim_7b_63"  # what a method drafts unless its paper names another tree (a drafter's `paper_tree`)
 
 
 def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Path:
@@ -481,26 +481,31 @@ EFFICIENT = "efficient"  # `efficient-DxK`: BiTA's efficient tree of depth D, to
 def _sizes(name: str, kind: str, what: str, form: str, example: str) -> list[int]:
     """The sizes in a tree name `<kind>-<form>` (positive integers joined by `x`, e.g. `dynamic-60x6x10`)."""
     sizes = name[len(kind) + 1:].split("x")
-    if len(sizes) == form.count("x") + 1 and all(s.isdigit() and int(s) >= 1 for s in sizes):
+    if len(sizes) == form.count("x") + 1 and all(s.isascii() and s.isdigit() and int(s) >= 1 for s in sizes):
         return [int(s) for s in sizes]
     raise TreeError(f"tree {name!r}: {what} reads {kind}-{form} (each >= 1), e.g. {kind}-{example}")
 
 
 def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> Tree:
     """A preset by name, a JSON file of paths, `auto` (the tree searched for the heads in `heads_dir` on this
-    device class (`amphista-jax tree-search`), else the papers' tree, with a note on stderr), BiTA's efficient
-    tree `efficient-DxK`, or the budget of a tree grown on device every step: `dynamic` (60 nodes, depth 6,
-    top-10) or `dynamic-TxDxK`."""
+    device class (`amphista-jax tree-search`), else the tree of the heads' paper, with a note on stderr), BiTA's
+    efficient tree `efficient-DxK`, or the budget of a tree grown on device every step: `dynamic` (60 nodes,
+    depth 6, top-10) or `dynamic-TxDxK`."""
     if name_or_path == AUTO:
         path = searched_tree_path(heads_dir) if heads_dir is not None else None
         if path is not None and path.is_file():
             return load_tree(path)
         why = (f"no tree was searched for {heads_dir} on {jax.default_backend()} (`amphista-jax tree-search --heads "
                f"{heads_dir}` searches one)" if heads_dir is not None else "untrained heads have no searched tree")
-        print(f"note: tree auto: {why}; using {AUTO_FALLBACK}", file=sys.stderr)
-        return PRESETS[AUTO_FALLBACK]
+        from amphista_jax.drafters.io import heads_paper_tree  # the drafters import this module
+
+        fallback = PAPER_TREE if heads_dir is None else heads_paper_tree(heads_dir)
+        print(f"note: tree auto: {why}; using {fallback}", file=sys.stderr)
+        return get_tree(fallback)
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
+    if Path(name_or_path).is_file():
+        return load_tree(name_or_path)
     if name_or_path.startswith("chain-") and name_or_path[6:].isdigit() and int(name_or_path[6:]) >= 1:
         return chain(int(name_or_path[6:]))
     if name_or_path == DYNAMIC:
@@ -510,7 +515,5 @@ def get_tree(name_or_path: str, heads_dir: str | Path | None = None) -> Tree:
                                    "TxDxK", "60x6x10"))
     if name_or_path.startswith(EFFICIENT + "-"):
         return efficient_tree(*_sizes(name_or_path, EFFICIENT, "an efficient tree (depth x top-k)", "DxK", "3x5"))
-    if Path(name_or_path).is_file():
-        return load_tree(name_or_path)
     raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N, efficient-DxK), a "
                     "JSON file of paths, or a dynamic budget (dynamic, dynamic-TxDxK)")

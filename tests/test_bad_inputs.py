@@ -85,6 +85,8 @@ GEN = ["generate", "--model", MODEL, "--prompt", "def add(a, b):", "--max-new-to
     (["--tree", "no-such-tree", "--draft", "medusa"], ["unknown tree", "preset"]),
     (["--heads", "/nonexistent/heads"], ["--heads", "not a draft-head checkpoint"]),
     (["--draft", "amphista", "--heads", HEADS, "--tree", "chain-1"], ["medusa heads"]),
+    (["--heads", str(shipped_heads_dir("bita")), "--tree", "chain-4"], ["depth 4", "3 tokens deep"]),  # 3 masks
+    (["--tree", "efficient-3x²", "--draft", "bita"], ["efficient-DxK"]),
     (["--mesh", "3,1,1"], ["--mesh 3,1,1", "3 devices", "device count", "drop --mesh"]),
     (["--mesh", "1,2"], ["--mesh", "DATA,FSDP,TENSOR"]),
     (["--mesh", "0,1,1"], ["--mesh", ">= 1"]),

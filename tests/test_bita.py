@@ -317,6 +317,20 @@ def test_training_moves_only_the_prompt_and_the_masks(target):
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, target), before)
 
 
+def test_training_recomputes_the_targets_layers(target):
+    """With `remat` (the default) the gradient keeps less for the backward pass than with every layer's
+    activations kept (the gradients themselves agree: test above); the paper's tree follows M."""
+    frozen, batch = Target(CONFIG, target), _batch(target, b=4, t=96)
+    params = BiTA().init(jax.random.key(1), frozen)
+    def backward_temps(drafter: BiTA) -> int:
+        grad = jax.jit(jax.grad(lambda p: drafter.loss(p, frozen, batch)[0]))
+        return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    temps = {remat: backward_temps(BiTA(remat=remat)) for remat in (True, False)}
+    assert temps[True] < 0.8 * temps[False], temps
+    assert (BiTA().paper_tree, BiTA(num_masks=4).paper_tree) == ("efficient-3x5", "efficient-4x5")
+
+
 def test_a_few_steps_lower_the_mask_loss(target):
     from tests.helpers import assert_trains
 

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 
 import numpy as np
 import pytest
 
+from amphista_jax.assets import shipped_heads_dir
 from amphista_jax.tree_search import acceptance_rates, grow_trees, pick
-from amphista_jax.trees import AUTO_FALLBACK, PRESETS, TreeSpec, efficient_tree, get_tree, searched_tree_path
+from amphista_jax.trees import (
+    PAPER_TREE,
+    PRESETS,
+    TreeSpec,
+    dynamic_tree,
+    efficient_tree,
+    get_tree,
+    searched_tree_path,
+)
 
 
 def _expected_tau(choices, rates) -> float:
@@ -57,18 +67,21 @@ def test_pick_maximises_expected_tokens_per_second():
     assert max(slow.speedups) < 1  # nothing beats AR: the caller must say so
 
 
-def test_rates_and_calibration_tree():
+def test_acceptance_rates():
     assert acceptance_rates(np.array([[4, 0]]), np.array([[1, 0]])).tolist() == [[0.25, 0.0]]
-    tree = efficient_tree(depth=3, top_k=2)
-    assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1))
 
 
 def test_tree_auto_reads_the_searched_tree(tmp_path, capsys):
     path = searched_tree_path(tmp_path)
-    assert get_tree("auto", tmp_path) == PRESETS[AUTO_FALLBACK]  # nothing searched for this device class yet
+    assert get_tree("auto", tmp_path) == PRESETS[PAPER_TREE]  # nothing searched for this device class yet
     assert "tree-search --heads" in capsys.readouterr().err
-    assert get_tree("auto") == PRESETS[AUTO_FALLBACK]  # untrained heads
+    assert get_tree("auto") == PRESETS[PAPER_TREE]  # untrained heads
     assert "untrained heads have no searched tree" in capsys.readouterr().err
+    for method, paper_tree in (("bita", efficient_tree(3, 5)), ("eagle", dynamic_tree())):  # their papers' trees
+        heads = tmp_path / method
+        heads.mkdir()
+        shutil.copy(shipped_heads_dir(method) / "draft.json", heads)
+        assert get_tree("auto", heads) == paper_tree
     path.parent.mkdir()
     path.write_text(json.dumps([[0], [0, 0], [1]]))
     assert get_tree("auto", tmp_path) == TreeSpec(((0,), (1,), (0, 0)))

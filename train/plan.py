@@ -32,19 +32,9 @@ from amphista_jax.train.heads import (
     plan_training,
     train_job,
 )
-from amphista_jax.trees import get_tree
+from amphista_jax.trees import PAPER_TREE, get_tree
 
 DECODE_NEW_TOKENS = 256
-PAPER_TREE = "mc_sim_7b_63"
-GROWN_TREES = {"eagle": "dynamic", "gumiho": "dynamic-63x7x35"}  # EAGLE-2's and Gumiho's budgets
-
-
-def paper_tree(method: str, drafter: Any) -> str:
-    """The tree the decode plan drafts by default: the method's paper's. The papers' 63-node tree, the budgets of
-    EAGLE-2's and Gumiho's trees grown on device, BiTA's efficient tree of depth M, top-5 (its section 4.1)."""
-    if method == "bita":
-        return f"efficient-{drafter.num_masks}x5"
-    return GROWN_TREES.get(method, PAPER_TREE)
 
 
 class PlanError(UserError, ValueError):
@@ -114,7 +104,7 @@ def plan_config(req: PlanRequest, devices: list[jax.Device], decode_batch: int =
     plan drafts `tree_name` (default: the method's tree in its paper)."""
     cfg, accelerator = req.cfg, req.accelerator
     job = train_job(cfg, req.target, devices[:req.devices])
-    tree_name = tree_name or paper_tree(cfg.method, job.drafter)
+    tree_name = tree_name or getattr(job.drafter, "paper_tree", PAPER_TREE)
     capacity = accelerator_capacity(accelerator) if accelerator else (None, "")
     tree = get_tree(tree_name)
     prompt_len = min(cfg.data.max_len,

@@ -30,6 +30,8 @@ frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
   output over the batch, or None when the drafter sets
 * optional `loss_runs_target = True`: its loss runs the target itself (BiTA's masks ride in the target's own
   forward), so gradients flow through the frozen target's activations into the draft params.
+* optional `paper_tree`: the name of the tree its paper drafts (`trees.get_tree`), used where no tree is named
+  or searched (`--tree auto` without a search, `amphista-jax plan`); default `trees.PAPER_TREE`.
 """
 
 from __future__ import annotations

@@ -123,6 +123,11 @@ class BiTA(LogicalInit):
             raise ValueError(f"BiTA {self.prompt_dropout=} must be in [0, 1)")
 
     @property
+    def paper_tree(self) -> str:
+        """The paper's efficient tree: top-5 at each depth up to M (section 4.1)."""
+        return f"efficient-{self.num_masks}x5"
+
+    @property
     def num_heads(self) -> int:
         """The deepest draft (mask i drafts depth i): what tree search calibrates and `check_tree_depth` allows."""
         return self.num_masks

@@ -72,6 +72,7 @@ from amphista_jax.verify import Verdict
 
 @dataclasses.dataclass(frozen=True)
 class Eagle(LogicalInit):
+    paper_tree = "dynamic"  # EAGLE-2's dynamic tree
     num_layers: int = 1  # decoder layers of the draft stack (EAGLE: 1; Gumiho's serial part: 2)
     feature_noise: float = 0.1  # training: U(-a, a) added to the target's features
     reg_weight: float = 1.0  # SmoothL1 regression of the next feature

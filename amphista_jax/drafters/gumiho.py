@@ -64,6 +64,7 @@ from amphista_jax.verify import Verdict
 
 @dataclasses.dataclass(frozen=True)
 class Gumiho(LogicalInit):
+    paper_tree = "dynamic-63x7x35"  # a 63-node budget: the serial part's depth 2, the MLP heads' 5, beam 35
     serial_layers: int = 2
     mlp_heads: int = 5
     mlp_layers: int = 5  # residual blocks after each head's first 2D -> D block

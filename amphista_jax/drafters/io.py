@@ -20,6 +20,7 @@ from amphista_jax.drafters.base import Target
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import layer_params
+from amphista_jax.trees import PAPER_TREE
 
 META_FILE = "draft.json"
 TARGET_KEYS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
@@ -65,6 +66,22 @@ def save_draft(path: str | Path, method: str, drafter: Any, params: Any, target_
     if jax.process_index() == 0:
         (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return path
+
+
+def saved_drafter(path: str | Path) -> Any | None:
+    """The drafter `path`'s `draft.json` describes (its settings; no params are read), or None where it has no
+    readable one."""
+    try:
+        meta = json.loads((Path(path) / META_FILE).read_text())
+        return DRAFTERS[meta["method"]](**meta["settings"])
+    except (OSError, ValueError, KeyError, TypeError):  # no file, not JSON, unknown method, odd settings
+        return None
+
+
+def heads_paper_tree(path: str | Path) -> str:
+    """The name of the tree the paper of the heads in `path` drafts (the drafter's `paper_tree`; `PAPER_TREE`
+    for a method without one or where `path` holds no heads)."""
+    return getattr(saved_drafter(path), "paper_tree", PAPER_TREE)
 
 
 def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict) -> tuple[str, Any, Any]:

@@ -165,10 +165,11 @@ class DecoderLayer(nn.Module):
         return x, (layer_k, layer_v)
 
 
-def decoder_layer(remat: bool) -> type[nn.Module]:
+def decoder_layer(remat: bool, scanned: bool) -> type[nn.Module]:
     """The decoder layer class; with `remat`, one whose activations are recomputed in the backward pass (only
-    its input is kept), for a loss that differentiates through the target (BiTA)."""
-    return nn.remat(DecoderLayer, prevent_cse=False) if remat else DecoderLayer
+    its input is kept), for a loss that differentiates through the target (BiTA). Under `nn.scan` (`scanned`)
+    the loop already keeps XLA from merging the recomputation back, elsewhere `prevent_cse` does."""
+    return nn.remat(DecoderLayer, prevent_cse=not scanned) if remat else DecoderLayer
 
 
 def decoder_stack(config: ModelConfig, param_dtype: Dtype, attention: str, name: str, remat: bool = False
@@ -179,7 +180,7 @@ def decoder_stack(config: ModelConfig, param_dtype: Dtype, attention: str, name:
     auto-embedding block, Hydra++'s prefix layer) and run them with `run_stack`.
     """
     return nn.scan(
-        decoder_layer(remat),
+        decoder_layer(remat, scanned=True),
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=(0, nn.broadcast),
@@ -240,8 +241,8 @@ class Transformer(nn.Module):
             c.vocab_size, c.hidden_size, param_dtype=self.param_dtype,
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
         if self.split:
-            self.layers = [decoder_layer(self.remat)(c, self.param_dtype, self.attention, name=f"layer_{i}")
-                           for i in range(c.num_layers)]
+            layer = decoder_layer(self.remat, scanned=False)
+            self.layers = [layer(c, self.param_dtype, self.attention, name=f"layer_{i}") for i in range(c.num_layers)]
         else:
             self.layers = decoder_stack(c, self.param_dtype, self.attention, name="layers", remat=self.remat)
         self.final_norm = RMSNorm(c.rms_norm_eps, self.param_dtype)
