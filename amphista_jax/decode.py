@@ -22,11 +22,19 @@ import numpy as np
 from flax import struct
 
 from amphista_jax.cache import KVCache, compact, constrain_caches
-from amphista_jax.drafters.base import DraftContext, Extras, PrefillContext, Proposal, Target, accepted_tokens
+from amphista_jax.drafters.base import (
+    DraftContext,
+    Extras,
+    PrefillContext,
+    Proposal,
+    Target,
+    accepted_tokens,
+    forward,
+)
 from amphista_jax.errors import UserError
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, PrefixKV, Transformer, new_cache, target_model
+from amphista_jax.models.llama import Output, Transformer, new_cache, target_model
 from amphista_jax.sampling import SamplingConfig, select_token
 from amphista_jax.trees import Tree, tree_statistics
 from amphista_jax.verify import AcceptanceConfig, Verdict, verify
@@ -100,26 +108,6 @@ def check_fits(prompt_lengths: np.ndarray, max_new_tokens: int, cache_size: int,
             f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs {longest + max_new_tokens} "
             f"cache slots but the cache has {cache_size}: shorten the prompt, lower --max-new-tokens or raise "
             "--max-len")
-
-
-def forward(model: Transformer, params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-            new_mask: jax.Array, extras: Extras | None, return_logits: bool = True) -> Output:
-    """The target over `tokens [B, T]` at `positions [B, T]` with visibility `new_mask [B, T, T]` among them, plus
-    a drafter's `extras` after them: the output's hidden states (and logits) are `[B, T + E, ...]`, the new
-    tokens' first. The tokens never see the extras; the extras see the committed prefix, `extras.sees_new`,
-    `extras.sees_extras` and their own prefix keys/values."""
-    if extras is None:
-        return model.apply({"params": params}, tokens, positions, cache, new_mask, return_logits)
-    b, t = tokens.shape
-    e = extras.count
-    mask = jnp.concatenate([jnp.concatenate([new_mask, jnp.zeros((b, t, e), bool)], 2),
-                            jnp.concatenate([extras.sees_new, extras.sees_extras], 2)], 1)  # [B, T + E, T + E]
-    prefix = None
-    if extras.prefix_k is not None:
-        visible = jnp.broadcast_to((jnp.arange(t + e) >= t)[None, :, None], (b, t + e, extras.prefix_k.shape[2]))
-        prefix = PrefixKV(extras.prefix_k, extras.prefix_v, visible)
-    return model.apply({"params": params}, tokens, jnp.concatenate([positions, extras.positions], 1), cache, mask,
-                       return_logits, extras.embeds, prefix)
 
 
 def prefill(

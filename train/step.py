@@ -87,10 +87,9 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
 
     def loss_fn(params, target_params, batch):
         target = Target(model.config, target_params)
-        if runs_target:  # the drafter runs the frozen target in its loss: gradients reach its params through it
-            with nn.logical_axis_rules(LOGICAL_RULES):
-                return drafter.loss(params, target, batch, None)
         with nn.logical_axis_rules(LOGICAL_RULES):
+            if runs_target:  # the drafter runs the frozen target in its loss: gradients reach its params through it
+                return drafter.loss(params, target, batch, None)
             target_out = target_forward(model, target_params, batch)
             # Pinned here, so that the drafter's shardings do not propagate back into the target's forward.
             target_out = target_out.replace(

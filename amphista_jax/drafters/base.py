@@ -41,12 +41,14 @@ from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 from flax import struct
 from jax.sharding import PartitionSpec
 
+from amphista_jax.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, input_embeddings, output_projection
+from amphista_jax.models.llama import Output, PrefixKV, Transformer, input_embeddings, output_projection
 from amphista_jax.trees import (
     Tree,
     TreeArrays,
@@ -105,6 +107,27 @@ class Extras:
     @property
     def count(self) -> int:
         return self.embeds.shape[1]
+
+
+def forward(model: Transformer, params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache | None,
+            new_mask: jax.Array, extras: Extras | None, return_logits: bool = True) -> Output:
+    """The target over `tokens [B, T]` at `positions [B, T]` with visibility `new_mask [B, T, T]` among them, plus
+    a drafter's `extras` after them: the output's hidden states (and logits) are `[B, T + E, ...]`, the new
+    tokens' first. The tokens never see the extras; the extras see the committed prefix, `extras.sees_new`,
+    `extras.sees_extras` and their own prefix keys/values. Decoding's forwards (`decode.prefill`, verification)
+    and a loss that runs the target with extras (BiTA's, without a cache) share it."""
+    if extras is None:
+        return model.apply({"params": params}, tokens, positions, cache, new_mask, return_logits)
+    b, t = tokens.shape
+    e = extras.count
+    mask = jnp.concatenate([jnp.concatenate([new_mask, jnp.zeros((b, t, e), bool)], 2),
+                            jnp.concatenate([extras.sees_new, extras.sees_extras], 2)], 1)  # [B, T + E, T + E]
+    prefix = None
+    if extras.prefix_k is not None:
+        visible = jnp.broadcast_to((jnp.arange(t + e) >= t)[None, :, None], (b, t + e, extras.prefix_k.shape[2]))
+        prefix = PrefixKV(extras.prefix_k, extras.prefix_v, visible)
+    return model.apply({"params": params}, tokens, jnp.concatenate([positions, extras.positions], 1), cache, mask,
+                       return_logits, extras.embeds, prefix)
 
 
 @struct.dataclass

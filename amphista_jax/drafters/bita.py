@@ -74,17 +74,27 @@ from amphista_jax.drafters.base import (
     Target,
     accepted_hidden,
     check_tree_depth,
+    forward,
     head_metrics,
     logical,
     topk_proposal,
 )
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, PrefixKV, target_model
+from amphista_jax.models.llama import Output, target_model
 from amphista_jax.trees import Tree, TreeArrays
 from amphista_jax.verify import Verdict, last_accepted_node
 
 LARGE_TARGET = 13.5e9  # the paper: 3 mask tokens for targets up to 13B parameters, 4 above
+
+
+def own_group_visibility(batch: int, groups: int, num_masks: int) -> jax.Array:
+    """`[B, G * M, G * M]`: each mask of `groups` consecutive groups of `num_masks` sees the earlier masks of its
+    own group and itself, never another group's."""
+    e = groups * num_masks
+    group = np.arange(e) // num_masks
+    own = (group[:, None] == group[None, :]) & (np.arange(e)[None, :] <= np.arange(e)[:, None])
+    return jnp.broadcast_to(jnp.asarray(own), (batch, e, e))
 
 
 def mask_groups(tree: TreeArrays, lengths: jax.Array, num_masks: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -98,9 +108,7 @@ def mask_groups(tree: TreeArrays, lengths: jax.Array, num_masks: int) -> tuple[j
     step = jnp.arange(1, m + 1, dtype=jnp.int32)
     positions = (lengths[:, None, None] + tree.depth[:, :, None] + step).reshape(b, n * m)
     sees_new = jnp.repeat(tree.mask, m, axis=1)  # [B, N * M, N]
-    group = np.arange(n * m) // m
-    own = (group[:, None] == group[None, :]) & (np.arange(n * m)[None, :] <= np.arange(n * m)[:, None])
-    return positions, sees_new, jnp.broadcast_to(jnp.asarray(own), (b, n * m, n * m))
+    return positions, sees_new, own_group_visibility(b, n, m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +179,7 @@ class BiTA(LogicalInit):
         m = self.num_masks
         positions = lengths[:, None] + jnp.arange(m, dtype=jnp.int32)
         sees_prompt = jnp.broadcast_to(jnp.arange(t)[None, None] < lengths[:, None, None], (b, m, t))
-        return self._extras(params, positions, sees_prompt, jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)),
-                                                                             (b, m, m)))
+        return self._extras(params, positions, sees_prompt, own_group_visibility(b, 1, m))
 
     def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: dict) -> dict:
         hidden = prompt.out.hidden[:, prompt.prompt.shape[1]:]  # [B, M, D] the prompt's mask group
@@ -214,9 +221,7 @@ class BiTA(LogicalInit):
         m = self.num_masks
         positions = (cuts[:, :, None] + jnp.arange(1, m + 1, dtype=jnp.int32)).reshape(b, g * m)  # [B, E]
         sees_new = jnp.repeat(jnp.arange(t)[None, None, :] <= cuts[:, :, None], m, axis=1)  # [B, E, T]
-        group = np.arange(g * m) // m
-        own = (group[:, None] == group[None, :]) & (np.arange(g * m)[None, :] <= np.arange(g * m)[:, None])
-        extras = self._extras(params, positions, sees_new, jnp.broadcast_to(jnp.asarray(own), (b, g * m, g * m)))
+        extras = self._extras(params, positions, sees_new, own_group_visibility(b, g, m))
         if self.num_prompt and self.prompt_dropout and rng is not None:
             keep = 1.0 - self.prompt_dropout
             k_k, k_v = jax.random.split(jax.random.fold_in(rng, 2))
@@ -236,16 +241,9 @@ class BiTA(LogicalInit):
         cuts = self._cut_points(batch)  # [B, G]
         g = cuts.shape[1]
         extras = self._training_extras(params, cuts, t, batch.get("rng"))
-        e = extras.count
-        mask = jnp.concatenate([jnp.concatenate([causal_mask(b, t), jnp.zeros((b, t, e), bool)], 2),
-                                jnp.concatenate([extras.sees_new, extras.sees_extras], 2)], 1)  # [B, T + E, T + E]
-        prefix = None
-        if extras.prefix_k is not None:
-            visible = jnp.broadcast_to((jnp.arange(t + e) >= t)[None, :, None], (b, t + e, extras.prefix_k.shape[2]))
-            prefix = PrefixKV(extras.prefix_k, extras.prefix_v, visible)
-        positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), extras.positions], 1)
-        out = target_model(target.config, target.params, remat=self.remat).apply(
-            {"params": target.params}, tokens, positions, None, mask, False, extras.embeds, prefix)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        model = target_model(target.config, target.params, remat=self.remat)
+        out = forward(model, target.params, tokens, positions, None, causal_mask(b, t), extras, return_logits=False)
         hidden = out.hidden[:, t:].astype(jnp.float32).reshape(b, g, m, -1)  # [B, G, M, D]
         label_pos = cuts[:, :, None] + jnp.arange(2, m + 2, dtype=jnp.int32)  # [B, G, M] mask i: cut + i + 1
         inside = label_pos < t
