@@ -59,7 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
-from amphista_jax.models.attention import apply_window, dot_product_attention, key_visibility
+from pallas_kernels.dense_attention import apply_window, dot_product_attention, key_visibility
 
 Backend = Literal["auto", "pallas", "xla"]
 BACKENDS: tuple[str, ...] = ("auto", "pallas", "xla")

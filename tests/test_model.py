@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from amphista_jax.cache import compact
-from amphista_jax.models.attention import apply_window, key_visibility
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
+from pallas_kernels.dense_attention import apply_window, key_visibility
 
 
 def _positions(b: int, start: int, t: int) -> jax.Array:

@@ -30,15 +30,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from amphista_jax.cache import KVCache, write
-from amphista_jax.models.attention import (
-    AttentionBackend,
-    apply_window,
-    causal_mask,
-    dot_product_attention,
-    key_visibility,
-)
+from amphista_jax.models.attention import AttentionBackend, causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
+from pallas_kernels.dense_attention import apply_window, dot_product_attention, key_visibility
 from pallas_kernels.tree_attention import tree_attention
 
 Dtype = Any

@@ -1,0 +1,65 @@
+"""Attention over a KV cache without a kernel: which key slots each new token sees (pure functions of positions
+and lengths) and dense masked attention. The model's XLA path and the reference of the tree-attention kernel
+(`tree_attention.py`) both use these; nothing here imports `amphista_jax`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def key_visibility(
+    positions: jax.Array,  # [B, T] positions of the new tokens
+    new_mask: jax.Array,  # [B, T, T] visibility among the new tokens
+    lengths: jax.Array | None,  # [B] committed tokens in the cache, or None when there is no cache
+    num_keys: int,  # S: cache slots (or T without a cache)
+) -> tuple[jax.Array, jax.Array]:
+    """(`visible [B, T, S]` bool, `distance [B, T, S]` query position - key position) for each key slot.
+
+    With a cache, slot `s < lengths` is a committed token at position `s` (always visible); slot
+    `lengths + j` is new token `j` (visible where `new_mask[:, :, j]`); later slots are never visible.
+    Without a cache the keys are the new tokens themselves. A sliding window then keeps
+    `distance < window` (`apply_window`), per layer.
+    """
+    if lengths is None:
+        visible, key_pos = new_mask, positions
+    else:
+        slots = jnp.arange(num_keys)[None, :]  # [1, S]
+        rel = slots - lengths[:, None]  # [B, S] offset into the new tokens
+        is_new = (rel >= 0) & (rel < new_mask.shape[-1])
+        rel_c = jnp.clip(rel, 0, new_mask.shape[-1] - 1)
+        new_visible = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], new_mask.shape[:2] +
+                                                                      (num_keys,)), axis=2)
+        visible = (rel < 0)[:, None, :] | (is_new[:, None, :] & new_visible)
+        key_pos = jnp.where(rel < 0, slots, jnp.take_along_axis(positions, rel_c, axis=1))  # [B, S]
+    return visible, positions[:, :, None] - key_pos[:, None, :]
+
+
+def apply_window(visible: jax.Array, distance: jax.Array, window: jax.Array | int) -> jax.Array:
+    """Restrict `visible [B, T, S]` to keys less than `window` positions back (0 = full attention)."""
+    return visible & ((window == 0) | (distance < window))
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Grouped-query attention, fp32 scores and softmax.
+
+    q: [B, T, Hq, Dh]; k, v: [B, S, Hkv, Dh]; visible: [B, T, S] bool -> [B, T, Hq, Dh]. Slots no query sees
+    are zeroed first, so garbage (even NaN) in unused cache slots cannot reach the output; a query that sees
+    nothing gets zeros.
+    """
+    b, t, hq, dh = q.shape
+    hkv = k.shape[2]
+    used = jnp.any(visible, axis=1)[:, :, None, None]  # [B, S, 1, 1]
+    k = jnp.where(used, k, jnp.zeros((), k.dtype))
+    v = jnp.where(used, v, jnp.zeros((), v.dtype))
+    qg = q.reshape(b, t, hkv, hq // hkv, dh)
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(
+        jnp.float32(dh))
+    mask = visible[:, None, None]  # [B, 1, 1, T, S]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, dh).astype(q.dtype)
