@@ -10,7 +10,6 @@ the two outputs are identical token for token (they must be: greedy speculative 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gzip
 import json
 from collections.abc import Sequence
@@ -19,13 +18,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from amphista_jax.decode import check_fits, generate, pad_prompts, scratch_slots, speculative_generate
-from amphista_jax.drafters.io import load_draft
 from amphista_jax.errors import UsageError
-from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.timing import median_seconds
-from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
-from amphista_jax.trees import get_tree
+from amphista_jax.generator import Generator, print_notes
+from amphista_jax.tokenizer import colour_drafts
 
 
 def humaneval_tasks() -> dict[str, str]:
@@ -104,29 +99,18 @@ def run_demo(model_dir: str | Path, heads_dir: str | Path, prompt: str, tree: st
              max_new_tokens: int = 128, runs: int = 3) -> DemoResult:
     if max_new_tokens < 1 or runs < 1:
         raise UsageError(f"max_new_tokens={max_new_tokens}, runs={runs}: both must be >= 1")
-    spec_tree = get_tree(tree, heads_dir)  # before any loading: a missing searched tree is a quick, clear error
-    config = load_config(model_dir)
-    tok = load_tokenizer(model_dir)
-    ids = encode_prompt(tok, prompt)
-    check_fits(np.array([len(ids)]), max_new_tokens + spec_tree.num_nodes, len(ids) + max_new_tokens
-               + spec_tree.num_nodes, config)
-    params, config = load_params(model_dir, dtype="float32", layout="split")
-    method, drafter, draft_params = load_draft(heads_dir, config, params)
-    pad_id = config.pad_token_id or 0
-    tokens, lengths = pad_prompts([ids], pad_id=pad_id)
-    settings = dict(config=config, max_new_tokens=max_new_tokens, eos_ids=stop_token_ids(model_dir, tok, config),
-                    pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + scratch_slots(drafter, spec_tree))
-    ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), **settings)
-    spec = functools.partial(speculative_generate, params, draft_params, tokens, lengths, jax.random.key(0),
-                             drafter=drafter, tree=spec_tree, **settings)
-    ar_out, spec_out = ar(), spec()
-    ar_s, spec_s = median_seconds(ar, runs), median_seconds(spec, runs)
-    n = int(spec_out.num_tokens[0])
-    new = np.asarray(spec_out.tokens[0, :n])
-    identical = n == int(ar_out.num_tokens[0]) and bool((new == np.asarray(ar_out.tokens[0, :n])).all())
-    return DemoResult(method, prompt, f"{tree} ({spec_tree.num_nodes - 1} draft nodes, depth {spec_tree.depth})",
-                      colour_drafts(tok, new, np.asarray(spec_out.drafted[0, :n])), n, int(spec_out.steps),
-                      int(ar_out.steps), ar_s, spec_s, int(ar_out.num_tokens[0]), identical, ends_in_loop(new))
+    spec = Generator.load(model_dir, heads_dir, tree)
+    print_notes(spec)
+    ar = spec.autoregressive()
+    ar_out, spec_out = ar.generate(prompt, max_new_tokens=max_new_tokens), spec.generate(
+        prompt, max_new_tokens=max_new_tokens)  # compile and warm up
+    ar_s = float(np.median([ar.generate(prompt, max_new_tokens=max_new_tokens).seconds for _ in range(runs)]))
+    spec_s = float(np.median([spec.generate(prompt, max_new_tokens=max_new_tokens).seconds for _ in range(runs)]))
+    new = spec_out.token_ids[0]
+    return DemoResult(spec.method, prompt, f"{tree} ({spec.tree.num_nodes - 1} draft nodes, depth {spec.tree.depth})",
+                      colour_drafts(spec.tokenizer, new, spec_out.drafted[0]), len(new), int(spec_out.output.steps),
+                      int(ar_out.output.steps), ar_s, spec_s, len(ar_out.token_ids[0]), new == ar_out.token_ids[0],
+                      ends_in_loop(np.asarray(new)))
 
 
 def format_result(r: DemoResult) -> str:

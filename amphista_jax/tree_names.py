@@ -1,0 +1,106 @@
+"""Trees by name: presets (`mc_sim_7b_63`, `chain-N`, `small-8`, ...), JSON files of paths, BiTA's
+`efficient-DxK`, dynamic budgets (`dynamic`, `dynamic-TxDxK`) and `auto`, the tree `amphista-jax tree-search`
+searched for the heads on this device class.
+
+`auto` needs the heads' directory and the tree their paper drafts, both passed in by the caller (this module
+knows no drafter). Where no tree was searched, `resolve_auto` says why in a note that the front-end prints
+(`note: tree auto: <why>; using <fallback>` on stderr); `get_tree` itself prints nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+
+from amphista_jax.tree_growth import dynamic_tree
+from amphista_jax.trees import Tree, TreeError, TreeSpec, chain, efficient_tree
+
+PRESET_DIR = Path(__file__).parent / "assets" / "trees"
+
+
+def load_tree(path: str | Path) -> TreeSpec:
+    """A tree from a JSON list of paths (e.g. `[[0], [0, 0], [1]]`) with at least one draft node."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise TreeError(f"tree file {path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}): it must "
+                        "hold a list of paths, e.g. [[0], [1], [0, 0]]") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TreeError(f"tree file {path} cannot be read ({e}): pass a JSON file of paths") from None
+    if not isinstance(data, list) or not all(isinstance(p, list) and all(isinstance(i, int) for i in p)
+                                             for p in data):
+        raise TreeError(f"{path} must hold a JSON list of paths of integer ranks, e.g. [[0], [1], [0, 0]]")
+    if not data:
+        raise TreeError(f"tree file {path} has no draft nodes (an empty tree is autoregressive decoding): add "
+                        "paths, e.g. [[0], [1], [0, 0]], or use a preset")
+    return TreeSpec(tuple(tuple(p) for p in data))
+
+
+PRESETS: dict[str, TreeSpec] = {
+    "mc_sim_7b_63": load_tree(PRESET_DIR / "medusa_mc_sim_7b_63.json"),
+    "chain-1": chain(1),
+    "chain-4": chain(4),
+    "small-8": TreeSpec(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+    "small-16": TreeSpec(((0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0),
+                          (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0))),
+}
+
+
+AUTO = "auto"
+PAPER_TREE = "mc_sim_7b_63"  # what a method drafts unless its paper names another tree (a drafter's `paper_tree`)
+
+
+def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Path:
+    """Where `amphista-jax tree-search` writes the tree searched for these heads on this device class."""
+    return Path(heads_dir) / "trees" / f"{backend or jax.default_backend()}.json"
+
+
+DYNAMIC = "dynamic"  # EAGLE-2's budget with the paper's defaults; `dynamic-TxDxK` sets them
+EFFICIENT = "efficient"  # `efficient-DxK`: BiTA's efficient tree of depth D, top-K per depth
+
+
+def _sizes(name: str, kind: str, what: str, form: str, example: str) -> list[int]:
+    """The sizes in a tree name `<kind>-<form>` (positive integers joined by `x`, e.g. `dynamic-60x6x10`)."""
+    sizes = name[len(kind) + 1:].split("x")
+    if len(sizes) == form.count("x") + 1 and all(s.isascii() and s.isdigit() and int(s) >= 1 for s in sizes):
+        return [int(s) for s in sizes]
+    raise TreeError(f"tree {name!r}: {what} reads {kind}-{form} (each >= 1), e.g. {kind}-{example}")
+
+
+def resolve_auto(heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE) -> tuple[str, str | None]:
+    """What `auto` means for the heads in `heads_dir`: (the tree to load, None) where `amphista-jax tree-search`
+    searched one for them on this device class, else (`paper_tree`, a note saying why, e.g. "tree auto: no tree
+    was searched for DIR on cpu (...); using mc_sim_7b_63") for the front-end to print as `note: <note>`.
+    `paper_tree` is the tree the heads' paper drafts (the drafter's `paper_tree`; `PAPER_TREE` without heads)."""
+    path = searched_tree_path(heads_dir) if heads_dir is not None else None
+    if path is not None and path.is_file():
+        return str(path), None
+    why = (f"no tree was searched for {heads_dir} on {jax.default_backend()} (`amphista-jax tree-search --heads "
+           f"{heads_dir}` searches one)" if heads_dir is not None else "untrained heads have no searched tree")
+    return paper_tree, f"tree auto: {why}; using {paper_tree}"
+
+
+def get_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE) -> Tree:
+    """A preset by name, a JSON file of paths, `auto` (`resolve_auto`: the tree searched for the heads in
+    `heads_dir` on this device class, else `paper_tree`, the tree of the heads' paper; its note is the caller's
+    to print), BiTA's efficient tree `efficient-DxK`, or the budget of a tree grown on device every step:
+    `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
+    if name_or_path == AUTO:
+        return get_tree(resolve_auto(heads_dir, paper_tree)[0])
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if Path(name_or_path).is_file():
+        return load_tree(name_or_path)
+    if name_or_path.startswith("chain-") and name_or_path[6:].isdigit() and int(name_or_path[6:]) >= 1:
+        return chain(int(name_or_path[6:]))
+    if name_or_path == DYNAMIC:
+        return dynamic_tree()
+    if name_or_path.startswith(DYNAMIC + "-"):
+        return dynamic_tree(*_sizes(name_or_path, DYNAMIC, "a dynamic budget (drafted nodes x depth x top-k)",
+                                   "TxDxK", "60x6x10"))
+    if name_or_path.startswith(EFFICIENT + "-"):
+        return efficient_tree(*_sizes(name_or_path, EFFICIENT, "an efficient tree (depth x top-k)", "DxK", "3x5"))
+    raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N, efficient-DxK), a "
+                    "JSON file of paths, or a dynamic budget (dynamic, dynamic-TxDxK)")
