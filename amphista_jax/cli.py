@@ -10,7 +10,6 @@ from collections.abc import Sequence
 
 from amphista_jax.assets import shipped_heads
 from amphista_jax.drafters import DRAFTERS
-from amphista_jax.drafters.base import Target
 from amphista_jax.errors import (
     BAD_INPUT_EXIT,
     ENVIRONMENT_ERRNOS,
@@ -32,54 +31,16 @@ def default_model() -> str:
     return str(default_model_dir())
 
 
-def _heads_dir(args: argparse.Namespace) -> str | None:
-    """--heads; else the shipped --draft heads when the target is the embedded model; else None (untrained)."""
-    from pathlib import Path
-
-    from amphista_jax.assets import shipped_heads_dir
-
-    if args.heads or not args.draft or Path(args.model).resolve() != Path(default_model()).resolve():
-        return args.heads
-    try:
-        heads = str(shipped_heads_dir(args.draft))
-    except FileNotFoundError:
-        return None
-    print(f"note: using the shipped {args.draft} heads ({heads})", file=sys.stderr)
-    return heads
-
-
-def _load_drafter(args: argparse.Namespace, heads: str | None, config, params):
-    """(drafter, draft params) from `heads`, else untrained --draft heads initialised from the target."""
-    import jax
-
-    from amphista_jax.drafters.io import load_draft
-
-    if heads:
-        method, drafter, draft_params = load_draft(heads, config, params)
-        if args.draft and args.draft != method:
-            raise UsageError(f"--draft {args.draft} but {heads} holds {method} heads")
-        return drafter, draft_params
-    print(f"note: no --heads given, using untrained {args.draft} heads (expect accept length ~1)", file=sys.stderr)
-    drafter = DRAFTERS[args.draft]()
-    return drafter, drafter.init(jax.random.key(args.seed), Target(config, params))
-
-
 def _generate(args: argparse.Namespace) -> int:
-    import contextlib
-    import functools
-
-    import jax
     import numpy as np
 
-    from amphista_jax.decode import check_fits, generate, pad_prompts, scratch_slots, speculative_generate
-    from amphista_jax.drafters.draft_model import AUTO_TREE, DraftModel, check_vocabularies
-    from amphista_jax.models.hf import load_config, load_params
-    from amphista_jax.sharding import on_mesh, param_shardings, place_for_decoding
-    from amphista_jax.tokenizer import colour_drafts, encode_prompt, load_tokenizer, stop_token_ids
-    from amphista_jax.trees import get_tree
+    from amphista_jax.decode import check_fits
+    from amphista_jax.drafters.io import read_draft_meta
+    from amphista_jax.generator import Generator, print_notes
+    from amphista_jax.tokenizer import colour_drafts
     from amphista_jax.verify import AcceptanceConfig
 
-    # Everything that can be checked before loading weights is checked here.
+    # Everything that can be checked before loading weights is checked here or in Generator.load.
     mesh = _mesh(args.mesh)
     sampling = _sampling(args)
     acceptance = AcceptanceConfig(args.acceptance)
@@ -88,62 +49,28 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     if args.draft_model and (args.draft or args.heads):
         raise UsageError("--draft-model drafts on its own: drop --draft / --heads (or drop --draft-model)")
-    speculative = bool(args.draft or args.heads or args.draft_model)
-    heads = _heads_dir(args) if speculative and not args.draft_model else None
-    tree_name = AUTO_TREE if args.draft_model and args.tree == "auto" else args.tree
-    tree = get_tree(tree_name, heads) if speculative else None
-    if heads is not None:
-        _check_heads(heads, tree)
-    config = load_config(args.model)
-    if args.draft_model:
-        check_vocabularies(load_config(args.draft_model), config, args.draft_model)
-    if args.top_k > config.vocab_size:
-        raise UsageError(f"--top-k {args.top_k}: larger than the vocabulary ({config.vocab_size} tokens)")
-    tok = load_tokenizer(args.model)
-    ids = encode_prompt(tok, args.prompt, chat=args.chat)
-    reserve = tree.num_nodes if speculative else 0  # the drafter's extras are added once it is loaded
-    max_len = args.max_len or len(ids) + args.max_new_tokens + reserve
-    check_fits(np.array([len(ids)]), args.max_new_tokens + reserve, max_len, config)
-    # On a mesh each device reads only its slices of the target (no whole copy on the host).
-    shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
-    params, config = load_params(args.model, dtype=args.dtype, shardings=shardings, layout="split")
-    pad_id = config.pad_token_id or 0
-    tokens, lengths = pad_prompts([ids], pad_id=pad_id)
-    kwargs = dict(config=config, max_new_tokens=args.max_new_tokens, attention=args.attention,
-                  sampling=sampling, eos_ids=stop_token_ids(args.model, tok, config), pad_id=pad_id)
-    drafter = draft_params = None
-    if args.draft_model:
-        drafter, draft_params = DraftModel.from_pretrained(args.draft_model, config, args.model, args.dtype)
-        drafter = drafter.sampling_at(args.temperature, tree)
-    elif speculative:
-        drafter, draft_params = _load_drafter(args, heads, config, params)
-    if speculative:
-        reserve = scratch_slots(drafter, tree)
-    if mesh is not None:
-        params, draft_params = place_for_decoding(mesh, config, params, drafter, draft_params)
-    if not args.max_len:
-        max_len = tokens.shape[1] + args.max_new_tokens + reserve
-    if speculative:
-        run = functools.partial(speculative_generate, params, draft_params, drafter=drafter, tree=tree,
-                                acceptance=acceptance, **kwargs)
-    else:
-        run = functools.partial(generate, params, **kwargs)
-    rng = jax.random.key(args.seed)
-    with on_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))  # compile + warm-up
-        compile_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(run(tokens, lengths, rng, cache_size=max_len))
-        seconds = time.perf_counter() - t0
-    n, steps = int(out.num_tokens[0]), int(out.steps)
-    new = np.asarray(out.tokens[0, :n])
-    text = colour_drafts(tok, new, np.asarray(out.drafted[0, :n])) if args.show_drafts else tok.decode(
-        new, skip_special_tokens=True)
+    if args.heads:
+        _check_heads(args.heads)
+    if args.heads and args.draft and (method := read_draft_meta(args.heads).method) != args.draft:
+        raise UsageError(f"--draft {args.draft} but {args.heads} holds {method} heads")
+    gen = Generator.load(args.model, args.heads or args.draft, args.tree, dtype=args.dtype, mesh=mesh,
+                         attention=args.attention, draft_model=args.draft_model, seed=args.seed)
+    print_notes(gen)
+    if args.top_k > gen.config.vocab_size:
+        raise UsageError(f"--top-k {args.top_k}: larger than the vocabulary ({gen.config.vocab_size} tokens)")
+    ids = gen.encode(args.prompt, chat=args.chat)
+    if args.max_len:  # the cache the user allows: the prompt, the new tokens and the tree's scratch slots
+        check_fits(np.array([len(ids)]), args.max_new_tokens + gen.cache_size(0, 0), args.max_len, gen.config)
+    run = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+               top_p=args.top_p, seed=args.seed, acceptance=acceptance)
+    first = gen.generate([ids], **run)  # compiles
+    out = gen.generate([ids], **run)
+    new = out.token_ids[0]
+    text = colour_drafts(gen.tokenizer, new, out.drafted[0]) if args.show_drafts else out.texts[0]
     print(text if args.chat else args.prompt + text)
-    tau = (n - 1) / max(steps, 1)  # tokens per decoding forward; the prefill's token is not counted
-    print(f"\n[{n} tokens in {seconds:.3f}s = {n / seconds:.1f} tokens/s; {steps} decoding forwards, "
-          f"tau = {tau:.2f} tokens/forward; compile+first run {compile_s:.1f}s]", file=sys.stderr)
+    print(f"\n[{len(new)} tokens in {out.seconds:.3f}s = {out.tokens_per_s:.1f} tokens/s; {int(out.output.steps)} "
+          f"decoding forwards, tau = {out.tau[0]:.2f} tokens/forward; compile {first.compile_seconds:.1f}s]",
+          file=sys.stderr)
     return 0
 
 
@@ -161,23 +88,14 @@ def _sampling(args: argparse.Namespace):
 
 def _check_heads(heads: str, tree=None) -> None:
     """A draft-head checkpoint that can draft `tree` (checked from its `draft.json`, before any loading)."""
-    import json
-    from pathlib import Path
+    from amphista_jax.drafters.io import read_draft_meta
 
-    from amphista_jax.drafters.io import META_FILE, saved_drafter
-
-    meta = Path(heads) / META_FILE
-    if not meta.is_file():
-        raise UsageError(f"--heads {heads}: not a draft-head checkpoint (no {META_FILE}); pass the heads/ directory "
-                         "that `amphista-jax train` wrote")
     try:
-        json.loads(meta.read_text())["settings"]
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
-        raise UsageError(f"--heads {heads}: {META_FILE} is damaged ({e!r}); retrain or re-save the heads") from None
-    num_heads = getattr(saved_drafter(heads), "num_heads", None)  # the deepest draft (BiTA: its masks)
-    if tree is not None and num_heads is not None and tree.depth > num_heads:
-        raise UsageError(f"the tree has depth {tree.depth} but the heads in {heads} draft {num_heads} tokens deep: "
-                         f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads})")
+        drafter = read_draft_meta(heads).drafter
+    except UserError as e:
+        raise UsageError(f"--heads {heads}: {e}") from None
+    if tree is not None:
+        drafter.check_tree(tree)
 
 
 def _mesh_sizes(text: str) -> tuple[int, int, int]:
@@ -212,8 +130,8 @@ def _tree_search(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from amphista_jax.demo import humaneval_prompts
+    from amphista_jax.tree_names import searched_tree_path
     from amphista_jax.tree_search import output_paths, search
-    from amphista_jax.trees import searched_tree_path
 
     for name in ("max_nodes", "ranks", "runs"):
         if getattr(args, name) < 1:
@@ -239,14 +157,13 @@ def _tree_search(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from amphista_jax.assets import shipped_heads_dir
     from amphista_jax.demo import format_result, humaneval_prompt, run_demo
-    from amphista_jax.trees import get_tree
 
     if args.runs < 1:
         raise UsageError(f"--runs {args.runs}: the demo needs at least one timed run per decoder")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     heads = args.heads or shipped_heads_dir(args.method)
-    _check_heads(str(heads), get_tree(args.tree, heads))
+    _check_heads(str(heads))
     prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.task)
     result = run_demo(args.model, heads, prompt, args.tree, args.max_new_tokens, args.runs)
     print(format_result(result))

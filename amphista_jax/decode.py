@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,20 +22,13 @@ import numpy as np
 from flax import struct
 
 from amphista_jax.cache import KVCache, compact, constrain_caches
-from amphista_jax.drafters.base import (
-    DraftContext,
-    Extras,
-    PrefillContext,
-    Proposal,
-    Target,
-    accepted_tokens,
-    forward,
-)
+from amphista_jax.drafters.base import DraftContext, Drafter, PrefillContext, Proposal, accepted_tokens
 from amphista_jax.errors import UserError
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache, target_model
 from amphista_jax.sampling import SamplingConfig, select_token
+from amphista_jax.target import Extras, Target, forward
 from amphista_jax.trees import Tree, tree_statistics
 from amphista_jax.verify import AcceptanceConfig, Verdict, verify
 
@@ -129,11 +122,10 @@ def prefill(
     return out, cache, last_hidden, logits
 
 
-def scratch_slots(drafter: Any, tree: Tree) -> int:
+def scratch_slots(drafter: Drafter, tree: Tree) -> int:
     """Cache slots a verify forward writes past the committed ones: the tree's nodes and the drafter's extras.
     A speculative cache needs `padded prompt length + max_new_tokens + scratch_slots(drafter, tree)`."""
-    num_extras = getattr(drafter, "num_extras", None)  # optional in the contract
-    return tree.num_nodes + (0 if num_extras is None else num_extras(tree))
+    return tree.num_nodes + drafter.num_extras(tree)
 
 
 def _check_static_fit(prompt_len: int, max_new_tokens: int, scratch: int, cache_size: int) -> None:
@@ -226,11 +218,12 @@ def ar_step(model: Transformer, params: dict, s: ARState, sampling: SamplingConf
 
 @dataclasses.dataclass(frozen=True)
 class SpecSettings:
-    """The static settings of speculative decoding (hashable: static under `jax.jit`)."""
+    """The static settings of speculative decoding (hashable: static under `jax.jit`); with no drafter, of
+    autoregressive decoding in `start` / `advance`."""
 
     config: ModelConfig
-    drafter: Any
-    tree: Tree  # a static tree the drafter fills, or the budget of the trees it builds
+    drafter: Drafter | None  # None: autoregressive decoding (`start` / `advance`)
+    tree: Tree | None  # a static tree the drafter fills, or the budget of the trees it builds
     max_new_tokens: int
     sampling: SamplingConfig = GREEDY
     acceptance: AcceptanceConfig = DEFAULT_ACCEPTANCE
@@ -267,13 +260,6 @@ class SpecState:
     rng: jax.Array
 
 
-def decode_params(drafter: Any, draft_params: Any) -> Any:
-    """The drafter's parameters in the layout its `propose` and `commit` read (its optional `decode_params`),
-    made once per generation, outside the decode loop."""
-    layout = getattr(drafter, "decode_params", None)  # optional in the contract
-    return draft_params if layout is None else layout(draft_params)
-
-
 def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
               cache_size: int, settings: SpecSettings) -> SpecState:
     """Prefill the target and the drafter on the right-padded prompts `[B, T]`; the first token comes from
@@ -282,8 +268,7 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
     b, t = prompt.shape
     dtype = jax.tree.leaves(params)[0].dtype
     frozen = Target(st.config, params)
-    extras_fn = getattr(st.drafter, "prefill_extras", None)  # optional in the contract
-    extras = None if extras_fn is None else extras_fn(draft_params, frozen, prompt, prompt_lengths)
+    extras = st.drafter.prefill_extras(draft_params, frozen, prompt, prompt_lengths)
     if extras is not None and t + extras.count > cache_size:
         raise PromptTooLongError(f"padded prompt length {t} + {extras.count} prefill extras > {cache_size=}: raise "
                                  "the cache size (--max-len)")
@@ -404,7 +389,7 @@ def speculative_generate(
     rng: jax.Array,
     *,
     config: ModelConfig,
-    drafter: Any,
+    drafter: Drafter,
     tree: Tree,
     max_new_tokens: int,
     cache_size: int,
@@ -418,10 +403,45 @@ def speculative_generate(
     equals `generate`'s token for token. Needs `cache_size >= prompt.shape[1] + max_new_tokens +
     scratch_slots(drafter, tree)` (the tree's nodes and the drafter's extras; checked at trace time)."""
     settings = SpecSettings(config, drafter, tree, max_new_tokens, sampling, acceptance, eos_ids, pad_id, attention)
-    draft_params = decode_params(drafter, draft_params)
+    draft_params = drafter.decode_params(draft_params)
     state = spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, settings)
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
                                lambda s: spec_step(params, draft_params, s, settings), state)
     stats = (prompt.shape[0],) + settings.stat_shape
     return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths, final.drafted,
                           final.node_tries.reshape(stats), final.node_hits.reshape(stats))
+
+
+def _advance(step: Callable[[Any], Any], state: Any, steps: int) -> Any:
+    """At most `steps` iterations of `step` (a decode step on `ARState` or `SpecState`), fewer once every row is
+    done: a chunk of a stream."""
+    def body(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
+        return carry[0] + 1, step(carry[1])
+
+    return jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done), body,
+                              (jnp.zeros((), jnp.int32), state))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "cache_size"))
+def start(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array, *,
+          settings: SpecSettings, cache_size: int) -> ARState | SpecState:
+    """The state after the prefill (the first token emitted) of `generate` (no drafter in `settings`) or
+    `speculative_generate`; `advance` then runs its steps in chunks, with the same tokens as one whole call."""
+    st = settings
+    if st.drafter is None:
+        _check_static_fit(prompt.shape[1], st.max_new_tokens, 0, cache_size)
+        return ar_init(st.model(params), params, prompt, prompt_lengths, rng, cache_size, st.max_new_tokens,
+                       st.sampling, st.eos_ids, st.pad_id)
+    return spec_init(params, st.drafter.decode_params(draft_params), prompt, prompt_lengths, rng, cache_size, st)
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "steps"))
+def advance(params: dict, draft_params: Any, state: ARState | SpecState, *, settings: SpecSettings,
+            steps: int) -> ARState | SpecState:
+    """Up to `steps` more decode steps of a `start`ed generation (fewer once every row is done)."""
+    st = settings
+    if st.drafter is None:
+        return _advance(lambda s: ar_step(st.model(params), params, s, st.sampling, st.eos_ids, st.pad_id), state,
+                        steps)
+    draft_params = st.drafter.decode_params(draft_params)
+    return _advance(lambda s: spec_step(params, draft_params, s, st), state, steps)

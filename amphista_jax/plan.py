@@ -29,10 +29,11 @@ from jax.sharding import PartitionSpec as P
 
 from amphista_jax.accelerators import GIB, Accelerator
 from amphista_jax.decode import scratch_slots, speculative_generate
-from amphista_jax.drafters.base import Target
+from amphista_jax.drafters.base import Drafter
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
 from amphista_jax.sharding import batch_sharding, draft_param_shardings, on_mesh, param_shardings
+from amphista_jax.target import Target
 from amphista_jax.trees import Tree
 
 
@@ -111,7 +112,7 @@ def mesh_devices(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.devices.size
 
 
-def decode_plan(config: ModelConfig, drafter: Any, tree: Tree, mesh: Mesh | None, dtype: Any, batch: int,
+def decode_plan(config: ModelConfig, drafter: Drafter, tree: Tree, mesh: Mesh | None, dtype: Any, batch: int,
                 prompt_len: int, max_new_tokens: int, capacity: int | None = None, where: str = "") -> MemoryPlan:
     """The memory plan of `speculative_generate` (prefill and the whole decode loop, KV caches included) for
     `batch` prompts of `prompt_len` tokens: the target in decoding's per-layer layout (`dtype`), the drafter's

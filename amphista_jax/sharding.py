@@ -17,10 +17,11 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from amphista_jax.cache import KVCache
-from amphista_jax.drafters.base import Target, draft_param_shapes
+from amphista_jax.drafters.base import Drafter, draft_param_shapes
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import has_split_layers, param_shapes
+from amphista_jax.target import Target
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -84,14 +85,14 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: Sequence = LOGICAL_R
     return _shardings(*param_shapes(config, split=split), mesh, rules)
 
 
-def draft_param_shardings(drafter: Any, target: Target, mesh: Mesh, rules: Sequence = LOGICAL_RULES) -> Any:
+def draft_param_shardings(drafter: Drafter, target: Target, mesh: Mesh, rules: Sequence = LOGICAL_RULES) -> Any:
     """A tree like `drafter.init`'s params of `NamedSharding`s from their logical axes (`draft_param_shapes`),
     under the target's rules."""
     return _shardings(*draft_param_shapes(drafter, target), mesh, rules)
 
 
-def place_for_decoding(mesh: Mesh, config: ModelConfig, params: dict, drafter: Any = None, draft_params: Any = None,
-                       rules: Sequence = LOGICAL_RULES) -> tuple[dict, Any]:
+def place_for_decoding(mesh: Mesh, config: ModelConfig, params: dict, drafter: Drafter | None = None,
+                       draft_params: Any = None, rules: Sequence = LOGICAL_RULES) -> tuple[dict, Any]:
     """(target params, draft params) on `mesh` by their logical axes, for `generate` / `speculative_generate` under
     `on_mesh(mesh)`: the target in its layout (decoding's per-layer one, or stacked), the drafter's params by its
     `init_boxed` axes (replicated without). Without `drafter` (AR) the draft params come back as None. Arrays already
@@ -108,7 +109,7 @@ def _shardings(shapes: Any, logical: Any, mesh: Mesh, rules: Sequence) -> Any:
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def train_state_shardings(drafter: Any, target: Target, optimizer: optax.GradientTransformation, mesh: Mesh,
+def train_state_shardings(drafter: Drafter, target: Target, optimizer: optax.GradientTransformation, mesh: Mesh,
                           rules: Sequence = LOGICAL_RULES) -> dict:
     """Shardings of the draft train state `{"params", "opt_state", "step"}`: each parameter by its logical axes,
     the optimizer's per-parameter state (Adam's moments) like its parameter, everything else (counters)

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 
-from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
+from amphista_jax.decode import pad_prompts
 from amphista_jax.errors import UserError
-from amphista_jax.models.config import ModelConfig
+from amphista_jax.generator import Generator
+from amphista_jax.sampling import SamplingConfig
 from amphista_jax.trees import TreeSpec, efficient_tree
 
 
@@ -94,22 +93,18 @@ def pick(sizes: Sequence[int], taus: Sequence[float], step_seconds: Sequence[flo
     return SearchResult(tuple(sizes), tuple(taus), tuple(step_seconds), ar_step_seconds, int(np.argmax(rate)))
 
 
-def collect_rates(params: dict, draft_params: Any, drafter: Any, config: ModelConfig,
-                  prompts: Sequence[Sequence[int]], tree: TreeSpec, max_new_tokens: int, eos_ids: tuple[int, ...],
-                  pad_id: int, batch_size: int = 8, progress: Callable[[int], None] | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Summed `(node_tries, node_hits) [D, R]` of greedy speculative decoding of `prompts` with `tree`."""
-    tokens, lengths = pad_prompts(prompts, pad_id=pad_id, multiple=64)
+def collect_rates(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 8,
+                  progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Summed `(node_tries, node_hits) [D, R]` of greedy speculative decoding of `prompts` with `gen`'s tree."""
+    tokens, lengths = pad_prompts(prompts, pad_id=gen.pad_id, multiple=64)
+    settings = gen.settings(max_new_tokens, SamplingConfig())
     tries = hits = 0
     for i in range(0, len(prompts), batch_size):
         rows, lens = tokens[i: i + batch_size], lengths[i: i + batch_size]
         short = batch_size - len(rows)  # a full last batch: one compile
-        rows, lens = np.pad(rows, ((0, short), (0, 0)), constant_values=pad_id), np.pad(lens, (0, short),
-                                                                                        constant_values=1)
-        cache_size = tokens.shape[1] + max_new_tokens + scratch_slots(drafter, tree)
-        out = speculative_generate(params, draft_params, rows, lens, jax.random.key(0), config=config,
-                                   drafter=drafter, tree=tree, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                                   pad_id=pad_id, cache_size=cache_size)
+        rows, lens = np.pad(rows, ((0, short), (0, 0)), constant_values=gen.pad_id), np.pad(lens, (0, short),
+                                                                                            constant_values=1)
+        out = gen.run(rows, lens, settings)[0]
         keep = slice(0, batch_size - short)
         tries = tries + np.asarray(out.node_tries)[keep].sum(0)
         hits = hits + np.asarray(out.node_hits)[keep].sum(0)
@@ -118,45 +113,33 @@ def collect_rates(params: dict, draft_params: Any, drafter: Any, config: ModelCo
     return np.asarray(tries), np.asarray(hits)
 
 
-def measure_step_seconds(params: dict, draft_params: Any, drafter: Any, config: ModelConfig, prompt: Sequence[int],
-                         trees: Sequence[TreeSpec], max_new_tokens: int, pad_id: int, runs: int = 3,
-                         progress: Callable[[int], None] | None = None) -> tuple[float, list[float]]:
-    """(AR seconds per step, [seconds per speculative step for each tree]) on this device: the median over
-    `runs` of (decode time - prefill time) / decode steps, batch 1, no EOS stop so every run decodes
-    `max_new_tokens` tokens. The prefill (with the drafter's own, the same for every tree) is timed by the same
-    programs with one new token."""
-    tokens, lengths = pad_prompts([prompt], pad_id=pad_id, multiple=64)
-    largest = max(scratch_slots(drafter, t) for t in trees)
-    common = dict(config=config, pad_id=pad_id, cache_size=tokens.shape[1] + max_new_tokens + largest)
+def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[TreeSpec], max_new_tokens: int,
+                         runs: int = 3, progress: Callable[[int], None] | None = None) -> tuple[float, list[float]]:
+    """(AR seconds per step, [seconds per speculative step for each tree]) of `gen`'s target and drafter on this
+    device: the median over `runs` of (decode time - prefill time) / decode steps, batch 1, no EOS stop so every
+    run decodes `max_new_tokens` tokens. The prefill (with the drafter's own, the same for every tree) is timed by
+    the same programs with one new token."""
+    tokens, lengths = pad_prompts([prompt], pad_id=gen.pad_id, multiple=64)
 
-    def timed(fn: Callable[[], Any]) -> tuple[float, int]:
-        jax.block_until_ready(fn())  # compile + warm-up
-        seconds = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn())
-            seconds.append(time.perf_counter() - t0)
-        return float(np.median(seconds)), int(out.steps)
+    def timed(g: Generator, n: int) -> tuple[float, int]:
+        settings = g.settings(n, SamplingConfig(), stop_at_eos=False)
+        g.run(tokens, lengths, settings)  # compile + warm-up
+        results = [g.run(tokens, lengths, settings) for _ in range(runs)]
+        return float(np.median([r[1] for r in results])), int(results[-1][0].steps)
 
-    def ar(n: int) -> Callable[[], Any]:
-        return lambda: generate(params, tokens, lengths, jax.random.key(0), max_new_tokens=n, **common)
-
-    def spec(tree: TreeSpec, n: int) -> Callable[[], Any]:
-        return lambda: speculative_generate(params, draft_params, tokens, lengths, jax.random.key(0), drafter=drafter,
-                                            tree=tree, max_new_tokens=n, **common)
-
-    def per_step(prefill_s: float, fn: Callable[[], Any]) -> float:
-        seconds, steps = timed(fn)
+    def per_step(prefill_s: float, g: Generator) -> float:
+        seconds, steps = timed(g, max_new_tokens)
         if steps < 1 or seconds <= prefill_s:
             raise TreeSearchError(f"timing noise: a whole decode ({seconds * 1e3:.2f} ms, {steps} steps) took no "
                                   f"longer than its prefill ({prefill_s * 1e3:.2f} ms); raise --max-new-tokens")
         return (seconds - prefill_s) / steps
 
-    ar_step = per_step(timed(ar(1))[0], ar(max_new_tokens))
-    spec_prefill = timed(spec(trees[0], 1))[0]
+    ar = gen.autoregressive()
+    ar_step = per_step(timed(ar, 1)[0], ar)
+    spec_prefill = timed(gen.with_tree(trees[0]), 1)[0]
     steps = []
     for tree in trees:
-        steps.append(per_step(spec_prefill, spec(tree, max_new_tokens)))
+        steps.append(per_step(spec_prefill, gen.with_tree(tree)))
         if progress:
             progress(1)
     return ar_step, steps
@@ -211,19 +194,16 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
 
     from tqdm import tqdm
 
-    from amphista_jax.drafters.io import load_draft
-    from amphista_jax.models.hf import load_params
-    from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-
-    params, config = load_params(model_dir, dtype="float32", layout="split")
-    tok = load_tokenizer(model_dir)
-    method, drafter, draft_params = load_draft(heads_dir, config, params)
-    pad_id = config.pad_token_id or 0
-    ids = [encode_prompt(tok, p) for p in prompts]
-    calib = efficient_tree(drafter.num_heads, ranks)
+    probe = Generator.load(model_dir, heads_dir)  # its tree is replaced below
+    drafter, method = probe.drafter, probe.method
+    if drafter.max_depth is None or TreeSpec not in drafter.tree_kinds:
+        raise TreeSearchError(f"tree search grows static trees for heads of a fixed depth; {method} drafts "
+                              f"{'any depth' if drafter.max_depth is None else 'dynamic trees only'}: use its "
+                              f"paper's tree ({drafter.paper_tree})")
+    ids = [probe.encode(p) for p in prompts]
+    calib = efficient_tree(drafter.max_depth, ranks)
     with tqdm(total=len(ids), desc="acceptance statistics", unit="prompt") as bar:
-        tries, hits = collect_rates(params, draft_params, drafter, config, ids, calib, max_new_tokens,
-                                    stop_token_ids(model_dir, tok, config), pad_id, progress=bar.update)
+        tries, hits = collect_rates(probe.with_tree(calib), ids, max_new_tokens, progress=bar.update)
     rates = acceptance_rates(tries, hits)
     grown = grow_trees(rates, max_nodes)
     if not grown:
@@ -233,8 +213,8 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     picked = [i for i in range(len(grown)) if i + 1 in measured]
     trees = [grown[i][0] for i in picked]
     with tqdm(total=len(trees), desc=f"timing trees on {jax.default_backend()}", unit="tree") as bar:
-        ar_step, step_seconds = measure_step_seconds(params, draft_params, drafter, config, ids[0], trees,
-                                                     max_new_tokens, pad_id, runs, progress=bar.update)
+        ar_step, step_seconds = measure_step_seconds(probe, ids[0], trees, max_new_tokens, runs,
+                                                     progress=bar.update)
     result = pick([i + 1 for i in picked], [grown[i][1] for i in picked], step_seconds, ar_step)
     best = trees[result.best]
     device = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"

@@ -20,8 +20,9 @@ import numpy as np
 import optax
 
 from amphista_jax.assets import default_model_dir
-from amphista_jax.drafters.base import Target
+from amphista_jax.drafters.base import Drafter
 from amphista_jax.models.llama import target_model
+from amphista_jax.target import Target
 from amphista_jax.train.heads import DataConfig, batch_examples, heldout_examples
 from amphista_jax.train.loop import mean_metrics
 from amphista_jax.train.step import make_steps
@@ -37,7 +38,7 @@ def heldout_batches(tokenizer: Any, data_cfg: DataConfig | None = None, n_batche
     return batch_examples(heldout_examples(data_cfg, tokenizer), data_cfg.batch_size, n_batches)
 
 
-def head_accuracy(target: Target, drafter: Any, draft_params: Any, batches: list[dict[str, np.ndarray]]
+def head_accuracy(target: Target, drafter: Drafter, draft_params: Any, batches: list[dict[str, np.ndarray]]
                   ) -> dict[int, dict[str, float]]:
     """`{head k: {"top1": float, "top5": float}}` of `drafter` on `batches` (see the module docstring)."""
     if not batches:

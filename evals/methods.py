@@ -22,21 +22,23 @@ results and reports (default: `ar`, the method's name, or `<method>-untrained`, 
 from __future__ import annotations
 
 import dataclasses
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 import yaml
 
-from amphista_jax.decode import generate, scratch_slots, speculative_generate
-from amphista_jax.drafters import DRAFTERS, Target
-from amphista_jax.drafters.draft_model import AUTO_TREE, DraftModel, DraftModelError
-from amphista_jax.drafters.io import META_FILE, load_draft
+from amphista_jax.drafters import DRAFTERS, Drafter
+from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
+from amphista_jax.drafters.io import META_FILE, DraftCheckpointError, heads_tree, load_draft, read_draft_meta
 from amphista_jax.errors import UserError
+from amphista_jax.generator import Generator
 from amphista_jax.identity import heads_identity, target_identity
 from amphista_jax.models.hf import load_config
-from amphista_jax.trees import AUTO, Tree, TreeBudget, TreeSpec, get_tree
+from amphista_jax.target import Target
+from amphista_jax.tree_names import AUTO
+from amphista_jax.trees import Tree, TreeBudget, TreeSpec
 
 AR = "ar"
 DRAFT_MODEL = "draft-model"
@@ -51,7 +53,7 @@ class Method:
     label: str
     spec: str
     method: str  # "ar", a key of DRAFTERS or DRAFT_MODEL
-    drafter: Any = None
+    drafter: Drafter | None = None
     draft_params: Any = None
     tree: Tree | None = None  # a static tree, or the budget of trees the drafter grows (EAGLE-2)
     tree_name: str = "-"
@@ -62,22 +64,13 @@ class Method:
     def tree_nodes(self) -> int:
         return self.tree.num_nodes if self.tree is not None else 0
 
-    @property
-    def scratch_slots(self) -> int:
-        """Cache slots past the committed ones that a step writes (tree nodes and the drafter's extras)."""
-        return scratch_slots(self.drafter, self.tree) if self.drafter is not None else 0
-
-    def compile(self, params: dict, tokens, lengths, rng, **settings) -> Any:
-        """The AOT-compiled program for these shapes; call it with `self.args(params, tokens, lengths, rng)`."""
+    def generator(self, base: Generator) -> Generator:
+        """`base` (the target's autoregressive generator) with this method's drafter and tree."""
         if self.drafter is None:
-            return generate.lower(*self.args(params, tokens, lengths, rng), **settings).compile()
-        return speculative_generate.lower(*self.args(params, tokens, lengths, rng), drafter=self.drafter,
-                                          tree=self.tree, **settings).compile()
-
-    def args(self, params: dict, tokens, lengths, rng) -> tuple:
-        if self.drafter is None:
-            return params, tokens, lengths, rng
-        return params, self.draft_params, tokens, lengths, rng
+            return base
+        return dataclasses.replace(base, drafter=self.drafter, draft_params=self.draft_params, tree=self.tree,
+                                   tree_name=self.tree_name, method=self.method, heads_dir=self.heads_dir,
+                                   programs={})
 
     def describe(self) -> dict[str, Any]:
         settings = dataclasses.asdict(self.drafter) if self.drafter is not None else {}
@@ -114,11 +107,13 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
         return Method(label or AR, spec, AR)
     heads = source if Path(source).is_dir() else None
     model = heads is not None and (Path(source) / "config.json").is_file() and not (Path(source) / META_FILE).is_file()
-    tree_name = tree_name or (AUTO_TREE if model and default_tree == AUTO else "")
+    tree_name = tree_name or (DraftModel.paper_tree if model and default_tree == AUTO else "")
     try:
-        tree = get_tree(tree_name or default_tree, heads)
+        tree, note = heads_tree(tree_name or default_tree, heads)
     except (UserError, ValueError) as e:
         raise MethodSpecError(f"method spec {spec!r}: {e}") from None
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     suffix = f"@{tree_name}" if tree_name else ""
     if source.endswith(":untrained"):
         name = source.removesuffix(":untrained")
@@ -145,7 +140,7 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
     return load_methods([method], target, seed)[0] if target is not None else method
 
 
-def _with_settings(spec: str, drafter: Any, overrides: str) -> Any:
+def _with_settings(spec: str, drafter: Drafter, overrides: str) -> Any:
     """`drafter` with the spec's `key=value,...` settings (YAML values)."""
     if not overrides:
         return drafter
@@ -163,27 +158,13 @@ def _with_settings(spec: str, drafter: Any, overrides: str) -> Any:
         raise MethodSpecError(f"method spec {spec!r}: bad settings {settings} ({e}); known: {known}") from None
 
 
-def _read_meta(spec: str, heads: Path) -> tuple[str, object]:
+def _read_meta(spec: str, heads: Path) -> tuple[str, Drafter]:
     """(method name, drafter) from a checkpoint's draft.json, without its params."""
-    meta_file = heads / META_FILE
-    if not meta_file.is_file():
-        raise MethodSpecError(f"method spec {spec!r}: {heads} is not a draft-head checkpoint (no {META_FILE}); "
-                              "point it at the `heads` directory that `amphista-jax train` wrote")
     try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
-        raise MethodSpecError(f"method spec {spec!r}: {meta_file} is not valid JSON ({where}); re-save the heads "
-                              "or restore that file") from None
-    method = meta.get("method") if isinstance(meta, dict) else None
-    if method not in DRAFTERS:
-        raise MethodSpecError(f"method spec {spec!r}: {meta_file} names unknown method {method!r}; known: "
-                              f"{', '.join(DRAFTERS)}")
-    try:
-        return method, DRAFTERS[method](**meta.get("settings", {}))
-    except (TypeError, ValueError) as e:
-        raise MethodSpecError(f"method spec {spec!r}: the {method} settings in {meta_file} are invalid ({e}); "
-                              "re-save the heads") from None
+        meta = read_draft_meta(heads)
+    except DraftCheckpointError as e:
+        raise MethodSpecError(f"method spec {spec!r}: {e}") from None
+    return meta.method, meta.drafter
 
 
 def load_methods(methods: list[Method], target: Target, seed: int = 0) -> list[Method]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from amphista_jax.assets import default_model_dir
-from amphista_jax.decode import check_fits, pad_prompts
-from amphista_jax.drafters import Target
+from amphista_jax.decode import pad_prompts
 from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
 from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
@@ -43,11 +41,13 @@ from amphista_jax.evals.methods import Method, load_methods, resolve_methods
 from amphista_jax.evals.metrics import breakdown, lossless_mismatches, tree_statistics
 from amphista_jax.evals.report import write_reports
 from amphista_jax.evals.results import ResultWriter, process_file, read_results, safe_label
+from amphista_jax.generator import Generator
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.hf import DTYPES, load_config, load_params
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.sharding import MeshError, make_mesh, on_mesh, param_shardings, place_for_decoding
+from amphista_jax.sharding import MeshError, make_mesh, param_shardings, place_for_decoding
+from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
 from amphista_jax.train.heads import DataConfig, MeshConfig
 from amphista_jax.train.loop import maybe_initialize_distributed
@@ -167,15 +167,20 @@ def _barrier(name: str) -> None:
 @dataclasses.dataclass
 class _Session:
     cfg: EvalConfig
-    params: dict
-    tok: Any
-    settings: dict[str, Any]
+    base: Generator  # the AR generator of the target; each method's shares its weights (`Method.generator`)
     results_dir: Path
-    mesh: Mesh | None = None
+
+    @property
+    def params(self) -> dict:
+        return self.base.params
+
+    @property
+    def tok(self) -> Any:
+        return self.base.tokenizer
 
     def on_mesh(self) -> contextlib.AbstractContextManager:
-        """Where programs are traced and run: `on_mesh(self.mesh)`, or nothing special without a mesh."""
-        return on_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        """Where programs are traced and run: `on_mesh(mesh)`, or nothing special without a mesh."""
+        return self.base.on_mesh()
 
 
 def eval_mesh(mesh: MeshConfig | None) -> Mesh | None:
@@ -191,10 +196,12 @@ def eval_mesh(mesh: MeshConfig | None) -> Mesh | None:
         raise MeshError(f"{e}{per_process}, or set mesh=null for one device") from None
 
 
-def _run_batch(s: _Session, method: Method, batch: list[tuple[int, Prompt]], programs: dict,
-               compile_log: ResultWriter) -> list[dict[str, Any]]:
-    """Generate every turn of `batch` (global index, prompt); returns one record per prompt."""
+def _run_batch(s: _Session, gen: Generator, batch: list[tuple[int, Prompt]], compile_log: ResultWriter
+               ) -> list[dict[str, Any]]:
+    """Generate every turn of `batch` (global index, prompt) with `gen`; returns one record per prompt."""
     cfg = s.cfg
+    settings = gen.settings(cfg.max_new_tokens, SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
+                            AcceptanceConfig(cfg.acceptance))
     chat = cfg.dataset.use_chat
     turns: dict[int, list[dict[str, Any]]] = {i: [] for i, _ in batch}
     node_stats: dict[int, list[np.ndarray]] = {}
@@ -202,25 +209,12 @@ def _run_batch(s: _Session, method: Method, batch: list[tuple[int, Prompt]], pro
         rows = [(i, p) for i, p in batch if len(p.turns) > t]
         ids = [render_turn(s.tok, p, [x["text"] for x in turns[i]], chat) for i, p in rows]
         ids += [ids[0]] * (cfg.batch_size - len(ids))  # fixed batch shape; padding rows are discarded
-        tokens, lengths = pad_prompts(ids, pad_id=s.settings["pad_id"], multiple=cfg.pad_multiple)
-        check_fits(lengths, cfg.max_new_tokens, tokens.shape[1] + cfg.max_new_tokens, s.settings["config"])
+        tokens, lengths = pad_prompts(ids, pad_id=gen.pad_id, multiple=cfg.pad_multiple)
         rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), rows[0][0]), t)
-        args = method.args(s.params, tokens, lengths, rng)
-        with s.on_mesh():
-            if tokens.shape not in programs:
-                t0 = time.perf_counter()
-                programs[tokens.shape] = method.compile(
-                    s.params, tokens, lengths, rng,
-                    cache_size=tokens.shape[1] + cfg.max_new_tokens + method.scratch_slots,
-                    **s.settings, **({"acceptance": AcceptanceConfig(cfg.acceptance)} if method.drafter else {}))
-                compile_s = time.perf_counter() - t0
-                jax.block_until_ready(programs[tokens.shape](*args))  # warm-up, not timed
-                compile_log.write({"process": jax.process_index(), "shape": list(tokens.shape),
-                                   "compile_s": compile_s})
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(programs[tokens.shape](*args))
-            seconds = time.perf_counter() - t0
-        out = jax.device_get(out)
+        out, seconds, compile_s = gen.run(tokens, lengths, settings, rng)
+        if compile_s:  # the first run of a new program warms it up: not timed
+            compile_log.write({"process": jax.process_index(), "shape": list(tokens.shape), "compile_s": compile_s})
+            out, seconds, _ = gen.run(tokens, lengths, settings, rng)
         for row, (i, _) in enumerate(rows):
             n = int(out.num_tokens[row])
             new = [int(x) for x in out.tokens[row, :n]]
@@ -249,12 +243,12 @@ def run_method(s: _Session, method: Method, prompts: list[Prompt]) -> int:
     mine = todo[jax.process_index()::jax.process_count()]
     writer = ResultWriter(process_file(s.results_dir, method.label, jax.process_index()))
     compile_log = ResultWriter(process_file(s.results_dir.parent / "compile", method.label, jax.process_index()))
-    programs: dict[tuple[int, int], Any] = {}
+    gen = method.generator(s.base)
     bs = s.cfg.batch_size
     with tqdm(total=len(mine), desc=f"{method.label} ({len(finished)} done before)", unit="prompt",
               disable=jax.process_index() != 0, dynamic_ncols=True) as bar:
         for start in range(0, len(mine), bs):
-            for record in _run_batch(s, method, mine[start: start + bs], programs, compile_log):
+            for record in _run_batch(s, gen, mine[start: start + bs], compile_log):
                 writer.write(record)
                 bar.update(1)
     writer.close()
@@ -338,10 +332,8 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     results_dir = out_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     write_run_file(out_dir, run)
-    settings = dict(config=config, max_new_tokens=cfg.max_new_tokens, attention=cfg.attention,
-                    sampling=SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
-                    eos_ids=stop_token_ids(model_dir, tok, config), pad_id=config.pad_token_id or 0)
-    session = _Session(cfg, params, tok, settings, results_dir, mesh)
+    base = Generator(config, params, tok, stop_token_ids(model_dir, tok, config), attention=cfg.attention, mesh=mesh)
+    session = _Session(cfg, base, results_dir)
     for method in methods:
         run_method(session, method, prompts)
     _barrier("eval-generated")

@@ -16,9 +16,10 @@ import numpy as np
 import optax
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.drafters.base import PrefillContext, Proposal, Target
+from amphista_jax.drafters.base import Drafter, PrefillContext, Proposal
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer
+from amphista_jax.target import Target
 from amphista_jax.train.step import make_steps, target_forward
 from amphista_jax.trees import TreeSpec, batched, chain, tree_arrays
 from amphista_jax.verify import Verdict
@@ -183,3 +184,16 @@ def write_code_files(directory: Path, n: int = 30) -> Path:
     for i in range(n):
         (directory / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" * 6)
     return directory
+
+
+class ReferenceOracle(Drafter):
+    """A test drafter whose params are the reference rows it reads its drafts from (prompt + AR continuation):
+    nothing to initialise or train."""
+
+    name = "oracle"
+
+    def init(self, rng, target):
+        raise NotImplementedError("an oracle's params are its reference rows (tests.helpers.reference_rows)")
+
+    def loss(self, params, target, batch, target_out):
+        raise NotImplementedError("an oracle is not trained")

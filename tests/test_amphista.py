@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import pad_prompts, speculative_generate
-from amphista_jax.drafters import Amphista, Target
+from amphista_jax.drafters import Amphista
 from amphista_jax.models.llama import Output, Transformer, init_params
-from amphista_jax.trees import PRESETS
+from amphista_jax.target import Target
+from amphista_jax.tree_names import PRESETS
 from tests.helpers import CONFIG, PROMPTS, assert_greedy_lossless, assert_trains, fitted_heads, replay_commits, sequence
 
 

@@ -26,11 +26,13 @@ from amphista_jax.decode import (
     spec_verify,
     speculative_generate,
 )
-from amphista_jax.drafters import DRAFTERS, VARIANTS, BiTA, Target
+from amphista_jax.drafters import DRAFTERS, VARIANTS, BiTA
 from amphista_jax.drafters.bita import mask_groups
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params, new_cache
-from amphista_jax.trees import PRESETS, TreeError, TreeSpec, batched, chain, efficient_tree, get_tree, tree_arrays
+from amphista_jax.target import Target
+from amphista_jax.tree_names import PRESETS, get_tree
+from amphista_jax.trees import TreeError, TreeSpec, batched, chain, efficient_tree, tree_arrays
 from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless
 
 NEW = 12

@@ -14,8 +14,9 @@ import jax
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.drafters import VARIANTS, Target
+from amphista_jax.drafters import VARIANTS
 from amphista_jax.models.llama import init_params, split_layers
+from amphista_jax.target import Target
 from amphista_jax.trees import chain
 from tests.helpers import CONFIG, PROMPTS
 

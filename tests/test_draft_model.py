@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.drafters import Target
 from amphista_jax.drafters.base import PrefillContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
 from amphista_jax.models.hf import save_params
 from amphista_jax.models.llama import Output, Transformer, init_params
-from amphista_jax.trees import PRESETS, batched, chain, dynamic_tree, tree_arrays
+from amphista_jax.target import Target
+from amphista_jax.tree_growth import dynamic_tree
+from amphista_jax.tree_names import PRESETS
+from amphista_jax.trees import batched, chain, tree_arrays
 from amphista_jax.verify import Verdict
 from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless
 

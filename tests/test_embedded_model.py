@@ -86,7 +86,8 @@ def test_medusa_heads_learn_on_real_code(shipped):
     """A few hundred steps on held-out stdlib code lift every head's top-1 accuracy clearly above step 0."""
     import optax
 
-    from amphista_jax.drafters import Medusa, Target
+    from amphista_jax.drafters import Medusa
+    from amphista_jax.target import Target
     from amphista_jax.train.step import make_steps
 
     params, config, tok = shipped

@@ -26,21 +26,23 @@ from amphista_jax.decode import (
     spec_step,
     speculative_generate,
 )
-from amphista_jax.drafters.base import DraftContext, Extras, Proposal, Target, accepted_hidden
+from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params
 from amphista_jax.sampling import SamplingConfig, warp_logits
-from amphista_jax.trees import (
-    TreeBudget,
-    TreeSpec,
-    arrays_from_parents,
-    batched,
-    chain,
-    children,
-    tree_arrays,
-)
+from amphista_jax.target import Extras, Target
+from amphista_jax.trees import TreeBudget, TreeSpec, arrays_from_parents, batched, chain, children, tree_arrays
 from amphista_jax.verify import verify_rejection
-from tests.helpers import CHI2_999, CONFIG, PROMPTS, chi2_999, chi_square, count_compiles, reference_rows
+from tests.helpers import (
+    CHI2_999,
+    CONFIG,
+    PROMPTS,
+    ReferenceOracle,
+    chi2_999,
+    chi_square,
+    count_compiles,
+    reference_rows,
+)
 from tests.test_trees import random_trees
 
 NEW = 40
@@ -65,19 +67,14 @@ def random_parents(rng: jax.Array, batch: int, budget: TreeBudget) -> tuple[jax.
 
 
 @dataclasses.dataclass(frozen=True)
-class RandomTrees:
+class RandomTrees(ReferenceOracle):
     """Grows a fresh random tree per row and step inside `tree` (a `TreeBudget`). Node tokens come from an
     oracle (`params` = reference rows: prompt + AR continuation) that is right with probability `p_right`,
     else a random token; siblings therefore often disagree, and paths are accepted partway."""
 
+    tree_kinds = (TreeBudget,)
     p_right: float = 0.7
     vocab: int = CONFIG.vocab_size
-
-    def init_state(self, target_config, batch, cache_size):
-        return ()
-
-    def prefill(self, params, target, prompt, state):
-        return state
 
     def propose(self, params, target, ctx: DraftContext, tree: TreeBudget, rng):
         b = ctx.root.shape[0]
@@ -91,30 +88,18 @@ class RandomTrees:
                            jax.random.randint(k_token, right.shape, 0, self.vocab))
         return Proposal(tokens.at[:, 0].set(ctx.root), arrays)
 
-    def commit(self, params, target, proposal, verdict, verify_out, state):
-        return state, accepted_hidden(verdict, verify_out)
-
 
 @dataclasses.dataclass(frozen=True)
-class ChainOracle:
+class ChainOracle(ReferenceOracle):
     """Fills a static chain from the reference rows, each token shifted by `wrong` (0 = always right)."""
 
     wrong: int = 0
-
-    def init_state(self, target_config, batch, cache_size):
-        return ()
-
-    def prefill(self, params, target, prompt, state):
-        return state
 
     def propose(self, params, target, ctx: DraftContext, tree: TreeSpec, rng):
         arrays = batched(tree_arrays(tree), ctx.root.shape[0])
         pos = ctx.lengths[:, None] + arrays.depth
         tokens = (jnp.take_along_axis(params, pos, axis=1) + self.wrong) % CONFIG.vocab_size
         return Proposal(tokens.at[:, 0].set(ctx.root), arrays)
-
-    def commit(self, params, target, proposal, verdict, verify_out, state):
-        return state, accepted_hidden(verdict, verify_out)
 
 
 @settings(max_examples=15, deadline=None)

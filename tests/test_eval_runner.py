@@ -178,10 +178,11 @@ def test_rerun_with_other_settings_is_refused(reference, prompts_file, tmp_path)
 def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_path):
     import jax
 
-    from amphista_jax.drafters import DRAFTERS, Target
+    from amphista_jax.drafters import DRAFTERS
     from amphista_jax.evals.methods import MethodSpecError, resolve_methods, split_label
     from amphista_jax.models.config import tiny_llama_config
     from amphista_jax.models.llama import init_params
+    from amphista_jax.target import Target
 
     config = tiny_llama_config()
     target = Target(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))

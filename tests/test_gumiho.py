@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import SpecSettings, generate, pad_prompts, spec_init, spec_propose, speculative_generate
-from amphista_jax.drafters import Gumiho, Target
+from amphista_jax.drafters import Gumiho
 from amphista_jax.drafters.base import Proposal, accepted_tokens
 from amphista_jax.drafters.io import load_draft, save_draft
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.trees import DraftedTree, TreeError, arrays_from_parents, dynamic_tree, extend_short_paths
+from amphista_jax.target import Target
+from amphista_jax.tree_growth import DraftedTree, dynamic_tree, extend_short_paths
+from amphista_jax.trees import TreeError, arrays_from_parents
 from amphista_jax.verify import AcceptanceConfig, verify
 from tests.helpers import (
     CONFIG,

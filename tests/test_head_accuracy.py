@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from amphista_jax.assets import default_model_dir
-from amphista_jax.drafters import DRAFTERS, Medusa, Target
+from amphista_jax.drafters import DRAFTERS, Medusa
 from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
+from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.train.heads import DataConfig
 

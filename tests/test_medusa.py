@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from amphista_jax.drafters import Medusa, Target
+from amphista_jax.drafters import Medusa
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
+from amphista_jax.target import Target
 from amphista_jax.trees import TreeSpec, batched, tree_arrays
 from amphista_jax.verify import AcceptanceConfig, verify_typical
 

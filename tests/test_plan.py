@@ -19,14 +19,14 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.cli import main
 from amphista_jax.config_io import load_config
 from amphista_jax.decode import scratch_slots, speculative_generate
-from amphista_jax.drafters import Target
 from amphista_jax.models.hf import load_config as load_model_config
 from amphista_jax.models.hf import load_params
 from amphista_jax.plan import decode_plan, device_bytes
 from amphista_jax.sharding import batch_sharding, make_mesh, on_mesh, place_for_decoding
+from amphista_jax.target import Target
 from amphista_jax.train.heads import DataConfig, MeshConfig, TrainConfig, plan_training, train_job
 from amphista_jax.train.plan import plan_request
-from amphista_jax.trees import get_tree
+from amphista_jax.tree_names import get_tree
 from tests.helpers import ROOT, subprocess_env
 
 MODEL = str(default_model_dir())

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from amphista_jax.decode import SpecSettings, generate, pad_prompts, scratch_slots, spec_init, speculative_generate
-from amphista_jax.drafters import VARIANTS, Target
+from amphista_jax.drafters import VARIANTS
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.hf import load_params, save_params
@@ -24,7 +24,9 @@ from amphista_jax.sharding import (
     param_shardings,
     place_for_decoding,
 )
-from amphista_jax.trees import dynamic_tree, get_tree
+from amphista_jax.target import Target
+from amphista_jax.tree_growth import dynamic_tree
+from amphista_jax.tree_names import get_tree
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 

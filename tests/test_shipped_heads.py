@@ -16,10 +16,10 @@ from amphista_jax.assets import default_model_dir, draft_model_dir, shipped_head
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.demo import humaneval_prompt
 from amphista_jax.drafters.draft_model import DraftModel
-from amphista_jax.drafters.io import load_draft
+from amphista_jax.drafters.io import heads_tree, load_draft
 from amphista_jax.models.hf import load_params
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.trees import PRESETS, get_tree, searched_tree_path
+from amphista_jax.tree_names import PRESETS, get_tree, searched_tree_path
 
 MODEL = default_model_dir()
 # Fill static trees; each has a CPU tree searched for it.
@@ -74,7 +74,7 @@ def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, 
     drafter, draft_params = heads[method]
     prompts = [encode_prompt(tok, humaneval_prompt(f"HumanEval/{i}")) for i in (2, 4, 7)]
     tokens, lengths = pad_prompts(prompts, pad_id=config.pad_token_id or 0)
-    tree = get_tree(tree_name, shipped_heads_dir(method))
+    tree = heads_tree(tree_name, shipped_heads_dir(method))[0]
     settings = dict(config=config, max_new_tokens=48,
                     cache_size=tokens.shape[1] + 48 + scratch_slots(drafter, tree))  # BiTA: nodes + mask groups
     ar = generate(params, tokens, lengths, jax.random.key(0), **settings)
@@ -126,8 +126,8 @@ def test_amphista_beats_medusa_on_later_heads(target, heads):
     """Amphista Figure 1 on our model: trained with the same data and budget (configs/*/code.yaml), the
     shipped Amphista heads are more accurate than the shipped Medusa heads on held-out stdlib code for heads
     2..K (teacher-forced top-1 over 8 x 8 x 256 held-out tokens)."""
-    from amphista_jax.drafters.base import Target
     from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
+    from amphista_jax.target import Target
 
     params, config, tok = target
     batches = heldout_batches(tok, n_batches=8)
@@ -145,7 +145,7 @@ def test_tree_search_cli_writes_a_tree_report_and_plot(tmp_path, capsys):
     tree, and a second search refuses to replace the tree."""
     from amphista_jax.cli import main
     from amphista_jax.errors import BAD_INPUT_EXIT
-    from amphista_jax.trees import load_tree
+    from amphista_jax.tree_names import load_tree
 
     out = tmp_path / "cpu.json"
     args = ["tree-search", "--heads", str(shipped_heads_dir("medusa")), "--tasks", "100:102", "--max-nodes", "3",

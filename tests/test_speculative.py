@@ -10,37 +10,31 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
-from amphista_jax.drafters import Amphista, BiTA, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive, Target
-from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
+from amphista_jax.drafters import Amphista, BiTA, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive
+from amphista_jax.drafters.base import DraftContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.trees import PRESETS, TreeSpec, batched, children, dynamic_tree, tree_arrays
+from amphista_jax.target import Target
+from amphista_jax.tree_growth import dynamic_tree
+from amphista_jax.tree_names import PRESETS
+from amphista_jax.trees import TreeSpec, batched, children, tree_arrays
 from amphista_jax.verify import verify_rejection
-from tests.helpers import CHI2_999, CONFIG, PROMPTS, assert_compiles_once, chi_square, reference_rows
+from tests.helpers import CHI2_999, CONFIG, PROMPTS, ReferenceOracle, assert_compiles_once, chi_square, reference_rows
 
 NEW = 40
 
 
 @dataclasses.dataclass(frozen=True)
-class Oracle:
+class Oracle(ReferenceOracle):
     """Proposes the target's own greedy continuation at every node (`params` = the full reference rows)."""
-
-    def init_state(self, target_config, batch, cache_size):
-        return ()
-
-    def prefill(self, params, target, prompt, state):
-        return state
 
     def propose(self, params, target, ctx: DraftContext, tree, rng):
         arrays = batched(tree_arrays(tree), ctx.root.shape[0])
         pos = ctx.lengths[:, None] + arrays.depth  # [B, N] position of each node's token
         tokens = jnp.take_along_axis(params, jnp.minimum(pos, params.shape[1] - 1), axis=1)
         return Proposal(tokens.at[:, 0].set(ctx.root), arrays)
-
-    def commit(self, params, target, proposal, verdict, verify_out, state):
-        return state, accepted_hidden(verdict, verify_out)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.drafters import VARIANTS, Target
+from amphista_jax.drafters import VARIANTS
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sharding import make_mesh, param_shardings, train_state_shardings
+from amphista_jax.target import Target
 from amphista_jax.train.optim import OptimConfig, make_optimizer
 from amphista_jax.train.step import make_steps
 

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from amphista_jax import config_io
 from amphista_jax.accelerators import GIB, get_accelerator
 from amphista_jax.assets import default_model_dir
-from amphista_jax.drafters import DRAFTERS, Target
+from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.drafters.io import META_FILE, save_draft
 from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.identity import files_digest, json_digest, matching_files, target_identity
@@ -41,6 +41,7 @@ from amphista_jax.sharding import (
     process_batch_rows,
     train_state_shardings,
 )
+from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.train.checkpoint import saved_steps
 from amphista_jax.train.corpus import build_corpus, package_version
@@ -300,7 +301,7 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
     check_batch_split(cfg)
     _check_data(cfg.data)
     drafter = DRAFTERS[cfg.method](**cfg.method_settings)
-    if cfg.data.cache_target_hidden and getattr(drafter, "loss_runs_target", False):
+    if cfg.data.cache_target_hidden and drafter.loss_runs_target:
         raise TrainConfigError(f"method {cfg.method} runs the target inside its own loss, so cached target hidden "
                                "states would be computed and never used: set data.cache_target_hidden=false")
     try:
@@ -333,7 +334,7 @@ class TrainJob:
 
     config: ModelConfig
     model: Transformer
-    drafter: Any
+    drafter: Drafter
     optimizer: optax.GradientTransformation
     mesh: Mesh | None
     target_shardings: Any  # None: one device

@@ -32,7 +32,7 @@ from amphista_jax.train.heads import (
     plan_training,
     train_job,
 )
-from amphista_jax.trees import PAPER_TREE, get_tree
+from amphista_jax.tree_names import get_tree
 
 DECODE_NEW_TOKENS = 256
 
@@ -104,7 +104,7 @@ def plan_config(req: PlanRequest, devices: list[jax.Device], decode_batch: int =
     plan drafts `tree_name` (default: the method's tree in its paper)."""
     cfg, accelerator = req.cfg, req.accelerator
     job = train_job(cfg, req.target, devices[:req.devices])
-    tree_name = tree_name or getattr(job.drafter, "paper_tree", PAPER_TREE)
+    tree_name = tree_name or job.drafter.paper_tree
     capacity = accelerator_capacity(accelerator) if accelerator else (None, "")
     tree = get_tree(tree_name)
     prompt_len = min(cfg.data.max_len,

@@ -24,9 +24,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from amphista_jax.drafters.base import Target
+from amphista_jax.drafters.base import Drafter
 from amphista_jax.models.llama import Output, Transformer
 from amphista_jax.sharding import BATCH_AXES, LOGICAL_RULES, local_batch_shards
+from amphista_jax.target import Target
 
 
 def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax.Array]) -> Output:
@@ -75,7 +76,7 @@ def over_microbatches(fn: Callable[[dict, jax.Array], Any], batch: dict, rng: ja
     return jax.tree.map(lambda t: t / jnp.maximum(weight, 1.0), total)
 
 
-def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransformation,
+def make_steps(model: Transformer, drafter: Drafter, optimizer: optax.GradientTransformation,
                mesh: Mesh | None = None, target_shardings: Any = None, state_shardings: dict | None = None,
                microbatches: int = 1):
     """(train_step(state, target_params, batch) -> (state, metrics), eval_step(params, target_params, batch)
@@ -83,7 +84,7 @@ def make_steps(model: Transformer, drafter: Any, optimizer: optax.GradientTransf
     replicated). Both run the batch as `microbatches` sequential slices (`over_microbatches`): the update is the
     one of the slices' loss-token weighted mean loss, with 1/`microbatches` of the activation memory."""
 
-    runs_target = getattr(drafter, "loss_runs_target", False)  # optional in the contract
+    runs_target = drafter.loss_runs_target
 
     def loss_fn(params, target_params, batch):
         target = Target(model.config, target_params)

@@ -1,7 +1,7 @@
-"""Draft methods. Each module implements the `Drafter` contract of `base.py`."""
+"""Draft methods. Each module defines one `Drafter` (`base.py`); `DRAFTERS` registers them by their `name`."""
 
 from amphista_jax.drafters.amphista import Amphista
-from amphista_jax.drafters.base import DraftContext, Drafter, Proposal, Target
+from amphista_jax.drafters.base import DraftContext, Drafter, Proposal
 from amphista_jax.drafters.bita import BiTA
 from amphista_jax.drafters.eagle import Eagle
 from amphista_jax.drafters.gumiho import Gumiho
@@ -9,8 +9,9 @@ from amphista_jax.drafters.hydra import Hydra
 from amphista_jax.drafters.medusa import Medusa
 from amphista_jax.drafters.sar import SemiAutoregressive
 
-DRAFTERS: dict[str, type] = {"amphista": Amphista, "bita": BiTA, "eagle": Eagle, "gumiho": Gumiho, "hydra": Hydra,
-                             "medusa": Medusa, "sar": SemiAutoregressive}
+# The methods whose heads `amphista-jax train` writes (a draft model is loaded from its own checkpoint instead).
+DRAFTERS: dict[str, type[Drafter]] = {cls.name: cls for cls in (Amphista, BiTA, Eagle, Gumiho, Hydra, Medusa,
+                                                                SemiAutoregressive)}
 # Each method's default settings, and the named variants that are settings of a method (Hydra++).
 VARIANTS: dict[str, Drafter] = {"medusa": Medusa(), "amphista": Amphista(), "hydra": Hydra(),
                                 "hydra++": Hydra.plus_plus(), "eagle": Eagle(), "gumiho": Gumiho(),
@@ -18,4 +19,4 @@ VARIANTS: dict[str, Drafter] = {"medusa": Medusa(), "amphista": Amphista(), "hyd
                                 "bita": BiTA()}
 
 __all__ = ["DRAFTERS", "VARIANTS", "Amphista", "BiTA", "DraftContext", "Drafter", "Eagle", "Gumiho", "Hydra",
-           "Medusa", "Proposal", "SemiAutoregressive", "Target"]
+           "Medusa", "Proposal", "SemiAutoregressive"]

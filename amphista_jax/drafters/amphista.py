@@ -41,10 +41,8 @@ from amphista_jax.drafters.base import (
     LogicalInit,
     PrefillContext,
     Proposal,
-    Target,
     accepted_hidden,
     accepted_tokens,
-    check_tree_depth,
     head_losses,
     head_projections,
     logical,
@@ -55,6 +53,7 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, decoder_stack, logical_dense, run_stack
+from amphista_jax.target import Target
 from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 
@@ -63,6 +62,7 @@ MAX_STAGES = 4
 
 @dataclasses.dataclass(frozen=True)
 class Amphista(LogicalInit):
+    name = "amphista"
     num_heads: int = 4
     adaptation_stages: int = 2  # 1 = "one adaptation layer for all heads"; up to 4 (appendix A.2.3)
     staged_adaptation: bool = True  # False = "w/o staged adaptation"
@@ -93,6 +93,11 @@ class Amphista(LogicalInit):
 
     def _net(self, target: ModelConfig) -> _AmphistaNet:
         return _AmphistaNet(self, target)
+
+    @property
+    def max_depth(self) -> int:
+        """Head k drafts depth k + 1."""
+        return self.num_heads
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d, v = target.config.hidden_size, target.config.vocab_size
@@ -138,7 +143,7 @@ class Amphista(LogicalInit):
         return self._adapt_and_cache(params, target, prompt.out.hidden, nxt, prompt.lengths, state)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        tree = check_tree_depth(tree, self.num_heads, "Amphista")
+        self.check_tree(tree, target.config.vocab_size)
         return topk_proposal(self.head_logits(params, target, ctx.state["adapted"], max(tree.depth, 1)), ctx.root, tree)
 
     def head_logits(self, params: dict, target: Target, adapted: jax.Array, depth: int | None = None) -> jax.Array:

@@ -1,57 +1,36 @@
-"""The draft-method contract (DESIGN section 3): pure functions over pytrees, so that the decode loop and
-the trainer never branch on a method's name.
+"""The draft-method contract (DESIGN section 3): `Drafter`, a base class whose defaults are the documentation,
+and what drafters share. The engine (`decode.py`) and the trainer call a drafter's members and never probe for
+them, nor branch on a method's name.
 
-A drafter is a frozen (hashable) dataclass of its static settings, with these methods (`target` is the
-frozen model: `Target(config, params)`, whose config is static under `jax.jit`):
-
-* `init(rng, target) -> params`. The built-in drafters define `init_boxed` instead (`LogicalInit`): the same
-  params with every leaf naming its logical axes, which `draft_param_shapes` reads to shard them like the target.
-* `init_state(target_config, batch, cache_size) -> state`: the method's own caches (zeros) or `()`.
-* optional `prefill_extras(params, target, prompt [B, T], lengths [B]) -> Extras | None`: extra queries
-  that ride along the target's prefill forward (a method without it adds none).
-* `prefill(params, target, prompt: PrefillContext, state) -> state`: run the method's own layers
-  over the prompt (Amphista's staged adaptation layers fill their caches here).
-* `propose(params, target, ctx, tree, rng) -> Proposal`: the tree's `N` node tokens and the tree itself as
-  per-row device data (`TreeArrays [B, ...]`). `tree` is the static `TreeSpec` (a preset, JSON or searched
-  tree: the drafter fills it) or a `TreeBudget` (a drafter that grows its own tree every step stays inside
-  it); both are static under `jax.jit`. The proposal may carry `extras`: extra queries for the verify forward.
-* optional `num_extras(tree) -> int`: how many extras every proposal on `tree` carries (a method without it
-  adds none); callers size the cache with it (`decode.scratch_slots`) and `spec_init` checks it.
-* `commit(params, target, proposal, verdict, verify_out, state) -> (state, next_hidden)`: catch the
-  method's caches up with the accepted tokens (the path `verdict.accepted_nodes` of `proposal.tokens`, then
-  `verdict.bonus`; `verify_out.hidden [B, N + E, D]` holds the tree's nodes, then the extras') and choose
-  the hidden state `[B, D]` the next proposal starts from (usually the target's at the last accepted node:
-  `accepted_hidden`).
-* optional `decode_params(params) -> params`: the layout `propose` and `commit` read, made once per
-  generation before the decode loop (`split_heads`: stacked per-head weights as one array per head).
-* `loss(params, target, batch, target_out) -> (loss, metrics)`: the training objective. `batch` holds
-  `tokens [B, T]` and `loss_mask [B, T]`; in a train step (never in evaluation) also `rng`, a key for
-  training-time randomness (Hydra's embedding noise). `target_out` is the frozen target's stop-gradient
-  output over the batch, or None when the drafter sets
-* optional `loss_runs_target = True`: its loss runs the target itself (BiTA's masks ride in the target's own
-  forward), so gradients flow through the frozen target's activations into the draft params.
-* optional `paper_tree`: the name of the tree its paper drafts (`trees.get_tree`), used where no tree is named
-  or searched (`--tree auto` without a search, `amphista-jax plan`); default `trees.PAPER_TREE`.
+A drafter is a frozen (hashable) dataclass of its static settings subclassing `Drafter`; `target` is the frozen
+model, `target.Target(config, params)` (its config is static under `jax.jit`). Required: `init` (or, through
+`LogicalInit`, `init_boxed`), `propose`, `loss`. Defaulted: `init_state` / `prefill` / `commit` (no state of
+its own), `num_extras` (0) and `prefill_extras` (none), `decode_params` (identity), `loss_runs_target` (False),
+`paper_tree`, `max_depth` (any depth), `tree_kinds` (static trees), `rankable` (the target's vocabulary) and
+`sampling_at` (itself). `check_tree` reads `tree_kinds`, `max_depth` and `rankable` to refuse a tree before anything
+compiles.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from amphista_jax.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, PrefixKV, Transformer, input_embeddings, output_projection
+from amphista_jax.models.llama import Output
+from amphista_jax.target import Extras, Target
+from amphista_jax.tree_names import PAPER_TREE
 from amphista_jax.trees import (
     Tree,
     TreeArrays,
+    TreeBudget,
     TreeError,
     TreeSpec,
     batched,
@@ -63,71 +42,11 @@ from amphista_jax.verify import Verdict, last_accepted_node
 
 
 @struct.dataclass
-class Target:
-    """The frozen target model a drafter works on: its (static) config and its params. Drafters reach the
-    model only through these methods, never by indexing `params`."""
-
-    config: ModelConfig = struct.field(pytree_node=False)
-    params: dict
-
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        """fp32 input embeddings `[..., D]` of `tokens [...]`."""
-        return input_embeddings(self.params, tokens).astype(jax.numpy.float32)
-
-    def lm_head(self) -> jax.Array:
-        """The fp32 `[D, V]` vocabulary projection (tied embeddings: the embedding transposed)."""
-        return output_projection(self.params).astype(jax.numpy.float32)
-
-
-@struct.dataclass
 class DraftContext:
     hidden: jax.Array  # [B, D] target's last-layer hidden state at the node that produced `root`
     root: jax.Array  # [B] the target's own next token (tree node 0)
     lengths: jax.Array  # [B] committed tokens; the root sits at position `lengths`
     state: Any  # the method's own state
-
-
-@struct.dataclass
-class Extras:
-    """Extra queries a drafter adds to a target forward (BiTA's mask tokens), given as input embeddings.
-
-    They see the committed prefix, the forward's new tokens they are given (`sees_new`: the tree's nodes at
-    verification, the prompt's slots at prefill) and each other (`sees_extras`), plus optional per-layer
-    prefix keys/values that nothing else sees. The new tokens never see them, and their keys/values are never
-    committed to the cache. Their hidden states follow the new tokens' in the forward's output.
-    """
-
-    embeds: jax.Array  # [B, E, D]
-    positions: jax.Array  # [B, E]
-    sees_new: jax.Array  # [B, E, T] bool
-    sees_extras: jax.Array  # [B, E, E] bool
-    prefix_k: jax.Array | None = None  # [L, B, Pk, KVH, Dh]
-    prefix_v: jax.Array | None = None  # [L, B, Pk, KVH, Dh]
-
-    @property
-    def count(self) -> int:
-        return self.embeds.shape[1]
-
-
-def forward(model: Transformer, params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache | None,
-            new_mask: jax.Array, extras: Extras | None, return_logits: bool = True) -> Output:
-    """The target over `tokens [B, T]` at `positions [B, T]` with visibility `new_mask [B, T, T]` among them, plus
-    a drafter's `extras` after them: the output's hidden states (and logits) are `[B, T + E, ...]`, the new
-    tokens' first. The tokens never see the extras; the extras see the committed prefix, `extras.sees_new`,
-    `extras.sees_extras` and their own prefix keys/values. Decoding's forwards (`decode.prefill`, verification)
-    and a loss that runs the target with extras (BiTA's, without a cache) share it."""
-    if extras is None:
-        return model.apply({"params": params}, tokens, positions, cache, new_mask, return_logits)
-    b, t = tokens.shape
-    e = extras.count
-    mask = jnp.concatenate([jnp.concatenate([new_mask, jnp.zeros((b, t, e), bool)], 2),
-                            jnp.concatenate([extras.sees_new, extras.sees_extras], 2)], 1)  # [B, T + E, T + E]
-    prefix = None
-    if extras.prefix_k is not None:
-        visible = jnp.broadcast_to((jnp.arange(t + e) >= t)[None, :, None], (b, t + e, extras.prefix_k.shape[2]))
-        prefix = PrefixKV(extras.prefix_k, extras.prefix_v, visible)
-    return model.apply({"params": params}, tokens, jnp.concatenate([positions, extras.positions], 1), cache, mask,
-                       return_logits, extras.embeds, prefix)
 
 
 @struct.dataclass
@@ -159,39 +78,124 @@ def head_projections(target: Target, num_heads: int) -> nn.Partitioned:
     return logical(jax.numpy.broadcast_to(lm_head, (num_heads,) + lm_head.shape).copy(), None, "embed", "vocab")
 
 
-class LogicalInit:
-    """For drafters that define `init_boxed(rng, target)`: their params with each leaf an `nn.Partitioned` naming
-    its logical axes (flax nets through `nn.with_logical_partitioning`, the drafter's own arrays through
-    `logical`); a leaf left plain is replicated. `init` is that tree unboxed."""
+class Drafter(abc.ABC):
+    """A draft method: a frozen dataclass of its static settings (hashable: static under `jax.jit`).
+
+    Class attributes: `name`, the registry key (`drafters.DRAFTERS`, `draft.json`'s `method`); `loss_runs_target`,
+    True when the loss runs the frozen target itself (BiTA's masks ride in its forward), so the train step passes
+    no target output and lets gradients flow through the target's activations into the draft params;
+    `tree_kinds`, the kinds of tree `propose` drafts: `TreeSpec` (a static tree it fills) and/or `TreeBudget`
+    (the budget of a tree it grows on device every step).
+    """
+
+    name: ClassVar[str]
+    loss_runs_target: ClassVar[bool] = False
+    tree_kinds: ClassVar[tuple[type, ...]] = (TreeSpec,)
+
+    @property
+    def paper_tree(self) -> str:
+        """The name of the tree the method's paper drafts (`tree_names.get_tree`): used where no tree is named or
+        searched (`--tree auto` without a search, `amphista-jax plan`)."""
+        return PAPER_TREE
+
+    @property
+    def max_depth(self) -> int | None:
+        """The deepest draft token below the root this drafter can propose (heads: one depth each), or None
+        when it drafts autoregressively to any depth."""
+        return None
+
+    def rankable(self, vocab_size: int) -> int:
+        """How many candidates a node's children can rank among: the target's vocabulary by default (a draft
+        vocabulary where a drafter drafts over one)."""
+        return vocab_size
+
+    def check_tree(self, tree: Tree, vocab_size: int | None = None) -> None:
+        """Raise `TreeError` (one line naming the fix) unless this drafter can draft `tree` for a target of
+        `vocab_size` tokens: its kind, depth against `max_depth`, sibling ranks against `rankable`. Called before
+        anything compiles and again at trace time in `propose`."""
+        kinds = " or ".join("a static tree" if k is TreeSpec else "a dynamic budget" for k in self.tree_kinds)
+        if not isinstance(tree, self.tree_kinds):
+            example = "--tree dynamic" if TreeBudget in self.tree_kinds else "--tree mc_sim_7b_63 or chain-4"
+            raise TreeError(f"{self.name} drafts {kinds} (e.g. {example}), not {tree}")
+        if self.max_depth is not None and tree.depth > self.max_depth:
+            raise TreeError(f"tree depth {tree.depth} needs {tree.depth} heads but these {self.name} heads draft "
+                            f"{self.max_depth} tokens deep: "
+                            f"pick a tree of depth <= {self.max_depth} (e.g. --tree chain-{self.max_depth}) or "
+                            "train more heads")
+        if vocab_size is not None and tree.num_ranks > self.rankable(vocab_size):
+            raise TreeError(f"the tree ranks {tree.num_ranks} siblings but {self.name} drafts from "
+                            f"{self.rankable(vocab_size)} tokens: pick a tree with fewer children per node")
+
+    def sampling_at(self, temperature: float, tree: Tree) -> Drafter:
+        """The drafter for decoding at `temperature` on `tree` (a draft model samples its drafts at the target's
+        temperature on a static tree); itself by default."""
+        return self
+
+    @abc.abstractmethod
+    def init(self, rng: jax.Array, target: Target) -> Any:
+        """Fresh draft params for `target` (untrained heads start here)."""
+
+    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> Any:
+        """The method's own decoding state (zeroed caches) for `batch` rows of `cache_size` slots; none by default."""
+        return ()
+
+    def num_extras(self, tree: Tree) -> int:
+        """How many extra queries (`Proposal.extras`) every proposal on `tree` adds to the verify forward; callers
+        size the cache with it (`decode.scratch_slots`)."""
+        return 0
+
+    def prefill_extras(self, params: Any, target: Target, prompt: jax.Array, lengths: jax.Array) -> Extras | None:
+        """Extra queries riding along the target's prefill forward over `prompt [B, T]` (BiTA's first masks)."""
+        return None
+
+    def prefill(self, params: Any, target: Target, prompt: PrefillContext, state: Any) -> Any:
+        """Run the method's own layers over the prompt (fill its caches); returns the state."""
+        return state
+
+    def decode_params(self, params: Any) -> Any:
+        """The layout `propose` and `commit` read, made once per generation before the decode loop."""
+        return params
+
+    @abc.abstractmethod
+    def propose(self, params: Any, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
+        """The tree's `N` node tokens (node 0 = `ctx.root`) and the tree as per-row device data, inside the
+        static `tree` (a `TreeSpec` to fill or a `TreeBudget` to grow within)."""
+
+    def commit(self, params: Any, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
+               state: Any) -> tuple[Any, jax.Array]:
+        """Catch the method's state up with the accepted path (`verdict.accepted_nodes` of `proposal.tokens`, then
+        `verdict.bonus`; `verify_out.hidden [B, N + E, D]`: the tree's nodes, then the extras') and choose the
+        hidden state `[B, D]` the next proposal starts from: by default the target's at the last accepted node."""
+        return state, accepted_hidden(verdict, verify_out)
+
+    @abc.abstractmethod
+    def loss(self, params: Any, target: Target, batch: dict, target_out: Output | None) -> tuple[jax.Array, dict]:
+        """The paper's training objective. `batch` holds `tokens [B, T]` and `loss_mask [B, T]` (and in a train
+        step `rng`); `target_out` is the frozen target's stop-gradient output, None when `loss_runs_target`."""
+
+
+class LogicalInit(Drafter):
+    """A drafter that defines `init_boxed(rng, target)`: its params with each leaf an `nn.Partitioned` naming its
+    logical axes (flax nets through `nn.with_logical_partitioning`, the drafter's own arrays through `logical`);
+    a leaf left plain is replicated. `init` is that tree unboxed. Every built-in drafter is one."""
+
+    @abc.abstractmethod
+    def init_boxed(self, rng: jax.Array, target: Target) -> Any:
+        """`init`'s params, each leaf boxed with its logical axes."""
 
     def init(self, rng: jax.Array, target: Target) -> Any:
-        return nn.unbox(self.init_boxed(rng, target))  # type: ignore[attr-defined]
+        return nn.unbox(self.init_boxed(rng, target))
 
 
-def draft_param_shapes(drafter: Any, target: Target) -> tuple[Any, Any]:
+def draft_param_shapes(drafter: Drafter, target: Target) -> tuple[Any, Any]:
     """(`jax.ShapeDtypeStruct` tree, logical-axis `PartitionSpec` tree) of `drafter.init`'s params, without
-    allocating (like `llama.param_shapes`). A drafter without `init_boxed` has every parameter replicated."""
+    allocating (like `llama.param_shapes`). A drafter that is not a `LogicalInit` has every parameter replicated."""
     key = jax.random.key(0)
-    if not hasattr(drafter, "init_boxed"):
+    if not isinstance(drafter, LogicalInit):
         shapes = jax.eval_shape(drafter.init, key, target)
         return shapes, jax.tree.map(lambda _: PartitionSpec(), shapes)
     boxed = jax.eval_shape(drafter.init_boxed, key, target)
     return nn.unbox(boxed), nn.get_partition_spec(boxed)
-
-
-class Drafter(Protocol):
-    def init(self, rng: jax.Array, target: Target) -> Any: ...
-
-    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> Any: ...
-
-    def prefill(self, params: Any, target: Target, prompt: PrefillContext, state: Any) -> Any: ...
-
-    def propose(self, params: Any, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal: ...
-
-    def commit(self, params: Any, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
-               state: Any) -> tuple[Any, jax.Array]: ...
-
-    def loss(self, params: Any, target: Target, batch: dict, target_out: Output | None) -> tuple[jax.Array, dict]: ...
 
 
 def accepted_hidden(verdict: Verdict, verify_out: Output) -> jax.Array:
@@ -206,19 +210,6 @@ def accepted_tokens(proposal: Proposal, verdict: Verdict) -> jax.Array:
     idx = jax.numpy.arange(path.shape[1])[None]
     return jax.numpy.where(idx < verdict.n_accepted[:, None] - 1, jax.numpy.roll(path, -1, axis=1),
                            verdict.bonus[:, None])
-
-
-def check_tree_depth(tree: Tree, num_heads: int, method: str) -> TreeSpec:
-    """Trace-time: heads that fill a static tree need one (not a `TreeBudget`), and a tree of depth D needs D
-    heads (head k drafts depth k + 1). Returns the tree."""
-    if not isinstance(tree, TreeSpec):
-        raise TreeError(f"{method} heads fill a static tree (a preset, a JSON file of paths or a searched tree), "
-                        f"not a budget for trees built on device: got {tree}")
-    depth = tree.depth
-    if depth > num_heads:
-        raise TreeError(f"tree depth {depth} needs {depth} heads but these {method} heads have {num_heads=}: "
-                         f"pick a tree of depth <= {num_heads} (e.g. --tree chain-{num_heads}) or train more heads")
-    return tree
 
 
 def split_heads(params: dict, names: Sequence[str] = ("lm_head",)) -> dict:

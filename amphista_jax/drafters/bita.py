@@ -67,14 +67,10 @@ import numpy as np
 
 from amphista_jax.drafters.base import (
     DraftContext,
-    Extras,
     LogicalInit,
     PrefillContext,
     Proposal,
-    Target,
     accepted_hidden,
-    check_tree_depth,
-    forward,
     head_metrics,
     logical,
     topk_proposal,
@@ -82,6 +78,7 @@ from amphista_jax.drafters.base import (
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, target_model
+from amphista_jax.target import Extras, Target, forward
 from amphista_jax.trees import Tree, TreeArrays
 from amphista_jax.verify import Verdict, last_accepted_node
 
@@ -113,6 +110,7 @@ def mask_groups(tree: TreeArrays, lengths: jax.Array, num_masks: int) -> tuple[j
 
 @dataclasses.dataclass(frozen=True)
 class BiTA(LogicalInit):
+    name = "bita"
     num_masks: int = 3  # M mask tokens: drafts up to depth M
     num_prompt: int = 16  # P prompt tokens per layer (0: mask tokens only, the paper's ablation)
     prompt_dropout: float = 0.1  # on the prompt keys/values in training (not used by decoding)
@@ -136,8 +134,8 @@ class BiTA(LogicalInit):
         return f"efficient-{self.num_masks}x5"
 
     @property
-    def num_heads(self) -> int:
-        """The deepest draft (mask i drafts depth i): what tree search calibrates and `check_tree_depth` allows."""
+    def max_depth(self) -> int:
+        """Mask i drafts depth i."""
         return self.num_masks
 
     @classmethod
@@ -186,7 +184,7 @@ class BiTA(LogicalInit):
         return state | {"logits": hidden.astype(jnp.float32) @ target.lm_head()}
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        tree = check_tree_depth(tree, self.num_heads, "BiTA")
+        self.check_tree(tree, target.config.vocab_size)
         proposal = topk_proposal(ctx.state["logits"][:, :max(tree.depth, 1)], ctx.root, tree)
         positions, sees_new, sees_extras = mask_groups(proposal.tree, ctx.lengths, self.num_masks)
         return proposal.replace(extras=self._extras(params, positions, sees_new, sees_extras))

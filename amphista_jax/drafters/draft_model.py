@@ -33,7 +33,6 @@ from amphista_jax.drafters.base import (
     LogicalInit,
     PrefillContext,
     Proposal,
-    Target,
     accepted_hidden,
     accepted_tokens,
     head_losses,
@@ -44,11 +43,10 @@ from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.models.llama import Output, PrefixKV, Transformer, target_model
+from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.trees import Tree, TreeBudget, TreeError, TreeSpec
 from amphista_jax.verify import Verdict
-
-AUTO_TREE = "chain-4"  # what `--tree auto` means for a draft model (no tree is searched for one)
 
 
 class DraftModelError(UserError, ValueError):
@@ -57,6 +55,9 @@ class DraftModelError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DraftModel(LogicalInit):
+    name = "draft_model"
+    tree_kinds = (TreeSpec, TreeBudget)
+    paper_tree = "chain-4"  # what `--tree auto` means for a draft model (no tree is searched for one)
     config: ModelConfig  # the draft model's own architecture
     # 0: top-k drafts (`q = None`); > 0 (static trees): independent draws from its distribution at this
     # temperature, passed to verification as `q` (classic speculative sampling draws at the target's temperature)
@@ -125,6 +126,7 @@ class DraftModel(LogicalInit):
         return state, accepted_hidden(verdict, verify_out)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
+        self.check_tree(tree, target.config.vocab_size)
         draft = FeatureDrafting(self, params, target, ctx)
         if isinstance(tree, TreeBudget):
             if self.temperature > 0:

@@ -19,7 +19,7 @@ step, `PrefixKV`) and themselves.
 
 Trees:
 - a static `TreeSpec` (EAGLE): every node gets the top-k rank the tree gives it among its parent's drafts;
-- a `TreeBudget` (EAGLE-2, `trees.dynamic_tree`, built by `trees.grow_dynamic_tree`): the root's top-k
+- a `TreeBudget` (EAGLE-2, `tree_growth.dynamic_tree`, built by `tree_growth.grow_dynamic_tree`): the root's top-k
   children by draft log-probability form the first frontier; at each further depth the whole frontier runs
   through the layer in one call, each member proposes its top-k children scored by cumulative
   log-probability, and the global top-k of those become the next frontier, down to `budget.depth`; all
@@ -49,7 +49,6 @@ from amphista_jax.drafters.base import (
     LogicalInit,
     PrefillContext,
     Proposal,
-    Target,
     accepted_hidden,
     accepted_tokens,
     head_losses,
@@ -57,22 +56,17 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, logical_dense, run_stack
-from amphista_jax.trees import (
-    Expansion,
-    Tree,
-    TreeBudget,
-    TreeSpec,
-    batched,
-    grow_dynamic_tree,
-    tree_arrays,
-    tree_levels,
-)
+from amphista_jax.target import Target
+from amphista_jax.tree_growth import Expansion, grow_dynamic_tree
+from amphista_jax.trees import Tree, TreeBudget, TreeSpec, batched, tree_arrays, tree_levels
 from amphista_jax.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
 class Eagle(LogicalInit):
+    name = "eagle"
     paper_tree = "dynamic"  # EAGLE-2's dynamic tree
+    tree_kinds = (TreeSpec, TreeBudget)
     num_layers: int = 1  # decoder layers of the draft stack (EAGLE: 1; Gumiho's serial part: 2)
     feature_noise: float = 0.1  # training: U(-a, a) added to the target's features
     reg_weight: float = 1.0  # SmoothL1 regression of the next feature
@@ -126,6 +120,7 @@ class Eagle(LogicalInit):
         return state, accepted_hidden(verdict, verify_out)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
+        self.check_tree(tree, target.config.vocab_size)
         draft = FeatureDrafting(self, params, target, ctx)
         if isinstance(tree, TreeBudget):
             return draft.dynamic(tree)
@@ -286,7 +281,7 @@ class FeatureDrafting:
         return Proposal(tokens, batched(tree_arrays(spec), b), q)
 
     def dynamic(self, budget: TreeBudget) -> Proposal:
-        """EAGLE-2 (`trees.grow_dynamic_tree`): each frontier runs through the layer in one call, its
+        """EAGLE-2 (`tree_growth.grow_dynamic_tree`): each frontier runs through the layer in one call, its
         keys/values kept as this step's scratch at the slots the builder assigns."""
         base, b = self.ctx.state["base"], self.ctx.root.shape[0]
         scratch = _empty_scratch(self.ctx.state["caches"][0], b, (budget.depth - 1) * budget.max_children)
@@ -295,7 +290,7 @@ class FeatureDrafting:
 
     def expansion(self, tokens: jax.Array, parent_features: jax.Array, level: Expansion, sees: jax.Array,
                   scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, tuple]:
-        """`trees.Expand`: a frontier through the layer; its children are its top-k drafts."""
+        """`tree_growth.Expand`: a frontier through the layer; its children are its top-k drafts."""
         features, kv, _ = self.expand(tokens, parent_features, level.depth, sees, scratch)
         end = level.offset + level.width
         scratch = tuple(x.at[:, :, level.offset: end].set(y) for x, y in zip(scratch, kv, strict=True))

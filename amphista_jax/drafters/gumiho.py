@@ -9,7 +9,7 @@ lossless Full Tree Attention (`../shared/papers/gumiho.txt`, section 3.3, append
   zero-initialised; head i's output is the predicted feature of depth `2 + i`, read by the target's frozen
   `lm_head`. The heads see only the serial pair, so their drafts at one depth do not depend on the tokens
   drafted at another.
-- Tree (`trees.draft_dynamic_tree`, per row on device): EAGLE-2's serial part (the root's `top_k` children;
+- Tree (`tree_growth.draft_dynamic_tree`, per row on device): EAGLE-2's serial part (the root's `top_k` children;
   the depth-1 frontier through the stack in one call; the global `top_k` of its children form the depth-2
   frontier), then for each depth-2 frontier node its own heads (paired with its own depth-1 parent: the
   reference pairs frontier rows by position instead), expanded as a beam of width `s = budget.max_children`:
@@ -17,7 +17,7 @@ lossless Full Tree Attention (`../shared/papers/gumiho.txt`, section 3.3, append
   and the best `s` continue. The best nodes of everything drafted are kept, as in EAGLE-2.
 - Full Tree Attention (`full_tree_attention`): the published form lengthens short candidate paths with tokens
   of longer paths and reuses those tokens' logits and keys/values, computed under other ancestors, so it can
-  commit a token the target would not. Here `trees.extend_short_paths` adds the borrowed tokens as new nodes
+  commit a token the target would not. Here `tree_growth.extend_short_paths` adds the borrowed tokens as new nodes
   below the short path (verified under the right context, in the same forward); `fta_nodes` of the budget's
   nodes are set aside for them.
 
@@ -38,32 +38,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from amphista_jax.drafters.base import (
-    DraftContext,
-    LogicalInit,
-    PrefillContext,
-    Proposal,
-    Target,
-    head_metrics,
-    teacher_ce,
-)
+from amphista_jax.drafters.base import DraftContext, LogicalInit, PrefillContext, Proposal, head_metrics, teacher_ce
 from amphista_jax.drafters.eagle import Eagle, FeatureDrafting
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
-from amphista_jax.trees import (
-    Expansion,
-    Tree,
-    TreeBudget,
-    TreeError,
-    arrays_from_parents,
-    draft_dynamic_tree,
-    extend_short_paths,
-)
+from amphista_jax.target import Target
+from amphista_jax.tree_growth import Expansion, draft_dynamic_tree, extend_short_paths
+from amphista_jax.trees import Tree, TreeBudget, TreeError, arrays_from_parents
 from amphista_jax.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
 class Gumiho(LogicalInit):
+    name = "gumiho"
+    tree_kinds = (TreeBudget,)
     paper_tree = "dynamic-63x7x35"  # a 63-node budget: the serial part's depth 2, the MLP heads' 5, beam 35
     serial_layers: int = 2
     mlp_heads: int = 5
@@ -113,9 +101,7 @@ class Gumiho(LogicalInit):
         return _ParallelHeads(self.mlp_heads, self.mlp_layers, d).apply({"params": params["mlps"]}, x)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        if not isinstance(tree, TreeBudget):
-            raise TreeError(f"Gumiho grows its own tree every step: give it a budget (e.g. --tree dynamic-63x7x35), "
-                            f"not the static tree {tree}")
+        self.check_tree(tree, target.config.vocab_size)
         depth, s, extra = tree.depth, tree.max_children, self.fta_nodes if self.full_tree_attention else 0
         if not 2 < depth <= 2 + self.mlp_heads or s < self.top_k or tree.num_ranks < s or tree.num_nodes <= extra + 1:
             raise TreeError(f"tree budget {tree} does not fit Gumiho: depth in 3..{2 + self.mlp_heads} (2 serial + "

@@ -43,9 +43,7 @@ from amphista_jax.drafters.base import (
     LogicalInit,
     PrefillContext,
     Proposal,
-    Target,
     accepted_hidden,
-    check_tree_depth,
     draft_by_levels,
     head_losses,
     head_projections,
@@ -55,12 +53,14 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, logical_dense, run_stack
+from amphista_jax.target import Target
 from amphista_jax.trees import Tree
 from amphista_jax.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
 class Hydra(LogicalInit):
+    name = "hydra"
     num_heads: int = 4
     num_layers: int = 1  # MLP layers per head (Hydra++: 4)
     prefix_layer: bool = False  # Hydra++'s prefix-attention decoder layer
@@ -85,6 +85,11 @@ class Hydra(LogicalInit):
 
     def _net(self, target: ModelConfig) -> _HydraNet:
         return _HydraNet(self, target)
+
+    @property
+    def max_depth(self) -> int:
+        """Head k drafts depth k + 1."""
+        return self.num_heads
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d, k = target.config.hidden_size, self.num_heads
@@ -146,7 +151,7 @@ class Hydra(LogicalInit):
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         """Deterministic top-k drafts (`q = None`), depth by depth: each node's children are the top-k of the
         next head applied to that node's own path."""
-        tree = check_tree_depth(tree, self.num_heads, "Hydra")
+        self.check_tree(tree, target.config.vocab_size)
         # Head inputs of the nodes that have children, depth by depth: [B, M, (depth + 2) D].
         inputs = jnp.concatenate([self.base_state(ctx).astype(jnp.float32), target.embed(ctx.root)], axis=-1)[:, None]
         return draft_by_levels(ctx.root, tree, inputs, lambda depth, x: self._logits(params, target, depth, x),

@@ -15,12 +15,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from amphista_jax.drafters import DRAFTERS
-from amphista_jax.drafters.base import Target
+from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import layer_params
-from amphista_jax.trees import PAPER_TREE
+from amphista_jax.target import Target
+from amphista_jax.tree_names import AUTO, PAPER_TREE, get_tree, resolve_auto
+from amphista_jax.trees import Tree
 
 META_FILE = "draft.json"
 TARGET_KEYS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
@@ -48,7 +49,7 @@ def target_sample(params: dict) -> list[float]:
     return [float(x) for x in np.asarray(jax.jit(pick)(params))]
 
 
-def save_draft(path: str | Path, method: str, drafter: Any, params: Any, target_config: ModelConfig,
+def save_draft(path: str | Path, method: str, drafter: Drafter, params: Any, target_config: ModelConfig,
                dtype: str | None = None, target_params: dict | None = None) -> Path:
     """Write `draft.json` and the params (floating leaves cast to `dtype` when given, e.g. "bfloat16" for
     shipping; `load_draft` restores them in the drafter's own fp32). With `target_params`, `draft.json` also
@@ -68,44 +69,76 @@ def save_draft(path: str | Path, method: str, drafter: Any, params: Any, target_
     return path
 
 
-def saved_drafter(path: str | Path) -> Any | None:
-    """The drafter `path`'s `draft.json` describes (its settings; no params are read), or None where it has no
-    readable one."""
+@dataclasses.dataclass(frozen=True)
+class DraftMeta:
+    """What a heads directory's `draft.json` says: the method, its drafter (settings only; no params are read)
+    and the target the heads were trained for."""
+
+    method: str
+    drafter: Drafter
+    target: dict[str, Any]
+    target_sample: list[float] | None
+
+
+def read_draft_meta(path: str | Path) -> DraftMeta:
+    """`path`'s `draft.json`, checked field by field: a `DraftCheckpointError` (one line naming the fix) for a
+    directory without one, a damaged file, an unknown method or settings the method does not take."""
+    meta_file = Path(path) / META_FILE
+    if not meta_file.is_file():
+        raise DraftCheckpointError(f"{path} is not a draft-head checkpoint (no {META_FILE}): pass the heads/ "
+                                   "directory that `amphista-jax train` wrote")
     try:
-        meta = json.loads((Path(path) / META_FILE).read_text())
-        return DRAFTERS[meta["method"]](**meta["settings"])
-    except (OSError, ValueError, KeyError, TypeError):  # no file, not JSON, unknown method, odd settings
-        return None
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise DraftCheckpointError(f"{meta_file} is not valid JSON ({where}); re-save the heads or restore that "
+                                   "file") from None
+    method = meta.get("method") if isinstance(meta, dict) else None
+    if method not in DRAFTERS:
+        raise DraftCheckpointError(f"{meta_file} names unknown method {method!r}; known: {', '.join(DRAFTERS)}")
+    settings, target = meta.get("settings", {}), meta.get("target", {})
+    if not isinstance(settings, dict) or not isinstance(target, dict):
+        raise DraftCheckpointError(f"{meta_file}: `settings` and `target` must be objects; re-save the heads")
+    try:
+        drafter = DRAFTERS[method](**settings)
+    except (TypeError, ValueError) as e:
+        raise DraftCheckpointError(f"the {method} settings in {meta_file} are invalid ({e}); re-save the heads") \
+            from None
+    return DraftMeta(method, drafter, target, meta.get("target_sample"))
 
 
 def heads_paper_tree(path: str | Path) -> str:
-    """The name of the tree the paper of the heads in `path` drafts (the drafter's `paper_tree`; `PAPER_TREE`
-    for a method without one or where `path` holds no heads)."""
-    return getattr(saved_drafter(path), "paper_tree", PAPER_TREE)
+    """The name of the tree the paper of the heads in `path` drafts (their drafter's `paper_tree`)."""
+    return read_draft_meta(path).drafter.paper_tree
+
+
+def heads_tree(name_or_path: str, heads_dir: str | Path | None) -> tuple[Tree, str | None]:
+    """(`tree_names.get_tree(name_or_path)` for the heads in `heads_dir` (None: untrained heads), a note or None):
+    `auto` is the tree searched for them, else their paper's tree (`heads_paper_tree`) with a note saying why,
+    which a front-end prints as `note: <note>` on stderr."""
+    note = None
+    if name_or_path == AUTO:
+        name_or_path, note = resolve_auto(heads_dir, PAPER_TREE if heads_dir is None else heads_paper_tree(heads_dir))
+    return get_tree(name_or_path), note
 
 
 def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict) -> tuple[str, Any, Any]:
     """(method name, drafter, params) from `path`, checked against the target."""
     path = Path(path).absolute()
-    if not (path / META_FILE).is_file():
-        raise DraftCheckpointError(f"{path} is not a draft-head checkpoint: it has no {META_FILE}")
-    meta = json.loads((path / META_FILE).read_text())
-    method = meta.get("method")
-    if method not in DRAFTERS:
-        raise DraftCheckpointError(f"{path} holds heads of unknown method {method!r}; known: {', '.join(DRAFTERS)}")
+    meta = read_draft_meta(path)
+    method = meta.method
     expected = target_fingerprint(target_config)
-    if meta.get("target") != expected:
-        diff = {k: (meta.get("target", {}).get(k), v) for k, v in expected.items()
-                if meta.get("target", {}).get(k) != v}
+    if meta.target != expected:
+        diff = {k: (meta.target.get(k), v) for k, v in expected.items() if meta.target.get(k) != v}
         raise DraftCheckpointError(
             f"the {method} heads in {path} were trained for another target (trained for / this target: {diff}); "
             "train heads for this target, or pass the --model they were trained on")
-    if "target_sample" in meta and not np.allclose(target_sample(target_params), meta["target_sample"],
-                                                   rtol=2**-6, atol=1e-6):
+    if meta.target_sample is not None and not np.allclose(target_sample(target_params), meta.target_sample,
+                                                          rtol=2**-6, atol=1e-6):
         raise DraftCheckpointError(
             f"the {method} heads in {path} were trained for another target of the same shape (its weights "
             "differ); train heads for this target, or pass the --model they were trained on")
-    drafter = DRAFTERS[method](**meta["settings"])
+    drafter = meta.drafter
     abstract = jax.eval_shape(lambda: drafter.init(jax.random.key(0), Target(target_config, target_params)))
     # Onto this process's first device: without a sharding orbax restores the saved one, whose devices (heads
     # trained on several processes or devices) need not be here.

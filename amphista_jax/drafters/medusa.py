@@ -15,11 +15,7 @@ import jax.numpy as jnp
 from amphista_jax.drafters.base import (
     DraftContext,
     LogicalInit,
-    PrefillContext,
     Proposal,
-    Target,
-    accepted_hidden,
-    check_tree_depth,
     head_losses,
     head_projections,
     logical,
@@ -27,14 +23,14 @@ from amphista_jax.drafters.base import (
     split_heads,
     topk_proposal,
 )
-from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
+from amphista_jax.target import Target
 from amphista_jax.trees import Tree
-from amphista_jax.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
 class Medusa(LogicalInit):
+    name = "medusa"
     num_heads: int = 4
     num_layers: int = 1
     loss_decay: float = 0.8  # head k's loss weight is loss_decay ** k
@@ -59,22 +55,17 @@ class Medusa(LogicalInit):
             x = x + jax.nn.silu(jnp.einsum("...KD,KDE->...KE", x, w) + b)
         return project_heads(x, params["lm_head"], heads or k).astype(jnp.float32)
 
+    @property
+    def max_depth(self) -> int:
+        """Head k drafts depth k + 1."""
+        return self.num_heads
+
     def decode_params(self, params: dict) -> dict:
         return split_heads(params)
 
-    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> tuple:
-        return ()
-
-    def prefill(self, params, target: Target, prompt: PrefillContext, state) -> tuple:
-        return state
-
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        tree = check_tree_depth(tree, self.num_heads, "Medusa")
+        self.check_tree(tree, target.config.vocab_size)
         return topk_proposal(self.head_logits(params, ctx.hidden, heads=max(tree.depth, 1)), ctx.root, tree)
-
-    def commit(self, params, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
-               state) -> tuple:
-        return state, accepted_hidden(verdict, verify_out)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Per-head CE against the ground truth, weighted `loss_decay ** k`.

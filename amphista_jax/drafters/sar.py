@@ -45,19 +45,15 @@ import jax.numpy as jnp
 from amphista_jax.drafters.base import (
     DraftContext,
     LogicalInit,
-    PrefillContext,
     Proposal,
-    Target,
-    accepted_hidden,
-    check_tree_depth,
     draft_by_levels,
     head_losses,
     logical,
 )
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
+from amphista_jax.target import Target
 from amphista_jax.trees import Tree
-from amphista_jax.verify import Verdict
 
 ENCODERS = ("simplified", "lstm")
 Carry = Any  # the encoder's state over a path: a pytree of `[..., H/2]` (and `[..., 1]`) arrays
@@ -65,6 +61,7 @@ Carry = Any  # the encoder's state over a path: a pytree of `[..., H/2]` (and `[
 
 @dataclasses.dataclass(frozen=True)
 class SemiAutoregressive(LogicalInit):
+    name = "sar"
     # k: draft depths trained (Eq. 8) and the deepest tree drafted; named like the head methods' depth, which the
     # tree code (tree search, the CLI's checks) reads from every static-tree drafter
     num_heads: int = 4
@@ -97,15 +94,10 @@ class SemiAutoregressive(LogicalInit):
             lm_head = jax.random.normal(jax.random.fold_in(rng, 1), (features, config.vocab_size)) / jnp.sqrt(features)
         return params | {"lm_head": logical(lm_head, "embed", "vocab")}
 
-    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> tuple:
-        return ()
-
-    def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: Any) -> Any:
-        return state
-
-    def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
-               state: Any) -> tuple[Any, jax.Array]:
-        return state, accepted_hidden(verdict, verify_out)
+    @property
+    def max_depth(self) -> int:
+        """One network drafts every depth up to k = num_heads."""
+        return self.num_heads
 
     def _apply(self, params: dict, target: Target, method: Any, *args: Any) -> Any:
         return self._net(target.config).apply({"params": params}, *args, method=method)
@@ -129,7 +121,7 @@ class SemiAutoregressive(LogicalInit):
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         """Deterministic top-k drafts (`q = None`), depth by depth: each node's children are the top-k of `q0`
         on that node's own path (root .. node)."""
-        tree = check_tree_depth(tree, self.num_heads, "semi-autoregressive")
+        self.check_tree(tree, target.config.vocab_size)
         base = ctx.hidden.astype(jnp.float32)[:, None]  # [B, 1, D]
         carry = self._apply(params, target, _SARNet.empty, (ctx.root.shape[0], 1))
         carry = self._step(params, target, carry, ctx.root[:, None], 0)  # the encoder over each node's path

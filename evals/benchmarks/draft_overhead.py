@@ -47,7 +47,6 @@ from amphista_jax.decode import (
     SpecState,
     ar_init,
     ar_step,
-    decode_params,
     scratch_slots,
     spec_commit,
     spec_init,
@@ -55,7 +54,7 @@ from amphista_jax.decode import (
     spec_step,
     spec_verify,
 )
-from amphista_jax.drafters import VARIANTS, Target
+from amphista_jax.drafters import VARIANTS
 from amphista_jax.evals.benchmarks.common import (
     SIZES,
     benchmark_parser,
@@ -68,7 +67,9 @@ from amphista_jax.evals.benchmarks.common import (
 )
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import target_model
-from amphista_jax.trees import TreeSpec, get_tree
+from amphista_jax.target import Target
+from amphista_jax.tree_names import get_tree
+from amphista_jax.trees import TreeSpec
 
 MAX_NEW_TOKENS = 64
 
@@ -141,7 +142,7 @@ def main() -> None:
     rows = []
     for method, tree in tqdm(list(itertools.product(args.methods, args.trees)), desc="draft overhead"):
         drafter, spec = VARIANTS[method], get_tree(tree)
-        draft_params = decode_params(drafter, drafter.init(jax.random.key(0), target))
+        draft_params = drafter.decode_params(drafter.init(jax.random.key(0), target))
         settings = SpecSettings(config, drafter, spec, MAX_NEW_TOKENS)
         s = steady_state(params, draft_params, settings, args.batch, args.committed)
         cuts = range(1, spec.depth + 1) if isinstance(spec, TreeSpec) else ()  # a dynamic budget has no cuts

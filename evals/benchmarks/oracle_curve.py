@@ -31,29 +31,32 @@ import numpy as np
 from tqdm import tqdm
 
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
-from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
+from amphista_jax.drafters.base import DraftContext, Drafter, Proposal
 from amphista_jax.errors import UserError
 from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, model_config, random_target, write_report
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.trees import TreeSpec, batched, get_tree, tree_arrays
+from amphista_jax.target import Target
+from amphista_jax.tree_names import get_tree
+from amphista_jax.trees import TreeSpec, batched, tree_arrays
 
 TREES = ("chain-4", "small-8", "small-16", "mc_sim_7b_63")
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts from the target's known greedy continuation (`draft_params` = `[B, W]` reference rows: prompt, then
     AR's tokens): each node of a static tree is right with probability `p_right`, else `right + 1 + rank`
     (mod V), a wrong token that no sibling repeats."""
 
+    name = "oracle"
     p_right: float
     vocab_size: int
 
-    def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> tuple:
-        return ()
+    def init(self, rng: jax.Array, target: Target) -> jax.Array:
+        raise NotImplementedError("the oracle's params are its reference rows")
 
-    def prefill(self, params: jax.Array, target: Any, prompt: Any, state: tuple) -> tuple:
-        return state
+    def loss(self, params: jax.Array, target: Target, batch: dict, target_out: Any) -> tuple[jax.Array, dict]:
+        raise NotImplementedError("the oracle is not trained")
 
     def propose(self, params: jax.Array, target: Any, ctx: DraftContext, tree: TreeSpec, rng: jax.Array) -> Proposal:
         arrays = batched(tree_arrays(tree), ctx.root.shape[0])
@@ -62,10 +65,6 @@ class OracleDrafter:
         wrong = (right + 1 + arrays.rank) % self.vocab_size
         tokens = jnp.where(jax.random.bernoulli(rng, self.p_right, right.shape), right, wrong)
         return Proposal(tokens.at[:, 0].set(ctx.root), arrays)
-
-    def commit(self, params: jax.Array, target: Any, proposal: Proposal, verdict: Any, verify_out: Any,
-               state: tuple) -> tuple[tuple, jax.Array]:
-        return state, accepted_hidden(verdict, verify_out)
 
 
 def bench(model: str, config: ModelConfig, dtype: str, p_rights: list[float], trees: dict[str, TreeSpec],

@@ -34,13 +34,14 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from amphista_jax.accelerators import ACCELERATORS, Accelerator
-from amphista_jax.decode import SpecSettings, ar_init, ar_step, decode_params, scratch_slots, spec_init, spec_step
-from amphista_jax.drafters import VARIANTS, Target
+from amphista_jax.decode import SpecSettings, ar_init, ar_step, scratch_slots, spec_init, spec_step
+from amphista_jax.drafters import VARIANTS
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes, target_model
 from amphista_jax.models.shapes import KNOWN_TARGETS
-from amphista_jax.trees import get_tree
+from amphista_jax.target import Target
+from amphista_jax.tree_names import get_tree
 
 MAX_NEW_TOKENS = 128
 
@@ -73,7 +74,7 @@ def spec_cost(config: ModelConfig, params: Any, method: str, tree_name: str, bat
     """(cost of one `spec_step` with `context` committed tokens per row, the tree's node budget); `params` in the
     `split_layers` layout."""
     drafter, tree = VARIANTS[method], get_tree(tree_name)
-    draft = jax.eval_shape(lambda p: decode_params(drafter, drafter.init(jax.random.key(0), Target(config, p))),
+    draft = jax.eval_shape(lambda p: drafter.decode_params(drafter.init(jax.random.key(0), Target(config, p))),
                            params)
     settings = SpecSettings(config, drafter, tree, MAX_NEW_TOKENS)
     cache_size = context + MAX_NEW_TOKENS + scratch_slots(drafter, tree)

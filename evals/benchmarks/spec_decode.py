@@ -18,18 +18,20 @@ from __future__ import annotations
 import functools
 import itertools
 import statistics
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
-from amphista_jax.drafters import Medusa, Target
-from amphista_jax.drafters.io import load_draft
+from amphista_jax.drafters import Medusa
+from amphista_jax.drafters.io import heads_tree, load_draft
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from amphista_jax.models.llama import new_cache, target_model
+from amphista_jax.target import Target
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.trees import TreeSpec, get_tree, tree_arrays
+from amphista_jax.trees import TreeSpec, tree_arrays
 
 PROMPTS = (
     "def binary_search(items, target):\n",
@@ -44,7 +46,11 @@ def end_to_end(params, config, tok, drafters: list[tuple[str, object, object, st
     """`drafters`: (label, drafter, draft params, heads directory) tuples, all timed against one AR run per
     prompt."""
     rows = []
-    specs = {(label, name): get_tree(name, heads) for (label, _, _, heads), name in itertools.product(drafters, trees)}
+    specs = {}
+    for (label, _, _, heads), name in itertools.product(drafters, trees):
+        specs[label, name], note = heads_tree(name, heads)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     drafter_of = {label: drafter for label, drafter, _, _ in drafters}
     scratch = max(scratch_slots(drafter_of[label], tree) for (label, _), tree in specs.items())
     for prompt in PROMPTS:

@@ -19,12 +19,14 @@ import jax
 from tqdm import tqdm
 
 from amphista_jax.assets import shipped_heads, shipped_heads_dir
-from amphista_jax.drafters import VARIANTS, Target
+from amphista_jax.drafters import VARIANTS
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
+from amphista_jax.generator import Generator
+from amphista_jax.target import Target
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
+from amphista_jax.tree_names import get_tree
 from amphista_jax.tree_search import measure_step_seconds
-from amphista_jax.trees import get_tree
 
 SHIPPED_NAME = {"hydra++": "hydra-plus"}
 PROMPT = "def binary_search(items, target):\n"
@@ -50,8 +52,8 @@ def main() -> None:
             _, drafter, draft_params = load_draft(shipped_heads_dir(name), config, params)
             heads = f"shipped {name}"
         trees = [get_tree(t) for t in args.trees]
-        ar_s, step_s = measure_step_seconds(params, draft_params, drafter, config, prompt, trees, args.new_tokens,
-                                            tok.pad_token_id or 0, args.runs)
+        gen = Generator(config, params, tok, (), drafter, draft_params, trees[0])
+        ar_s, step_s = measure_step_seconds(gen, prompt, trees, args.new_tokens, args.runs)
         for name, tree, s in zip(args.trees, trees, step_s, strict=True):
             rows.append({"method": method, "heads": heads, "tree": name, "nodes": tree.num_nodes,
                          "step_ms": s * 1e3, "ar_step_ms": ar_s * 1e3, "step_vs_ar": s / ar_s})

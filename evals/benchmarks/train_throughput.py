@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.drafters import DRAFTERS, Target
+from amphista_jax.drafters import DRAFTERS
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from amphista_jax.models.llama import Transformer
+from amphista_jax.target import Target
 from amphista_jax.train.optim import OptimConfig, make_optimizer
 from amphista_jax.train.step import make_steps, target_forward
 

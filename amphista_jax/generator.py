@@ -1,0 +1,376 @@
+"""The Python API: load a target (and a drafter) once, then generate from Python with compiled programs.
+
+    from amphista_jax import Generator
+
+    gen = Generator.load(heads="hydra")                  # the embedded model and its shipped Hydra heads
+    out = gen.generate(["def fib(n):", "import os\\n"], max_new_tokens=32)
+    out.texts, out.tau, out.tokens_per_s                 # completions, tokens per target forward, speed
+    for piece in gen.stream("def add(a, b):"):           # text as it is committed
+        print(piece, end="")
+
+`Generator` owns what every front-end needs (the CLI, the demo, tree search and evaluation are thin users of it):
+tokenisation with the chat template for messages, stop ids, right-padding into prompt-length buckets (so calls of
+other lengths reuse the compiled program of their bucket), cache sizing with the drafter's scratch slots, the
+tree checked against the drafter and the target before anything compiles, ahead-of-time compiled programs cached
+per shape, and placement on a mesh. Errors a caller can cause are typed (`GeneratorError` and the project's other
+`UserError`s) with one-line messages that name the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from amphista_jax.decode import (
+    GenerateOutput,
+    SpecSettings,
+    advance,
+    check_fits,
+    generate,
+    pad_prompts,
+    scratch_slots,
+    speculative_generate,
+    start,
+)
+from amphista_jax.drafters import VARIANTS, Drafter
+from amphista_jax.errors import UserError
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.sampling import SamplingConfig
+from amphista_jax.target import Target
+from amphista_jax.tree_names import AUTO, get_tree, resolve_auto
+from amphista_jax.trees import Tree
+from amphista_jax.verify import AcceptanceConfig
+
+MIN_BUCKET = 16  # prompts pad to the next power of two >= this many tokens
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]  # text, chat messages, or token ids
+
+
+class GeneratorError(UserError, ValueError):
+    """A `Generator` call that cannot work as asked."""
+
+
+def bucket(length: int) -> int:
+    """The padded prompt length of a `length`-token prompt: the next power of two, at least `MIN_BUCKET`."""
+    return max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """The results of one `Generator.generate` call, one entry per prompt."""
+
+    texts: list[str]  # the completions (special tokens dropped)
+    token_ids: list[list[int]]  # the generated ids, a stop token included
+    tau: list[float]  # tokens committed per decoding forward (the prefill's token not counted); 1.0 for AR
+    stop_reasons: list[str]  # "eos" (a stop token) or "length" (max_new_tokens)
+    drafted: list[list[bool]]  # which tokens came from accepted drafts
+    seconds: float  # wall time of the compiled program (compiling excluded)
+    compile_seconds: float  # time spent compiling for this call (0 when its program was cached)
+    output: GenerateOutput  # the raw per-row arrays on the host (accept lengths, tree statistics)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.seconds, 1e-9)
+
+
+@dataclasses.dataclass
+class Generator:
+    """A loaded target, optionally a drafter with its tree, and the programs compiled for them. Build it with
+    `Generator.load`; `autoregressive()` and `with_tree()` share the loaded weights."""
+
+    config: ModelConfig
+    params: dict
+    tokenizer: Any
+    eos_ids: tuple[int, ...]
+    drafter: Drafter | None = None
+    draft_params: Any = None
+    tree: Tree | None = None
+    tree_name: str = "-"
+    method: str = "ar"
+    model_dir: str = ""
+    heads_dir: str | None = None
+    attention: str = "xla"
+    mesh: jax.sharding.Mesh | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)  # what `load` chose for you, and why
+    programs: dict[tuple, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, heads: str | Path | None = None, tree: str | Tree = AUTO, *,
+             dtype: str = "float32", mesh: jax.sharding.Mesh | None = None, attention: str = "xla",
+             draft_model: str | Path | None = None, seed: int = 0) -> Generator:
+        """Load the target `model` (a Hugging Face directory, a fetched name such as `smollm2`, or None for the
+        embedded default) in the decode layout, and a drafter: `heads` is a draft-head directory, a method name
+        (its shipped heads for the embedded model, else untrained heads initialised from the target) or None
+        (autoregressive); `draft_model` a small checkpoint of the target's family. `tree` is a tree name
+        (`auto`: the tree searched for these heads on this device class, else their paper's), a JSON file of
+        paths or a `TreeSpec` / `TreeBudget`. Everything that can be checked before reading weights is."""
+        from amphista_jax.drafters.draft_model import DraftModel
+        from amphista_jax.drafters.io import load_draft, read_draft_meta
+        from amphista_jax.models.hf import load_config, load_params
+        from amphista_jax.sharding import param_shardings, place_for_decoding
+        from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
+
+        model_dir = resolve_model(model)
+        config = load_config(model_dir)
+        if heads is not None and draft_model is not None:
+            raise GeneratorError("give heads or draft_model, not both: a draft model drafts on its own")
+        heads_dir, untrained, notes = _heads_source(heads, model_dir)
+        drafter: Drafter | None = None
+        if heads_dir is not None:
+            drafter = read_draft_meta(heads_dir).drafter
+        elif untrained is not None:
+            drafter = untrained
+        elif draft_model is not None:
+            draft_config = load_config(draft_model)
+            drafter, heads_dir = DraftModel(draft_config), str(draft_model)
+        spec, tree_name = None, "-"
+        if drafter is not None:
+            spec, tree_name, note = _resolve_tree(tree, heads_dir, drafter)
+            notes += [note] if note else []
+            drafter.check_tree(spec, config.vocab_size)
+        tokenizer = load_tokenizer(model_dir)
+        shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
+        params, config = load_params(model_dir, dtype=dtype, shardings=shardings, layout="split")
+        draft_params, method = None, "ar"
+        if isinstance(drafter, DraftModel):
+            drafter, draft_params = DraftModel.from_pretrained(draft_model, config, model_dir, dtype)
+            method = "draft_model"
+        elif heads_dir is not None:
+            method, drafter, draft_params = load_draft(heads_dir, config, params)
+        elif drafter is not None:
+            method = drafter.name
+            draft_params = jax.jit(drafter.init)(jax.random.key(seed), Target(config, params))
+        if mesh is not None:
+            params, draft_params = place_for_decoding(mesh, config, params, drafter, draft_params)
+        return cls(config, params, tokenizer, stop_token_ids(model_dir, tokenizer, config), drafter, draft_params,
+                   spec, tree_name, method, str(model_dir), None if heads_dir is None else str(heads_dir), attention,
+                   mesh, notes)
+
+    @property
+    def pad_id(self) -> int:
+        return self.config.pad_token_id or 0
+
+    def autoregressive(self) -> Generator:
+        """The plain autoregressive decoder of the same target (the baseline every speed-up is measured on)."""
+        return dataclasses.replace(self, drafter=None, draft_params=None, tree=None, tree_name="-", method="ar",
+                                   heads_dir=None, notes=[], programs={})
+
+    def with_tree(self, tree: str | Tree) -> Generator:
+        """The same target and drafter on another tree (checked against the drafter and the target)."""
+        if self.drafter is None:
+            raise GeneratorError("autoregressive decoding has no tree: load heads or a draft model")
+        spec, name, note = _resolve_tree(tree, self.heads_dir, self.drafter)
+        self.drafter.check_tree(spec, self.config.vocab_size)
+        return dataclasses.replace(self, tree=spec, tree_name=name, notes=[note] if note else [], programs={})
+
+    # -- prompts ----------------------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids of one prompt: text (through the chat template with `chat`), chat messages (`[{"role",
+        "content"}]`, always through the template) or token ids (checked against the vocabulary)."""
+        from amphista_jax.tokenizer import encode_conversation, encode_prompt
+
+        if isinstance(prompt, str):
+            ids = encode_prompt(self.tokenizer, prompt, chat=chat)
+        elif len(prompt) and all(isinstance(m, dict) for m in prompt):
+            ids = encode_conversation(self.tokenizer, list(prompt))
+        elif all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise GeneratorError("a prompt is a string, a list of chat messages ({'role', 'content'} dicts) or a "
+                                 f"list of token ids; got {type(prompt).__name__} of {_kinds(prompt)}")
+        if not ids:
+            raise GeneratorError("empty prompt: every prompt needs at least one token")
+        if bad := [t for t in ids if not 0 <= t < self.config.vocab_size]:
+            raise GeneratorError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size}): check "
+                                 "the tokenizer matches the model")
+        return ids
+
+    def _batch(self, prompts: Prompt | Sequence[Prompt], chat: bool) -> list[list[int]]:
+        single = isinstance(prompts, str) or (len(prompts) > 0 and not isinstance(prompts[0], str | list | tuple))
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise GeneratorError("no prompts: pass a prompt or a list of prompts")
+        return [self.encode(p, chat) for p in batch]
+
+    # -- programs ---------------------------------------------------------------------------------------------
+
+    def settings(self, max_new_tokens: int, sampling: SamplingConfig, acceptance: AcceptanceConfig | None = None,
+                 stop_at_eos: bool = True) -> SpecSettings:
+        """The static settings of one decode (AR when there is no drafter)."""
+        if max_new_tokens < 1:
+            raise GeneratorError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        acceptance = acceptance or AcceptanceConfig()
+        acceptance.resolve(sampling)
+        drafter = None if self.drafter is None else self.drafter.sampling_at(sampling.temperature, self.tree)
+        return SpecSettings(self.config, drafter, self.tree, max_new_tokens, sampling, acceptance,
+                            self.eos_ids if stop_at_eos else (), self.pad_id, self.attention)
+
+    def cache_size(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Slots of a cache for padded prompts of `prompt_len` tokens: the prompt, the new tokens and the scratch
+        slots a verify forward writes (the tree's nodes and the drafter's extras)."""
+        scratch = 0 if self.drafter is None else scratch_slots(self.drafter, self.tree)
+        return prompt_len + max_new_tokens + scratch
+
+    def program(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings) -> tuple[Any, float]:
+        """(the compiled program for the shape of `tokens [B, T]` and these settings, seconds spent compiling
+        it now: 0 when cached). Call it as `program(params, [draft_params,] tokens, lengths, rng)` (`run`)."""
+        key = (tokens.shape, settings)
+        if key in self.programs:
+            return self.programs[key], 0.0
+        t0 = time.perf_counter()
+        static = dict(config=self.config, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
+                      eos_ids=settings.eos_ids, pad_id=settings.pad_id, attention=settings.attention,
+                      cache_size=self.cache_size(tokens.shape[1], settings.max_new_tokens))
+        rng = jax.random.key(0)
+        with self.on_mesh():
+            if settings.drafter is None:
+                lowered = generate.lower(self.params, tokens, lengths, rng, **static)
+            else:
+                lowered = speculative_generate.lower(self.params, self.draft_params, tokens, lengths, rng,
+                                                     drafter=settings.drafter, tree=settings.tree,
+                                                     acceptance=settings.acceptance, **static)
+            self.programs[key] = lowered.compile()
+        return self.programs[key], time.perf_counter() - t0
+
+    def run(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings, rng: jax.Array | int = 0
+            ) -> tuple[GenerateOutput, float, float]:
+        """Decode right-padded `tokens [B, T]` of `lengths [B]` with the compiled program of their shape: (output
+        on the host, seconds, compile seconds). `generate` pads and buckets first; evaluation calls this with its
+        own padding. `rng`: a key, or the seed of one."""
+        check_fits(lengths, settings.max_new_tokens, tokens.shape[1] + settings.max_new_tokens, self.config)
+        compiled, compile_s = self.program(tokens, lengths, settings)
+        args = (self.params,) + (() if settings.drafter is None else (self.draft_params,))
+        rng = jax.random.key(rng) if isinstance(rng, int) else rng
+        with self.on_mesh():
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(compiled(*args, tokens, lengths, rng))
+            seconds = time.perf_counter() - t0
+        return jax.device_get(out), seconds, compile_s
+
+    def on_mesh(self) -> contextlib.AbstractContextManager:
+        from amphista_jax.sharding import on_mesh
+
+        return on_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    # -- generation -------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False,
+                 acceptance: AcceptanceConfig | None = None, stop_at_eos: bool = True) -> Generation:
+        """Complete one prompt or a batch (text, chat messages or token ids; `chat` puts text through the chat
+        template too): greedy at `temperature` 0, else sampled (lossless rejection sampling by default). Rows stop
+        at a stop token (unless `stop_at_eos` is False) or after `max_new_tokens`."""
+        settings = self.settings(max_new_tokens, _sampling(temperature, top_k, top_p, self.config.vocab_size),
+                                 acceptance, stop_at_eos)
+        ids = self._batch(prompts, chat)
+        tokens, lengths = pad_prompts(ids, length=bucket(max(len(i) for i in ids)), pad_id=self.pad_id)
+        out, seconds, compile_s = self.run(tokens, lengths, settings, seed)
+        return self._generation(out, seconds, compile_s)
+
+    def _generation(self, out: GenerateOutput, seconds: float, compile_s: float) -> Generation:
+        rows = range(out.tokens.shape[0])
+        ids = [[int(t) for t in out.tokens[r, : int(out.num_tokens[r])]] for r in rows]
+        steps = [int((out.accept_lengths[r] > 0).sum()) for r in rows]
+        return Generation(
+            texts=[self.tokenizer.decode(i, skip_special_tokens=True) for i in ids], token_ids=ids,
+            tau=[(len(i) - 1) / s if s else 1.0 for i, s in zip(ids, steps, strict=True)],
+            stop_reasons=["eos" if i and i[-1] in self.eos_ids else "length" for i in ids],
+            drafted=[[bool(d) for d in out.drafted[r, : len(ids[r])]] for r in rows], seconds=seconds,
+            compile_seconds=compile_s, output=out)
+
+    def stream(self, prompt: Prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, chat: bool = False, acceptance: AcceptanceConfig | None = None,
+               steps_per_chunk: int = 4) -> Iterator[str]:
+        """Yield the completion of one prompt as text pieces, as decoding commits them: `steps_per_chunk` jitted
+        decode steps between pieces (the same steps and keys as `generate`, so the same tokens)."""
+        if steps_per_chunk < 1:
+            raise GeneratorError(f"steps_per_chunk={steps_per_chunk}: must be >= 1")
+        settings = self.settings(max_new_tokens, _sampling(temperature, top_k, top_p, self.config.vocab_size),
+                                 acceptance)
+        ids = self.encode(prompt, chat)
+        tokens, lengths = pad_prompts([ids], length=bucket(len(ids)), pad_id=self.pad_id)
+        check_fits(lengths, max_new_tokens, tokens.shape[1] + max_new_tokens, self.config)
+        with self.on_mesh():
+            state = start(self.params, self.draft_params, tokens, lengths, jax.random.key(seed), settings=settings,
+                          cache_size=self.cache_size(tokens.shape[1], max_new_tokens))
+            shown = ""
+            while True:
+                n, done = int(state.num_tokens[0]), bool(state.done[0])
+                text = self.tokenizer.decode(np.asarray(state.tokens[0, :n]), skip_special_tokens=True)
+                if len(text) > len(shown) and (done or not text.endswith("\ufffd")):  # whole characters only
+                    yield text[len(shown):]
+                    shown = text
+                if done:
+                    return
+                state = advance(self.params, self.draft_params, state, settings=settings, steps=steps_per_chunk)
+
+
+def resolve_model(model: str | Path | None) -> str:
+    """A target's directory: the embedded default (`None` or `tiny`), a fetched name (`smollm2`: fetched on first
+    use) or a directory."""
+    from amphista_jax.assets import default_model_dir
+    from amphista_jax.fetch import resolve_model as fetched
+
+    if model is None or str(model) == "tiny":
+        return str(default_model_dir())
+    return fetched(str(model))
+
+
+def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None, Drafter | None, list[str]]:
+    """(heads directory, untrained drafter, notes) of `Generator.load`'s `heads`."""
+    from amphista_jax.assets import default_model_dir, shipped_heads, shipped_heads_dir
+
+    if heads is None:
+        return None, None, []
+    if Path(heads).is_dir():
+        return str(heads), None, []
+    name = str(heads)
+    embedded = Path(model_dir).resolve() == default_model_dir().resolve()
+    shipped = name.replace("++", "-plus")
+    if embedded and shipped in shipped_heads():
+        return str(shipped_heads_dir(shipped)), None, [f"using the shipped {name} heads"]
+    if name in VARIANTS:
+        return None, VARIANTS[name], [f"no trained heads for this model: using untrained {name} heads (expect tau ~1)"]
+    raise GeneratorError(f"heads {name!r} is neither a draft-head directory nor a method ({', '.join(VARIANTS)})")
+
+
+def _resolve_tree(tree: str | Tree, heads_dir: str | None, drafter: Drafter) -> tuple[Tree, str, str | None]:
+    """(the tree, its name, a note on how `auto` was resolved or None)."""
+    if not isinstance(tree, str):
+        return tree, str(tree), None
+    if tree == AUTO:
+        name, note = resolve_auto(heads_dir, drafter.paper_tree)
+        return get_tree(name), tree, note
+    return get_tree(tree, heads_dir, drafter.paper_tree), tree, None
+
+
+def _sampling(temperature: float, top_k: int, top_p: float, vocab_size: int) -> SamplingConfig:
+    """The sampling settings, or a `GeneratorError` naming the bad one."""
+    for name, value, ok, rule in (("temperature", temperature, temperature >= 0, ">= 0 (0 = greedy)"),
+                                  ("top_k", top_k, 0 <= top_k <= vocab_size, f"in [0, {vocab_size}] (0 = off)"),
+                                  ("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")):
+        if not ok or value != value:  # NaN fails every rule
+            raise GeneratorError(f"{name}={value}: must be {rule}")
+    return SamplingConfig(float(temperature), int(top_k), float(top_p))
+
+
+def _kinds(items: Any) -> str:
+    return ", ".join(sorted({type(x).__name__ for x in items})) if isinstance(items, Sequence) else "?"
+
+
+def print_notes(gen: Generator) -> None:
+    """The CLI's way of saying what `load` chose: each note on stderr."""
+    for note in gen.notes:
+        print(f"note: {note}", file=sys.stderr)

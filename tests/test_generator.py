@@ -1,0 +1,107 @@
+"""The Python API: `Generator` on the embedded model and its shipped heads."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from amphista_jax import Generator, GeneratorError
+from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.generator import bucket
+from amphista_jax.trees import TreeError
+from tests.helpers import count_compiles
+
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def push(self, x):"]
+
+
+@pytest.fixture(scope="module")
+def hydra():
+    return Generator.load(heads="hydra", tree="small-8")
+
+
+def test_speculative_generation_equals_plain_greedy_decoding(hydra):
+    """Texts, ids and stop reasons of a batch equal the jitted AR loop's tokens on the same padded prompts."""
+    out = hydra.generate(PROMPTS, max_new_tokens=24)
+    ids = [hydra.encode(p) for p in PROMPTS]
+    tokens, lengths = pad_prompts(ids, pad_id=hydra.pad_id)
+    ar = generate(hydra.params, tokens, lengths, jax.random.key(0), config=hydra.config, max_new_tokens=24,
+                  cache_size=tokens.shape[1] + 24, eos_ids=hydra.eos_ids, pad_id=hydra.pad_id)
+    for row, got in enumerate(out.token_ids):
+        assert got == [int(t) for t in ar.tokens[row, : int(ar.num_tokens[row])]]
+        assert out.texts[row] == hydra.tokenizer.decode(got, skip_special_tokens=True)
+    assert out.stop_reasons == ["eos" if t[-1] in hydra.eos_ids else "length" for t in out.token_ids]
+    assert all(t > 1.0 for t in out.tau)  # trained heads commit more than one token per forward
+    assert out.tokens_per_s > 0 and out.compile_seconds > 0
+    assert hydra.autoregressive().generate(PROMPTS, max_new_tokens=24).token_ids == out.token_ids
+
+
+def test_prompt_length_buckets_reuse_compiled_programs(hydra):
+    """20 calls of mixed prompt lengths (3 buckets) compile 3 programs, each once."""
+    lengths = [3, 9, 17, 30, 5, 40, 12, 33, 2, 16, 20, 7, 50, 11, 25, 60, 1, 14, 45, 8]
+    assert sorted({bucket(n) for n in lengths}) == [16, 32, 64]
+    gen = hydra.with_tree("chain-1")
+    gen.generate([[5] * 4], max_new_tokens=8)  # the 16 bucket, and whatever else a first call compiles
+    with count_compiles() as compiles:
+        for n in lengths:
+            gen.generate([list(range(3, 3 + n))], max_new_tokens=8)
+    assert len(compiles) == 2  # the 32 and 64 buckets
+    assert len(gen.programs) == 3
+
+
+def test_greedy_stream_equals_generate(hydra):
+    pieces = list(hydra.stream(PROMPTS[0], max_new_tokens=24, steps_per_chunk=2))
+    assert len(pieces) > 1
+    assert "".join(pieces) == hydra.generate(PROMPTS[0], max_new_tokens=24).texts[0]
+
+
+def test_a_tree_the_heads_cannot_draft_is_refused_before_loading():
+    with pytest.raises(TreeError, match="tree depth 9 needs 9 heads"):
+        Generator.load(heads="hydra", tree="chain-9")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda g: g.generate("x", temperature=-1.0), "temperature=-1.0: must be >= 0"),
+    (lambda g: g.generate("x", top_k=10**9), "top_k=1000000000: must be in"),
+    (lambda g: g.generate("x", max_new_tokens=0), "max_new_tokens=0: must be >= 1"),
+    (lambda g: g.generate([[1, 2, 10**7]]), "token id 10000000 is outside the vocabulary"),
+    (lambda g: g.generate([[]]), "empty prompt"),
+    (lambda g: g.generate([]), "no prompts"),
+    (lambda g: g.generate([1.5, 2.5]), "a prompt is a string, a list of chat messages"),
+    (lambda g: g.stream("x", steps_per_chunk=0).__next__(), "steps_per_chunk=0"),
+])
+def test_bad_calls_raise_typed_one_line_errors(hydra, call, message):
+    with pytest.raises(GeneratorError, match=re.escape(message)) as e:
+        call(hydra)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_heads_and_autoregressive_tree_are_refused(hydra):
+    with pytest.raises(GeneratorError, match="neither a draft-head directory nor a method"):
+        Generator.load(heads="no-such-method")
+    with pytest.raises(GeneratorError, match="autoregressive decoding has no tree"):
+        hydra.autoregressive().with_tree("chain-1")
+
+
+def test_the_readme_python_example_runs_verbatim(capsys):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
+
+
+def test_a_method_name_without_trained_heads_gets_untrained_heads_that_decode_losslessly(tmp_path):
+    from amphista_jax.assets import default_model_dir
+
+    for f in default_model_dir().iterdir():  # the embedded model under another name: no heads shipped for it
+        (tmp_path / f.name).symlink_to(f)
+    gen = Generator.load(tmp_path, heads="medusa", tree="chain-2")
+    assert gen.method == "medusa" and any("untrained" in n for n in gen.notes)
+    out = gen.generate(PROMPTS[:2], max_new_tokens=12)
+    ar = gen.autoregressive().generate(PROMPTS[:2], max_new_tokens=12)
+    assert out.token_ids == ar.token_ids
+    np.testing.assert_array_equal(out.output.num_tokens, ar.output.num_tokens)
