@@ -32,11 +32,12 @@ def default_model() -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import numpy as np
 
     from amphista_jax.decode import check_fits
-    from amphista_jax.drafters.io import read_draft_meta
-    from amphista_jax.generator import Generator, print_notes
+    from amphista_jax.generator import Generator, bucket, print_notes
     from amphista_jax.tokenizer import colour_drafts
     from amphista_jax.verify import AcceptanceConfig
 
@@ -49,20 +50,19 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     if args.draft_model and (args.draft or args.heads):
         raise UsageError("--draft-model drafts on its own: drop --draft / --heads (or drop --draft-model)")
-    if args.heads:
-        _check_heads(args.heads)
-    if args.heads and args.draft and (method := read_draft_meta(args.heads).method) != args.draft:
+    if args.heads and (method := _check_heads(args.heads).name) != (args.draft or method):
         raise UsageError(f"--draft {args.draft} but {args.heads} holds {method} heads")
-    gen = Generator.load(args.model, args.heads or args.draft, args.tree, dtype=args.dtype, mesh=mesh,
+    gen = Generator.load(args.model, Path(args.heads) if args.heads else args.draft, args.tree, dtype=args.dtype,
+                         mesh=mesh,
                          attention=args.attention, draft_model=args.draft_model, seed=args.seed)
     print_notes(gen)
     if args.top_k > gen.config.vocab_size:
         raise UsageError(f"--top-k {args.top_k}: larger than the vocabulary ({gen.config.vocab_size} tokens)")
     ids = gen.encode(args.prompt, chat=args.chat)
     if args.max_len:  # the cache the user allows: the prompt, the new tokens and the tree's scratch slots
-        check_fits(np.array([len(ids)]), args.max_new_tokens + gen.cache_size(0, 0), args.max_len, gen.config)
+        check_fits(np.array([bucket(len(ids))]), args.max_new_tokens + gen.cache_size(0, 0), args.max_len, gen.config)
     run = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-               top_p=args.top_p, seed=args.seed, acceptance=acceptance)
+               top_p=args.top_p, seed=args.seed, acceptance=acceptance, cache_size=args.max_len)
     first = gen.generate([ids], **run)  # compiles
     out = gen.generate([ids], **run)
     new = out.token_ids[0]
@@ -86,16 +86,14 @@ def _sampling(args: argparse.Namespace):
     return SamplingConfig(args.temperature, args.top_k, args.top_p)
 
 
-def _check_heads(heads: str, tree=None) -> None:
-    """A draft-head checkpoint that can draft `tree` (checked from its `draft.json`, before any loading)."""
+def _check_heads(heads: str):
+    """The drafter of a draft-head checkpoint (from its `draft.json`, before any loading), or a one-line error."""
     from amphista_jax.drafters.io import read_draft_meta
 
     try:
-        drafter = read_draft_meta(heads).drafter
+        return read_draft_meta(heads).drafter
     except UserError as e:
-        raise UsageError(f"--heads {heads}: {e}") from None
-    if tree is not None:
-        drafter.check_tree(tree)
+        raise UsageError(f"--heads: {e}") from None
 
 
 def _mesh_sizes(text: str) -> tuple[int, int, int]:
@@ -327,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--max-len", type=int, default=None, help="cache size (default: prompt + max-new-tokens)")
+    g.add_argument("--max-len", type=int, default=None, help="cache size (default: the prompt's length bucket + "
+                   "max-new-tokens + the tree's scratch slots)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)

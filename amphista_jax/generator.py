@@ -115,7 +115,7 @@ class Generator:
         (autoregressive); `draft_model` a small checkpoint of the target's family. `tree` is a tree name
         (`auto`: the tree searched for these heads on this device class, else their paper's), a JSON file of
         paths or a `TreeSpec` / `TreeBudget`. Everything that can be checked before reading weights is."""
-        from amphista_jax.drafters.draft_model import DraftModel
+        from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
         from amphista_jax.drafters.io import load_draft, read_draft_meta
         from amphista_jax.models.hf import load_config, load_params
         from amphista_jax.sharding import param_shardings, place_for_decoding
@@ -133,19 +133,20 @@ class Generator:
             drafter = untrained
         elif draft_model is not None:
             draft_config = load_config(draft_model)
-            drafter, heads_dir = DraftModel(draft_config), str(draft_model)
+            check_vocabularies(draft_config, config, str(draft_model))
+            drafter = DraftModel(draft_config)
         spec, tree_name = None, "-"
-        if drafter is not None:
+        if drafter is not None:  # a draft model has no searched tree: `auto` is its paper's tree, said nowhere
             spec, tree_name, note = _resolve_tree(tree, heads_dir, drafter)
-            notes += [note] if note else []
+            notes += [note] if note and draft_model is None else []
             drafter.check_tree(spec, config.vocab_size)
         tokenizer = load_tokenizer(model_dir)
         shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
         params, config = load_params(model_dir, dtype=dtype, shardings=shardings, layout="split")
         draft_params, method = None, "ar"
-        if isinstance(drafter, DraftModel):
+        if draft_model is not None:
             drafter, draft_params = DraftModel.from_pretrained(draft_model, config, model_dir, dtype)
-            method = "draft_model"
+            method, heads_dir = "draft_model", str(draft_model)
         elif heads_dir is not None:
             method, drafter, draft_params = load_draft(heads_dir, config, params)
         elif drafter is not None:
@@ -207,13 +208,16 @@ class Generator:
     # -- programs ---------------------------------------------------------------------------------------------
 
     def settings(self, max_new_tokens: int, sampling: SamplingConfig, acceptance: AcceptanceConfig | None = None,
-                 stop_at_eos: bool = True) -> SpecSettings:
-        """The static settings of one decode (AR when there is no drafter)."""
+                 stop_at_eos: bool = True, adapt: bool = True) -> SpecSettings:
+        """The static settings of one decode (AR when there is no drafter). With `adapt`, the drafter as it
+        decodes at this temperature (`Drafter.sampling_at`); without, as it is (a caller that set it already)."""
         if max_new_tokens < 1:
             raise GeneratorError(f"max_new_tokens={max_new_tokens}: must be >= 1")
         acceptance = acceptance or AcceptanceConfig()
         acceptance.resolve(sampling)
-        drafter = None if self.drafter is None else self.drafter.sampling_at(sampling.temperature, self.tree)
+        drafter = self.drafter
+        if drafter is not None and adapt:
+            drafter = drafter.sampling_at(sampling.temperature, self.tree)
         return SpecSettings(self.config, drafter, self.tree, max_new_tokens, sampling, acceptance,
                             self.eos_ids if stop_at_eos else (), self.pad_id, self.attention)
 
@@ -223,16 +227,19 @@ class Generator:
         scratch = 0 if self.drafter is None else scratch_slots(self.drafter, self.tree)
         return prompt_len + max_new_tokens + scratch
 
-    def program(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings) -> tuple[Any, float]:
-        """(the compiled program for the shape of `tokens [B, T]` and these settings, seconds spent compiling
-        it now: 0 when cached). Call it as `program(params, [draft_params,] tokens, lengths, rng)` (`run`)."""
-        key = (tokens.shape, settings)
+    def program(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings, cache_size: int | None = None
+                ) -> tuple[Any, float]:
+        """(the compiled program for the shape of `tokens [B, T]`, these settings and cache size (default: sized
+        by `cache_size()`), seconds spent compiling it now: 0 when cached). Call it as `program(params,
+        [draft_params,] tokens, lengths, rng)` (`run`)."""
+        cache_size = cache_size or self.cache_size(tokens.shape[1], settings.max_new_tokens)
+        key = (tokens.shape, settings, cache_size)
         if key in self.programs:
             return self.programs[key], 0.0
         t0 = time.perf_counter()
         static = dict(config=self.config, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
                       eos_ids=settings.eos_ids, pad_id=settings.pad_id, attention=settings.attention,
-                      cache_size=self.cache_size(tokens.shape[1], settings.max_new_tokens))
+                      cache_size=cache_size)
         rng = jax.random.key(0)
         with self.on_mesh():
             if settings.drafter is None:
@@ -244,13 +251,13 @@ class Generator:
             self.programs[key] = lowered.compile()
         return self.programs[key], time.perf_counter() - t0
 
-    def run(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings, rng: jax.Array | int = 0
-            ) -> tuple[GenerateOutput, float, float]:
+    def run(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings, rng: jax.Array | int = 0,
+            cache_size: int | None = None) -> tuple[GenerateOutput, float, float]:
         """Decode right-padded `tokens [B, T]` of `lengths [B]` with the compiled program of their shape: (output
         on the host, seconds, compile seconds). `generate` pads and buckets first; evaluation calls this with its
-        own padding. `rng`: a key, or the seed of one."""
+        own padding. `rng`: a key, or the seed of one; `cache_size`: see `program`."""
         check_fits(lengths, settings.max_new_tokens, tokens.shape[1] + settings.max_new_tokens, self.config)
-        compiled, compile_s = self.program(tokens, lengths, settings)
+        compiled, compile_s = self.program(tokens, lengths, settings, cache_size)
         args = (self.params,) + (() if settings.drafter is None else (self.draft_params,))
         rng = jax.random.key(rng) if isinstance(rng, int) else rng
         with self.on_mesh():
@@ -268,25 +275,28 @@ class Generator:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False,
-                 acceptance: AcceptanceConfig | None = None, stop_at_eos: bool = True) -> Generation:
+                 acceptance: AcceptanceConfig | None = None, stop_at_eos: bool = True,
+                 cache_size: int | None = None) -> Generation:
         """Complete one prompt or a batch (text, chat messages or token ids; `chat` puts text through the chat
         template too): greedy at `temperature` 0, else sampled (lossless rejection sampling by default). Rows stop
-        at a stop token (unless `stop_at_eos` is False) or after `max_new_tokens`."""
+        at a stop token (unless `stop_at_eos` is False) or after `max_new_tokens`. `cache_size` overrides the
+        cache's slots (default: the prompt bucket, the new tokens and the tree's scratch slots)."""
         settings = self.settings(max_new_tokens, _sampling(temperature, top_k, top_p, self.config.vocab_size),
                                  acceptance, stop_at_eos)
         ids = self._batch(prompts, chat)
         tokens, lengths = pad_prompts(ids, length=bucket(max(len(i) for i in ids)), pad_id=self.pad_id)
-        out, seconds, compile_s = self.run(tokens, lengths, settings, seed)
-        return self._generation(out, seconds, compile_s)
+        out, seconds, compile_s = self.run(tokens, lengths, settings, seed, cache_size)
+        return self._generation(out, seconds, compile_s, settings.eos_ids)
 
-    def _generation(self, out: GenerateOutput, seconds: float, compile_s: float) -> Generation:
+    def _generation(self, out: GenerateOutput, seconds: float, compile_s: float, eos_ids: tuple[int, ...]
+                    ) -> Generation:
         rows = range(out.tokens.shape[0])
         ids = [[int(t) for t in out.tokens[r, : int(out.num_tokens[r])]] for r in rows]
         steps = [int((out.accept_lengths[r] > 0).sum()) for r in rows]
         return Generation(
             texts=[self.tokenizer.decode(i, skip_special_tokens=True) for i in ids], token_ids=ids,
             tau=[(len(i) - 1) / s if s else 1.0 for i, s in zip(ids, steps, strict=True)],
-            stop_reasons=["eos" if i and i[-1] in self.eos_ids else "length" for i in ids],
+            stop_reasons=["eos" if i and i[-1] in eos_ids else "length" for i in ids],
             drafted=[[bool(d) for d in out.drafted[r, : len(ids[r])]] for r in rows], seconds=seconds,
             compile_seconds=compile_s, output=out)
 
@@ -305,15 +315,17 @@ class Generator:
         with self.on_mesh():
             state = start(self.params, self.draft_params, tokens, lengths, jax.random.key(seed), settings=settings,
                           cache_size=self.cache_size(tokens.shape[1], max_new_tokens))
-            shown = ""
-            while True:
-                n, done = int(state.num_tokens[0]), bool(state.done[0])
-                text = self.tokenizer.decode(np.asarray(state.tokens[0, :n]), skip_special_tokens=True)
-                if len(text) > len(shown) and (done or not text.endswith("\ufffd")):  # whole characters only
-                    yield text[len(shown):]
-                    shown = text
-                if done:
-                    return
+        shown = ""
+        while True:
+            n, done = int(state.num_tokens[0]), bool(state.done[0])
+            text = self.tokenizer.decode(np.asarray(state.tokens[0, :n]), skip_special_tokens=True)
+            # whole characters only, and only text that extends what was shown (a tokenizer may rewrite a tail)
+            if len(text) > len(shown) and text.startswith(shown) and (done or not text.endswith("\ufffd")):
+                yield text[len(shown):]
+                shown = text
+            if done:
+                return
+            with self.on_mesh():
                 state = advance(self.params, self.draft_params, state, settings=settings, steps=steps_per_chunk)
 
 
@@ -334,9 +346,9 @@ def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None,
 
     if heads is None:
         return None, None, []
-    if Path(heads).is_dir():
-        return str(heads), None, []
     name = str(heads)
+    if isinstance(heads, Path) or (name not in VARIANTS and Path(heads).is_dir()):  # a method name wins over ./name
+        return str(heads), None, []
     embedded = Path(model_dir).resolve() == default_model_dir().resolve()
     shipped = name.replace("++", "-plus")
     if embedded and shipped in shipped_heads():

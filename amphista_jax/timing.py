@@ -1,4 +1,4 @@
-"""Wall-clock timing of jitted work, shared by the demo, the evaluation runner and the benchmarks."""
+"""Wall-clock timing of jitted work, shared by the benchmarks."""
 
 from __future__ import annotations
 

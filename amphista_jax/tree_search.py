@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from amphista_jax.decode import pad_prompts
+from amphista_jax.decode import pad_prompts, scratch_slots
 from amphista_jax.errors import UserError
 from amphista_jax.generator import Generator
 from amphista_jax.sampling import SamplingConfig
@@ -120,11 +120,13 @@ def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[
     run decodes `max_new_tokens` tokens. The prefill (with the drafter's own, the same for every tree) is timed by
     the same programs with one new token."""
     tokens, lengths = pad_prompts([prompt], pad_id=gen.pad_id, multiple=64)
+    # one cache size for every program (AR, prefill-only and each tree), so only the step differs
+    cache_size = tokens.shape[1] + max_new_tokens + max(scratch_slots(gen.drafter, t) for t in trees)
 
     def timed(g: Generator, n: int) -> tuple[float, int]:
         settings = g.settings(n, SamplingConfig(), stop_at_eos=False)
-        g.run(tokens, lengths, settings)  # compile + warm-up
-        results = [g.run(tokens, lengths, settings) for _ in range(runs)]
+        g.run(tokens, lengths, settings, cache_size=cache_size)  # compile + warm-up
+        results = [g.run(tokens, lengths, settings, cache_size=cache_size) for _ in range(runs)]
         return float(np.median([r[1] for r in results])), int(results[-1][0].steps)
 
     def per_step(prefill_s: float, g: Generator) -> float:
@@ -194,16 +196,19 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
 
     from tqdm import tqdm
 
-    probe = Generator.load(model_dir, heads_dir)  # its tree is replaced below
-    drafter, method = probe.drafter, probe.method
+    from amphista_jax.drafters.io import read_draft_meta
+
+    meta = read_draft_meta(heads_dir)
+    drafter, method = meta.drafter, meta.method
     if drafter.max_depth is None or TreeSpec not in drafter.tree_kinds:
         raise TreeSearchError(f"tree search grows static trees for heads of a fixed depth; {method} drafts "
                               f"{'any depth' if drafter.max_depth is None else 'dynamic trees only'}: use its "
                               f"paper's tree ({drafter.paper_tree})")
-    ids = [probe.encode(p) for p in prompts]
     calib = efficient_tree(drafter.max_depth, ranks)
+    probe = Generator.load(model_dir, heads_dir, calib)
+    ids = [probe.encode(p) for p in prompts]
     with tqdm(total=len(ids), desc="acceptance statistics", unit="prompt") as bar:
-        tries, hits = collect_rates(probe.with_tree(calib), ids, max_new_tokens, progress=bar.update)
+        tries, hits = collect_rates(probe, ids, max_new_tokens, progress=bar.update)
     rates = acceptance_rates(tries, hits)
     grown = grow_trees(rates, max_nodes)
     if not grown:

@@ -200,8 +200,9 @@ def _run_batch(s: _Session, gen: Generator, batch: list[tuple[int, Prompt]], com
                ) -> list[dict[str, Any]]:
     """Generate every turn of `batch` (global index, prompt) with `gen`; returns one record per prompt."""
     cfg = s.cfg
+    # the drafter as the method spec resolved it for this run's temperature (`#temperature=` included)
     settings = gen.settings(cfg.max_new_tokens, SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
-                            AcceptanceConfig(cfg.acceptance))
+                            AcceptanceConfig(cfg.acceptance), adapt=False)
     chat = cfg.dataset.use_chat
     turns: dict[int, list[dict[str, Any]]] = {i: [] for i, _ in batch}
     node_stats: dict[int, list[np.ndarray]] = {}

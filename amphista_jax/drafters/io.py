@@ -122,7 +122,7 @@ def heads_tree(name_or_path: str, heads_dir: str | Path | None) -> tuple[Tree, s
     return get_tree(name_or_path), note
 
 
-def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict) -> tuple[str, Any, Any]:
+def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict) -> tuple[str, Drafter, Any]:
     """(method name, drafter, params) from `path`, checked against the target."""
     path = Path(path).absolute()
     meta = read_draft_meta(path)
