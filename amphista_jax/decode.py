@@ -426,22 +426,23 @@ def _advance(step: Callable[[Any], Any], state: Any, steps: int) -> Any:
 def start(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array, *,
           settings: SpecSettings, cache_size: int) -> ARState | SpecState:
     """The state after the prefill (the first token emitted) of `generate` (no drafter in `settings`) or
-    `speculative_generate`; `advance` then runs its steps in chunks, with the same tokens as one whole call."""
+    `speculative_generate`; `advance` then runs its steps in chunks, with the same tokens as one whole call.
+    `draft_params` in the drafter's decode layout (`drafter.decode_params`, made once by the caller)."""
     st = settings
     if st.drafter is None:
         _check_static_fit(prompt.shape[1], st.max_new_tokens, 0, cache_size)
         return ar_init(st.model(params), params, prompt, prompt_lengths, rng, cache_size, st.max_new_tokens,
                        st.sampling, st.eos_ids, st.pad_id)
-    return spec_init(params, st.drafter.decode_params(draft_params), prompt, prompt_lengths, rng, cache_size, st)
+    return spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, st)
 
 
 @functools.partial(jax.jit, static_argnames=("settings", "steps"))
 def advance(params: dict, draft_params: Any, state: ARState | SpecState, *, settings: SpecSettings,
             steps: int) -> ARState | SpecState:
-    """Up to `steps` more decode steps of a `start`ed generation (fewer once every row is done)."""
+    """Up to `steps` more decode steps of a `start`ed generation (fewer once every row is done); `draft_params` as
+    `start`'s."""
     st = settings
     if st.drafter is None:
         return _advance(lambda s: ar_step(st.model(params), params, s, st.sampling, st.eos_ids, st.pad_id), state,
                         steps)
-    draft_params = st.drafter.decode_params(draft_params)
     return _advance(lambda s: spec_step(params, draft_params, s, st), state, steps)

@@ -45,7 +45,7 @@ from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.target import Target
-from amphista_jax.tree_names import AUTO, get_tree, resolve_auto
+from amphista_jax.tree_names import AUTO, resolve_tree
 from amphista_jax.trees import Tree
 from amphista_jax.verify import AcceptanceConfig
 
@@ -312,8 +312,9 @@ class Generator:
         ids = self.encode(prompt, chat)
         tokens, lengths = pad_prompts([ids], length=bucket(len(ids)), pad_id=self.pad_id)
         check_fits(lengths, max_new_tokens, tokens.shape[1] + max_new_tokens, self.config)
-        with self.on_mesh():
-            state = start(self.params, self.draft_params, tokens, lengths, jax.random.key(seed), settings=settings,
+        with self.on_mesh():  # the drafter's decode layout, made once for every chunk
+            draft_params = None if self.drafter is None else jax.jit(self.drafter.decode_params)(self.draft_params)
+            state = start(self.params, draft_params, tokens, lengths, jax.random.key(seed), settings=settings,
                           cache_size=self.cache_size(tokens.shape[1], max_new_tokens))
         shown = ""
         while True:
@@ -326,7 +327,7 @@ class Generator:
             if done:
                 return
             with self.on_mesh():
-                state = advance(self.params, self.draft_params, state, settings=settings, steps=steps_per_chunk)
+                state = advance(self.params, draft_params, state, settings=settings, steps=steps_per_chunk)
 
 
 def resolve_model(model: str | Path | None) -> str:
@@ -362,10 +363,8 @@ def _resolve_tree(tree: str | Tree, heads_dir: str | None, drafter: Drafter) -> 
     """(the tree, its name, a note on how `auto` was resolved or None)."""
     if not isinstance(tree, str):
         return tree, str(tree), None
-    if tree == AUTO:
-        name, note = resolve_auto(heads_dir, drafter.paper_tree)
-        return get_tree(name), tree, note
-    return get_tree(tree, heads_dir, drafter.paper_tree), tree, None
+    spec, note = resolve_tree(tree, heads_dir, drafter.paper_tree)
+    return spec, tree, note
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, vocab_size: int) -> SamplingConfig:

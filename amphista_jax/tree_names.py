@@ -82,13 +82,23 @@ def resolve_auto(heads_dir: str | Path | None = None, paper_tree: str = PAPER_TR
     return paper_tree, f"tree auto: {why}; using {paper_tree}"
 
 
+def resolve_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE
+                 ) -> tuple[Tree, str | None]:
+    """(`get_tree(name_or_path, heads_dir, paper_tree)`, the note `auto` leaves for the front-end to print as
+    `note: <note>`, or None)."""
+    if name_or_path == AUTO:
+        name, note = resolve_auto(heads_dir, paper_tree)
+        return get_tree(name), note
+    return get_tree(name_or_path), None
+
+
 def get_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE) -> Tree:
     """A preset by name, a JSON file of paths, `auto` (`resolve_auto`: the tree searched for the heads in
-    `heads_dir` on this device class, else `paper_tree`, the tree of the heads' paper; its note is the caller's
-    to print), BiTA's efficient tree `efficient-DxK`, or the budget of a tree grown on device every step:
-    `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
+    `heads_dir` on this device class, else `paper_tree`, the tree of the heads' paper; `resolve_tree` also returns
+    the note saying so), BiTA's efficient tree `efficient-DxK`, or the budget of a tree grown on device every
+    step: `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
     if name_or_path == AUTO:
-        return get_tree(resolve_auto(heads_dir, paper_tree)[0])
+        return resolve_tree(name_or_path, heads_dir, paper_tree)[0]
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if Path(name_or_path).is_file():

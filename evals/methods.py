@@ -31,13 +31,13 @@ import yaml
 
 from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
-from amphista_jax.drafters.io import META_FILE, DraftCheckpointError, heads_tree, load_draft, read_draft_meta
+from amphista_jax.drafters.io import META_FILE, DraftCheckpointError, load_draft, read_draft_meta
 from amphista_jax.errors import UserError
 from amphista_jax.generator import Generator
 from amphista_jax.identity import heads_identity, target_identity
 from amphista_jax.models.hf import load_config
 from amphista_jax.target import Target
-from amphista_jax.tree_names import AUTO
+from amphista_jax.tree_names import AUTO, resolve_tree
 from amphista_jax.trees import Tree, TreeBudget, TreeSpec
 
 AR = "ar"
@@ -107,37 +107,43 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
         return Method(label or AR, spec, AR)
     heads = source if Path(source).is_dir() else None
     model = heads is not None and (Path(source) / "config.json").is_file() and not (Path(source) / META_FILE).is_file()
-    tree_name = tree_name or (DraftModel.paper_tree if model and default_tree == AUTO else "")
+    name, drafter, identity = _drafter(spec, source, heads, model, overrides)
+    if model and not tree_name and default_tree == AUTO:  # a draft model has no searched tree: its paper's, quietly
+        tree_name = drafter.paper_tree
     try:
-        tree, note = heads_tree(tree_name or default_tree, heads)
+        tree, note = resolve_tree(tree_name or default_tree, heads, drafter.paper_tree)
+        if model:  # drafts sampled at the run's temperature on static trees (`#temperature=0`: top-k drafts)
+            drafter = _with_settings(spec, drafter.sampling_at(temperature, tree), overrides)
+        drafter.check_tree(tree)
     except (UserError, ValueError) as e:
         raise MethodSpecError(f"method spec {spec!r}: {e}") from None
     if note:
         print(f"note: {note}", file=sys.stderr)
+    if model and drafter.temperature > 0 and not isinstance(tree, TreeSpec):
+        raise MethodSpecError(f"method spec {spec!r}: a dynamic tree keeps the top drafts, not samples: drop "
+                              "#temperature or use a static tree")
     suffix = f"@{tree_name}" if tree_name else ""
+    label = label or (f"{name}-untrained{suffix}" if heads is None else f"{name}{suffix}")
+    method = Method(label, spec, name, drafter, None, tree, tree_name or default_tree, heads_dir=heads,
+                    heads_files=identity)
+    return load_methods([method], target, seed)[0] if target is not None else method
+
+
+def _drafter(spec: str, source: str, heads: str | None, model: bool, overrides: str
+             ) -> tuple[str, Drafter, dict[str, str] | None]:
+    """(method name, drafter with the spec's settings, sha256 of its files or None) of a spec's source."""
     if source.endswith(":untrained"):
         name = source.removesuffix(":untrained")
         if name not in DRAFTERS:
             raise MethodSpecError(f"method spec {spec!r}: unknown method {name!r}; registered: {', '.join(DRAFTERS)}")
-        method = Method(label or f"{name}-untrained{suffix}", spec, name, _with_settings(spec, DRAFTERS[name](),
-                                                                                         overrides), None, tree,
-                        tree_name or default_tree)
-    elif heads is None:
+        return name, _with_settings(spec, DRAFTERS[name](), overrides), None
+    if heads is None:
         raise MethodSpecError(f"method spec {spec!r}: {source!r} is neither `ar`, `<method>:untrained` (methods: "
                               f"{', '.join(DRAFTERS)}), a draft-head checkpoint directory nor a model directory")
-    elif model:  # drafts sampled at the run's temperature on static trees (`#temperature=0`: top-k drafts)
-        drafter = _with_settings(spec, DraftModel(load_config(source)).sampling_at(temperature, tree), overrides)
-        if drafter.temperature > 0 and not isinstance(tree, TreeSpec):
-            raise MethodSpecError(f"method spec {spec!r}: a dynamic tree keeps the top drafts, not samples: drop "
-                                  "#temperature or use a static tree")
-        method = Method(label or f"{DRAFT_MODEL}{suffix}", spec, DRAFT_MODEL, drafter, None, tree,
-                        tree_name or default_tree, heads_dir=source, heads_files=target_identity(source))
-    else:
-        name, drafter = _read_meta(spec, Path(source))
-        drafter = _with_settings(spec, drafter, overrides)
-        method = Method(label or f"{name}{suffix}", spec, name, drafter, None, tree, tree_name or default_tree,
-                        heads_dir=source, heads_files=heads_identity(source))
-    return load_methods([method], target, seed)[0] if target is not None else method
+    if model:
+        return DRAFT_MODEL, DraftModel(load_config(source)), target_identity(source)
+    name, drafter = _read_meta(spec, Path(source))
+    return name, _with_settings(spec, drafter, overrides), heads_identity(source)
 
 
 def _with_settings(spec: str, drafter: Drafter, overrides: str) -> Any:

@@ -16,10 +16,10 @@ from amphista_jax.assets import default_model_dir, draft_model_dir, shipped_head
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.demo import humaneval_prompt
 from amphista_jax.drafters.draft_model import DraftModel
-from amphista_jax.drafters.io import heads_tree, load_draft
+from amphista_jax.drafters.io import load_draft
 from amphista_jax.models.hf import load_params
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.tree_names import PRESETS, get_tree, searched_tree_path
+from amphista_jax.tree_names import PRESETS, get_tree, resolve_tree, searched_tree_path
 
 MODEL = default_model_dir()
 # Fill static trees; each has a CPU tree searched for it.
@@ -74,7 +74,7 @@ def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, 
     drafter, draft_params = heads[method]
     prompts = [encode_prompt(tok, humaneval_prompt(f"HumanEval/{i}")) for i in (2, 4, 7)]
     tokens, lengths = pad_prompts(prompts, pad_id=config.pad_token_id or 0)
-    tree = heads_tree(tree_name, shipped_heads_dir(method))[0]
+    tree = resolve_tree(tree_name, shipped_heads_dir(method), drafter.paper_tree)[0]
     settings = dict(config=config, max_new_tokens=48,
                     cache_size=tokens.shape[1] + 48 + scratch_slots(drafter, tree))  # BiTA: nodes + mask groups
     ar = generate(params, tokens, lengths, jax.random.key(0), **settings)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from amphista_jax.assets import shipped_heads_dir
-from amphista_jax.drafters.io import heads_paper_tree, heads_tree
+from amphista_jax.drafters.io import read_draft_meta
 from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.tree_names import PAPER_TREE, PRESETS, get_tree, resolve_auto, searched_tree_path
+from amphista_jax.tree_names import PAPER_TREE, PRESETS, get_tree, resolve_auto, resolve_tree, searched_tree_path
 from amphista_jax.tree_search import acceptance_rates, grow_trees, pick
 from amphista_jax.trees import TreeSpec, efficient_tree
 
@@ -70,19 +70,20 @@ def test_tree_auto_reads_the_searched_tree(tmp_path, capsys):
     """`auto` is the searched tree, else the heads' paper's tree with a note for the front-end to print (the
     library prints nothing)."""
     path = searched_tree_path(tmp_path)
-    tree, note = heads_tree("auto", tmp_path)  # nothing searched for this device class yet
+    tree, note = resolve_tree("auto", tmp_path)  # nothing searched for this device class yet
     assert tree == PRESETS[PAPER_TREE] and "tree-search --heads" in note and note.endswith(f"; using {PAPER_TREE}")
-    assert heads_tree("auto", None) == (PRESETS[PAPER_TREE],  # untrained heads
+    assert resolve_tree("auto", None) == (PRESETS[PAPER_TREE],  # untrained heads
                                         f"tree auto: untrained heads have no searched tree; using {PAPER_TREE}")
     assert get_tree("auto") == get_tree("auto", tmp_path) == PRESETS[PAPER_TREE]
     for method, paper_tree in (("bita", efficient_tree(3, 5)), ("eagle", dynamic_tree())):  # their papers' trees
         heads = tmp_path / method
         heads.mkdir()
         shutil.copy(shipped_heads_dir(method) / "draft.json", heads)
-        assert heads_tree("auto", heads)[0] == get_tree("auto", heads, heads_paper_tree(heads)) == paper_tree
+        paper = read_draft_meta(heads).drafter.paper_tree
+        assert resolve_tree("auto", heads, paper)[0] == get_tree("auto", heads, paper) == paper_tree
     assert capsys.readouterr().err == ""
     path.parent.mkdir()
     path.write_text(json.dumps([[0], [0, 0], [1]]))
     assert resolve_auto(tmp_path, "chain-1") == (str(path), None)
-    assert heads_tree("auto", tmp_path) == (TreeSpec(((0,), (1,), (0, 0))), None)
+    assert resolve_tree("auto", tmp_path) == (TreeSpec(((0,), (1,), (0, 0))), None)
     assert get_tree("auto", tmp_path) == TreeSpec(((0,), (1,), (0, 0)))

@@ -76,6 +76,22 @@ class Gumiho(LogicalInit):
         self.serial  # noqa: B018 (the serial part validates its own settings)
 
     @property
+    def max_depth(self) -> int:
+        """2 serial drafts, then one per parallel head."""
+        return 2 + self.mlp_heads
+
+    def check_tree(self, tree: Tree, vocab_size: int | None = None) -> None:
+        if not isinstance(tree, self.tree_kinds):
+            super().check_tree(tree, vocab_size)  # says which kind of tree Gumiho needs
+        extra = self.fta_nodes if self.full_tree_attention else 0
+        s = tree.max_children
+        if not 3 <= tree.depth <= self.max_depth or s < self.top_k or tree.num_ranks < s or tree.num_nodes <= extra + 1:
+            raise TreeError(f"tree budget {tree} does not fit Gumiho: depth in 3..{self.max_depth} (2 serial + "
+                            f"{self.mlp_heads} parallel), max_children = num_ranks >= top_k {self.top_k}, more "
+                            f"than {extra + 1} nodes (e.g. --tree {self.paper_tree})")
+        super().check_tree(tree, vocab_size)
+
+    @property
     def serial(self) -> Eagle:
         return Eagle(self.serial_layers, self.feature_noise, self.reg_weight, self.cls_weight)
 
@@ -103,10 +119,6 @@ class Gumiho(LogicalInit):
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         self.check_tree(tree, target.config.vocab_size)
         depth, s, extra = tree.depth, tree.max_children, self.fta_nodes if self.full_tree_attention else 0
-        if not 2 < depth <= 2 + self.mlp_heads or s < self.top_k or tree.num_ranks < s or tree.num_nodes <= extra + 1:
-            raise TreeError(f"tree budget {tree} does not fit Gumiho: depth in 3..{2 + self.mlp_heads} (2 serial + "
-                            f"{self.mlp_heads} parallel), max_children = num_ranks >= top_k {self.top_k}, more "
-                            f"than {extra + 1} nodes")
         serial = self.serial
         draft = FeatureDrafting(serial, params["serial"], target, ctx)
 

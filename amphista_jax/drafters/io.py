@@ -20,8 +20,6 @@ from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import layer_params
 from amphista_jax.target import Target
-from amphista_jax.tree_names import AUTO, PAPER_TREE, get_tree, resolve_auto
-from amphista_jax.trees import Tree
 
 META_FILE = "draft.json"
 TARGET_KEYS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")
@@ -105,21 +103,6 @@ def read_draft_meta(path: str | Path) -> DraftMeta:
         raise DraftCheckpointError(f"the {method} settings in {meta_file} are invalid ({e}); re-save the heads") \
             from None
     return DraftMeta(method, drafter, target, meta.get("target_sample"))
-
-
-def heads_paper_tree(path: str | Path) -> str:
-    """The name of the tree the paper of the heads in `path` drafts (their drafter's `paper_tree`)."""
-    return read_draft_meta(path).drafter.paper_tree
-
-
-def heads_tree(name_or_path: str, heads_dir: str | Path | None) -> tuple[Tree, str | None]:
-    """(`tree_names.get_tree(name_or_path)` for the heads in `heads_dir` (None: untrained heads), a note or None):
-    `auto` is the tree searched for them, else their paper's tree (`heads_paper_tree`) with a note saying why,
-    which a front-end prints as `note: <note>` on stderr."""
-    note = None
-    if name_or_path == AUTO:
-        name_or_path, note = resolve_auto(heads_dir, PAPER_TREE if heads_dir is None else heads_paper_tree(heads_dir))
-    return get_tree(name_or_path), note
 
 
 def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict) -> tuple[str, Drafter, Any]:

@@ -26,11 +26,12 @@ import numpy as np
 
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.drafters import Medusa
-from amphista_jax.drafters.io import heads_tree, load_draft
+from amphista_jax.drafters.io import load_draft
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from amphista_jax.models.llama import new_cache, target_model
 from amphista_jax.target import Target
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
+from amphista_jax.tree_names import resolve_tree
 from amphista_jax.trees import TreeSpec, tree_arrays
 
 PROMPTS = (
@@ -47,8 +48,8 @@ def end_to_end(params, config, tok, drafters: list[tuple[str, object, object, st
     prompt."""
     rows = []
     specs = {}
-    for (label, _, _, heads), name in itertools.product(drafters, trees):
-        specs[label, name], note = heads_tree(name, heads)
+    for (label, drafter, _, heads), name in itertools.product(drafters, trees):
+        specs[label, name], note = resolve_tree(name, heads, drafter.paper_tree)
         if note:
             print(f"note: {note}", file=sys.stderr)
     drafter_of = {label: drafter for label, drafter, _, _ in drafters}
