@@ -285,7 +285,8 @@ def _distill(args: argparse.Namespace) -> int:
     from amphista_jax.train.distill import distill
 
     distill(args.model, resolve_data(args.prompts), args.out, batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, chat=args.chat, temperature=args.temperature, seed=args.seed)
+            max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, chat=args.chat,
+            temperature=args.temperature, seed=args.seed)
     return 0
 
 
