@@ -156,8 +156,11 @@ def _demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--runs {args.runs}: the demo needs at least one timed run per decoder")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    heads = args.heads or shipped_heads_dir(args.method)
-    _check_heads(str(heads))
+    if args.heads or args.method in shipped_heads():
+        heads = args.heads or shipped_heads_dir(args.method)
+        _check_heads(str(heads))
+    else:  # the other choices are methods with nothing to train: they draft by name
+        heads = args.method
     prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.task)
     result = run_demo(args.model, heads, prompt, args.tree, args.max_new_tokens, args.runs)
     print(format_result(result))
@@ -316,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of bad-input errors "
                         "(also AMPHISTA_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
+    untrainable = sorted(name for name, cls in DRAFTERS.items() if not cls.trainable)  # methods without heads
 
     g = sub.add_parser("generate", help="generate a completion with the target model (AR baseline)")
     g.add_argument("--model", default=None, help=MODEL_HELP)
@@ -348,8 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="speculative decoding with the shipped heads vs AR on a HumanEval prompt")
     m.add_argument("--model", default=None, help=MODEL_HELP)
-    m.add_argument("--method", default="hydra", choices=shipped_heads(), help="which shipped heads to use (default: "
-                   "hydra, the highest tau on the one-node CPU trees in docs/results)")
+    m.add_argument("--method", default="hydra", choices=shipped_heads() + untrainable,
+                   help="which shipped heads (or a method with nothing to train) to use (default: hydra, the highest "
+                   "tau on the one-node CPU trees in docs/results)")
     m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
     source = m.add_mutually_exclusive_group()
     source.add_argument("--task", default="HumanEval/0", help="HumanEval task id whose prompt to complete")

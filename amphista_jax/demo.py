@@ -95,11 +95,13 @@ class DemoResult:
         return (self.spec_seconds / max(self.forwards, 1)) / (self.ar_seconds / max(self.ar_forwards, 1))
 
 
-def run_demo(model_dir: str | Path, heads_dir: str | Path, prompt: str, tree: str = "auto",
+def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = "auto",
              max_new_tokens: int = 128, runs: int = 3) -> DemoResult:
+    """AR and speculative decoding of `prompt` with `heads` (a draft-head directory, or a method with nothing to
+    train by name: `Generator.load`'s `heads`)."""
     if max_new_tokens < 1 or runs < 1:
         raise UsageError(f"max_new_tokens={max_new_tokens}, runs={runs}: both must be >= 1")
-    spec = Generator.load(model_dir, heads_dir, tree)
+    spec = Generator.load(model_dir, heads, tree)
     print_notes(spec)
     ar = spec.autoregressive()
     ar_out, spec_out = ar.generate(prompt, max_new_tokens=max_new_tokens), spec.generate(
@@ -117,7 +119,7 @@ def format_result(r: DemoResult) -> str:
     device = jax.default_backend().upper()
     lines = [
         r.prompt + r.text, "",
-        f"{r.method} heads, tree {r.tree}: green tokens were drafted by the heads and accepted by the target.",
+        f"{r.method}, tree {r.tree}: green tokens were drafted by {r.method} and accepted by the target.",
         "| decoding | tokens/s | target forwards | tau | speed-up |", "|---|---|---|---|---|",
         f"| autoregressive | {r.ar_tokens_per_s:.1f} | {r.ar_forwards} | 1.00 | 1.00x |",
         f"| {r.method} | {r.spec_tokens_per_s:.1f} | {r.forwards} | {r.tau:.2f} | {r.speedup:.2f}x |", "",

@@ -112,7 +112,8 @@ class Generator:
              draft_model: str | Path | None = None, seed: int = 0) -> Generator:
         """Load the target `model` (a Hugging Face directory, a fetched name such as `smollm2`, or None for the
         embedded default) in the decode layout, and a drafter: `heads` is a draft-head directory, a method name
-        (its shipped heads for the embedded model, else untrained heads initialised from the target) or None
+        (its shipped heads for the embedded model, else untrained heads initialised from the target; a method with
+        nothing to train, such as `prompt_lookup`, is ready as it is) or None
         (autoregressive); `draft_model` a small checkpoint of the target's family. `tree` is a tree name
         (`auto`: the tree searched for these heads on this device class, else their paper's), a JSON file of
         paths or a `TreeSpec` / `TreeBudget`. Everything that can be checked before reading weights is."""
@@ -345,7 +346,9 @@ def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None,
     if embedded and shipped in shipped_heads():
         return str(shipped_heads_dir(shipped)), None, [f"using the shipped {name} heads"]
     if name in VARIANTS:
-        return None, VARIANTS[name], [f"no trained heads for this model: using untrained {name} heads (expect tau ~1)"]
+        drafter = VARIANTS[name]
+        untrained = f"no trained heads for this model: using untrained {name} heads (expect tau ~1)"
+        return None, drafter, [untrained] if drafter.trainable else []
     raise GeneratorError(f"heads {name!r} is neither a draft-head directory nor a method ({', '.join(VARIANTS)})")
 
 

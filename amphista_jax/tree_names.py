@@ -78,7 +78,7 @@ def resolve_auto(heads_dir: str | Path | None = None, paper_tree: str = PAPER_TR
     if path is not None and path.is_file():
         return str(path), None
     why = (f"no tree was searched for {heads_dir} on {jax.default_backend()} (`amphista-jax tree-search --heads "
-           f"{heads_dir}` searches one)" if heads_dir is not None else "untrained heads have no searched tree")
+           f"{heads_dir}` searches one)" if heads_dir is not None else "trees are searched only for a heads directory")
     return paper_tree, f"tree auto: {why}; using {paper_tree}"
 
 

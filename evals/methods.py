@@ -5,6 +5,7 @@ A spec is `[label=]source[@tree][#key=value,...]`:
 * `ar`: the autoregressive baseline (always run, and first).
 * a draft-head checkpoint directory (`amphista-jax train` writes `<out_dir>/heads`): any registered method.
 * `<method>:untrained`: that method's freshly initialised heads (engine overhead; tau near 1).
+* `<method>` alone for a method with nothing to train (`prompt_lookup`): the method itself.
 * a Hugging Face model directory (`config.json`, no `draft.json`): that model as a draft model
   (`drafters/draft_model.py`; it must share the target's vocabulary). `@tree` defaults to chain-4; at a
   temperature > 0 on a static tree its drafts are drawn at that temperature (classic speculative sampling),
@@ -13,7 +14,8 @@ A spec is `[label=]source[@tree][#key=value,...]`:
 `@tree` overrides the run's tree (a preset name, a JSON file of paths or a dynamic budget). `#key=value,...`
 overrides decoding settings of the method that leave its parameters as they are (e.g. Gumiho's
 `#full_tree_attention=false`). The label names the method in
-results and reports (default: `ar`, the method's name, or `<method>-untrained`, plus `@tree` when given).
+results and reports (default: `ar`, the method's name, or `<method>-untrained`, plus `@tree` when given). With
+`auto`, untrained heads and methods with nothing to train draft their paper's tree (the drafter's `paper_tree`).
 
 `resolve_methods` checks every spec and reads each checkpoint's `draft.json` (cheap: no params, no target);
 `load_methods` then loads or initialises the heads against the target.
@@ -123,7 +125,7 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
         raise MethodSpecError(f"method spec {spec!r}: a dynamic tree keeps the top drafts, not samples: drop "
                               "#temperature or use a static tree")
     suffix = f"@{tree_name}" if tree_name else ""
-    label = label or (f"{name}-untrained{suffix}" if heads is None else f"{name}{suffix}")
+    label = label or (f"{name}-untrained{suffix}" if source.endswith(":untrained") else f"{name}{suffix}")
     method = Method(label, spec, name, drafter, None, tree, tree_name or default_tree, heads_dir=heads,
                     heads_files=identity)
     return load_methods([method], target, seed)[0] if target is not None else method
@@ -131,12 +133,13 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
 
 def _drafter(spec: str, source: str, heads: str | None, model: bool, overrides: str
              ) -> tuple[str, Drafter, dict[str, str] | None]:
-    """(method name, drafter with the spec's settings, sha256 of its files or None) of a spec's source."""
-    if source.endswith(":untrained"):
-        name = source.removesuffix(":untrained")
-        if name not in DRAFTERS:
-            raise MethodSpecError(f"method spec {spec!r}: unknown method {name!r}; registered: {', '.join(DRAFTERS)}")
+    """(method name, drafter with the spec's settings, sha256 of its files or None) of a spec's source: heads
+    made by the method's `init` when asked for as untrained, or for a method with nothing to train (prompt lookup)."""
+    name = source.removesuffix(":untrained")
+    if heads is None and name in DRAFTERS and (source.endswith(":untrained") or not DRAFTERS[name].trainable):
         return name, _with_settings(spec, DRAFTERS[name](), overrides), None
+    if source.endswith(":untrained"):
+        raise MethodSpecError(f"method spec {spec!r}: unknown method {name!r}; registered: {', '.join(DRAFTERS)}")
     if heads is None:
         raise MethodSpecError(f"method spec {spec!r}: {source!r} is neither `ar`, `<method>:untrained` (methods: "
                               f"{', '.join(DRAFTERS)}), a draft-head checkpoint directory nor a model directory")

@@ -258,10 +258,11 @@ def run_method(s: _Session, method: Method, prompts: list[Prompt]) -> int:
 
 
 def _head_accuracies(s: _Session, methods: list[Method], config: Any, out_dir: Path) -> dict[str, Any]:
-    """Per-head held-out accuracy of every draft method, cached in head_accuracy.json across reruns."""
+    """Per-head held-out accuracy of every draft method with heads (not of one with nothing to train), cached in
+    head_accuracy.json across reruns."""
     path = out_dir / "head_accuracy.json"
     cache = json.loads(path.read_text()) if path.is_file() else {}
-    drafts = [m for m in methods if m.drafter is not None and m.label not in cache]
+    drafts = [m for m in methods if m.drafter is not None and m.drafter.trainable and m.label not in cache]
     if drafts and s.cfg.heldout_batches > 0:
         batches = heldout_batches(s.tok, s.cfg.heldout, s.cfg.heldout_batches)
         for m in drafts:

@@ -48,7 +48,7 @@ FAST_HEAD_ACCURACY = {"medusa", "eagle", "gumiho"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_HEAD_ACCURACY else (pytest.mark.slow,))
-                                  for n in sorted(DRAFTERS)])
+                                  for n in sorted(DRAFTERS) if DRAFTERS[n].trainable])
 def test_every_registered_drafter_reports_per_head_accuracy(name: str):
     model_dir = default_model_dir()
     params, config = load_params(model_dir, dtype="float32")

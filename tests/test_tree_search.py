@@ -72,8 +72,8 @@ def test_tree_auto_reads_the_searched_tree(tmp_path, capsys):
     path = searched_tree_path(tmp_path)
     tree, note = resolve_tree("auto", tmp_path)  # nothing searched for this device class yet
     assert tree == PRESETS[PAPER_TREE] and "tree-search --heads" in note and note.endswith(f"; using {PAPER_TREE}")
-    assert resolve_tree("auto", None) == (PRESETS[PAPER_TREE],  # untrained heads
-                                        f"tree auto: untrained heads have no searched tree; using {PAPER_TREE}")
+    assert resolve_tree("auto", None) == (  # untrained heads
+        PRESETS[PAPER_TREE], f"tree auto: trees are searched only for a heads directory; using {PAPER_TREE}")
     assert get_tree("auto") == get_tree("auto", tmp_path) == PRESETS[PAPER_TREE]
     for method, paper_tree in (("bita", efficient_tree(3, 5)), ("eagle", dynamic_tree())):  # their papers' trees
         heads = tmp_path / method

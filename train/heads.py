@@ -130,6 +130,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in DRAFTERS:
             raise ValueError(f"method {self.method!r} is not one of {', '.join(DRAFTERS)}")
+        if not DRAFTERS[self.method].trainable:
+            raise ValueError(f"method {self.method!r} has nothing to train: use it directly (e.g. `amphista-jax "
+                             f"generate --draft {self.method}`)")
         known = {f.name for f in dataclasses.fields(DRAFTERS[self.method])}
         if unknown := set(self.method_settings) - known:
             raise ValueError(f"method_settings {sorted(unknown)} are not {self.method} settings; "

@@ -7,16 +7,18 @@ from amphista_jax.drafters.eagle import Eagle
 from amphista_jax.drafters.gumiho import Gumiho
 from amphista_jax.drafters.hydra import Hydra
 from amphista_jax.drafters.medusa import Medusa
+from amphista_jax.drafters.prompt_lookup import PromptLookup
 from amphista_jax.drafters.sar import SemiAutoregressive
 
-# The methods whose heads `amphista-jax train` writes (a draft model is loaded from its own checkpoint instead).
+# The methods by name: those whose heads `amphista-jax train` writes, and those with nothing to train (`trainable`
+# False: prompt lookup). A draft model is loaded from its own checkpoint instead.
 DRAFTERS: dict[str, type[Drafter]] = {cls.name: cls for cls in (Amphista, BiTA, Eagle, Gumiho, Hydra, Medusa,
-                                                                SemiAutoregressive)}
+                                                                PromptLookup, SemiAutoregressive)}
 # Each method's default settings, and the named variants that are settings of a method (Hydra++).
 VARIANTS: dict[str, Drafter] = {"medusa": Medusa(), "amphista": Amphista(), "hydra": Hydra(),
                                 "hydra++": Hydra.plus_plus(), "eagle": Eagle(), "gumiho": Gumiho(),
                                 "sar": SemiAutoregressive(), "sar-lstm": SemiAutoregressive(encoder="lstm"),
-                                "bita": BiTA()}
+                                "bita": BiTA(), "prompt_lookup": PromptLookup()}
 
 __all__ = ["DRAFTERS", "VARIANTS", "Amphista", "BiTA", "DraftContext", "Drafter", "Eagle", "Gumiho", "Hydra",
-           "Medusa", "Proposal", "SemiAutoregressive"]
+           "Medusa", "PromptLookup", "Proposal", "SemiAutoregressive"]

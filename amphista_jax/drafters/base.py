@@ -6,9 +6,9 @@ A drafter is a frozen (hashable) dataclass of its static settings subclassing `D
 model, `target.Target(config, params)` (its config is static under `jax.jit`). Required: `init` (or, through
 `LogicalInit`, `init_boxed`), `propose`, `loss`. Defaulted: `init_state` / `prefill` / `commit` (no state of
 its own), `num_extras` (0) and `prefill_extras` (none), `decode_params` (identity), `loss_runs_target` (False),
-`paper_tree`, `max_depth` (any depth), `tree_kinds` (static trees), `rankable` (the target's vocabulary) and
-`sampling_at` (itself). `check_tree` reads `tree_kinds`, `max_depth` and `rankable` to refuse a tree before anything
-compiles.
+`trainable` (True), `paper_tree`, `max_depth` (any depth), `tree_kinds` (static trees), `rankable` (the target's
+vocabulary) and `sampling_at` (itself). `check_tree` reads `tree_kinds`, `max_depth` and `rankable` to refuse a
+tree before anything compiles.
 """
 
 from __future__ import annotations
@@ -85,11 +85,14 @@ class Drafter(abc.ABC):
     True when the loss runs the frozen target itself (BiTA's masks ride in its forward), so the train step passes
     no target output and lets gradients flow through the target's activations into the draft params;
     `tree_kinds`, the kinds of tree `propose` drafts: `TreeSpec` (a static tree it fills) and/or `TreeBudget`
-    (the budget of a tree it grows on device every step).
+    (the budget of a tree it grows on device every step); `trainable`, False for a method with nothing to learn
+    (prompt lookup): its `init` is its whole drafter, front-ends use it by name without heads (and say nothing of
+    untrained heads), and `amphista-jax train` refuses it.
     """
 
     name: ClassVar[str]
     loss_runs_target: ClassVar[bool] = False
+    trainable: ClassVar[bool] = True
     tree_kinds: ClassVar[tuple[type, ...]] = (TreeSpec,)
 
     @property
