@@ -53,12 +53,13 @@ class DraftedTree:
 
 
 def draft_dynamic_tree(root: jax.Array, root_logprobs: jax.Array, root_carry: Any, expand: Expand, memory: Any,
-                       keep: int, fanout: Sequence[tuple[int, int]]) -> DraftedTree:
+                       keep: int, fanout: Sequence[tuple[int, int]], root_ids: jax.Array | None = None) -> DraftedTree:
     """EAGLE-2's context-aware dynamic tree, per row on device, keeping the best `keep` drafted nodes.
 
     `fanout[d - 1] = (children, width)` for depth d = 1 .. D: each node of the depth d - 1 frontier proposes
     its best `children` children (the root alone is the depth-0 frontier; its children come from
-    `root_logprobs [B, V]`), scored by cumulative log-probability, and the best `width` of them form the
+    `root_logprobs [B, V]`, whose column c is token `root_ids[c]` (None: token c), e.g. a draft vocabulary),
+    scored by cumulative log-probability, and the best `width` of them form the
     depth-d frontier. `expand` runs a frontier in one call (tokens, the parents' carry, starting from
     `root_carry [B, ...]`); it may keep the frontier's keys/values in `memory` at its expansion's scratch
     slots, and `sees [B, w, S]` marks each frontier node's ancestors among the earlier frontiers' slots.
@@ -77,6 +78,7 @@ def draft_dynamic_tree(root: jax.Array, root_logprobs: jax.Array, root_carry: An
     slots = int(offsets[-1])
     children = fanout[0][0]
     child_score, child = jax.lax.top_k(root_logprobs, children)
+    child = child if root_ids is None else root_ids[child]
     child_score, child = child_score[:, None], child[:, None].astype(jnp.int32)  # [B, 1 (the root), c]
     frontier = jnp.full((b, 1), -1, jnp.int32)  # candidate ids of the frontier (the root: -1)
     carry = jax.tree.map(lambda x: x[:, None], root_carry)
@@ -163,13 +165,14 @@ def extend_short_paths(tree: DraftedTree, extra: int, depth: int) -> tuple[jax.A
 
 
 def grow_dynamic_tree(root: jax.Array, root_logprobs: jax.Array, root_carry: Any, expand: Expand, memory: Any,
-                      budget: TreeBudget) -> tuple[jax.Array, TreeArrays]:
+                      budget: TreeBudget, root_ids: jax.Array | None = None) -> tuple[jax.Array, TreeArrays]:
     """EAGLE-2 (`draft_dynamic_tree`) within `budget`: top-k = `budget.max_children` children and frontiers at
-    every depth down to `budget.depth`, `budget.num_nodes - 1` kept. Returns node tokens `[B, N]` and the tree."""
+    every depth down to `budget.depth`, `budget.num_nodes - 1` kept (`root_ids`: as there). Returns node tokens
+    `[B, N]` and the tree."""
     k = budget.max_children
     if budget.num_ranks < k:
         raise TreeError(f"tree budget {budget}: num_ranks < max_children")
     tree = draft_dynamic_tree(root, root_logprobs, root_carry, expand, memory, budget.num_nodes - 1,
-                              ((k, k),) * budget.depth)
+                              ((k, k),) * budget.depth, root_ids)
     return tree.tokens, arrays_from_parents(tree.parent, jnp.ones(tree.parent.shape, bool), depth=budget.depth,
                                             num_paths=budget.num_paths, max_children=k, num_ranks=budget.num_ranks)
