@@ -23,7 +23,7 @@ def test_fresh_heads_equal_the_target_lm_head():
     medusa = Medusa(num_heads=3, num_layers=2)
     heads = medusa.init(jax.random.key(1), Target(CONFIG, params))
     hidden = jax.random.normal(jax.random.key(2), (4, CONFIG.hidden_size))
-    logits = medusa.head_logits(heads, hidden)  # zero ResBlocks: x + silu(0) = x
+    logits = medusa.head_logits(heads, Target(CONFIG, params), hidden)  # zero ResBlocks: x + silu(0) = x
     target = Transformer(CONFIG).apply({"params": params}, hidden, method=Transformer.logits)
     for k in range(3):
         np.testing.assert_allclose(np.asarray(logits[:, k]), np.asarray(target), atol=1e-5)
@@ -110,5 +110,7 @@ def test_a_shallow_tree_computes_only_its_heads():
     heads = medusa.init(jax.random.key(1), Target(CONFIG, params))
     heads["w"] = jax.random.normal(jax.random.key(3), heads["w"].shape) * 0.2  # distinct heads
     hidden = jax.random.normal(jax.random.key(2), (3, CONFIG.hidden_size))
-    full = medusa.head_logits(heads, hidden)
-    np.testing.assert_array_equal(np.asarray(medusa.head_logits(heads, hidden, heads=2)), np.asarray(full[:, :2]))
+    target = Target(CONFIG, params)
+    full = medusa.head_logits(heads, target, hidden)
+    np.testing.assert_array_equal(np.asarray(medusa.head_logits(heads, target, hidden, heads=2)),
+                                  np.asarray(full[:, :2]))

@@ -5,6 +5,10 @@ only its `init` and `loss` are used. Data is ShareGPT-style conversations (chat 
 loss) or plain text/code; the target is sharded over a `(data, fsdp, tensor)` mesh; the loop (checkpoints,
 resume, SIGTERM, progress, JSONL metrics) is `amphista_jax.train.loop.run_loop`. At the end the heads are saved with the
 target's fingerprint (`out_dir/heads`) and the training curve is plotted (`out_dir/training_curve.png`).
+
+`method_settings.draft_vocab_size: N` (a trainer setting, not a drafter field) drafts over the N most frequent
+label tokens of the training examples (`drafters.draft_vocab`), chosen before the heads are initialised and saved
+in their `draft_vocab` setting.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jax.sharding import Mesh
 from amphista_jax import config_io
 from amphista_jax.accelerators import GIB, get_accelerator
 from amphista_jax.drafters import DRAFTERS, Drafter
+from amphista_jax.drafters.draft_vocab import DraftVocab, most_frequent, token_counts
 from amphista_jax.drafters.io import META_FILE, save_draft
 from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.fetch import resolve_data, resolve_model
@@ -109,6 +114,9 @@ class MeshConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
+DRAFT_VOCAB_SIZE = "draft_vocab_size"  # a method_settings key the trainer reads (no drafter field)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     data: DataConfig
@@ -134,10 +142,12 @@ class TrainConfig:
             raise ValueError(f"method {self.method!r} has nothing to train: use it directly (e.g. `amphista-jax "
                              f"generate --draft {self.method}`)")
         known = {f.name for f in dataclasses.fields(DRAFTERS[self.method])}
-        if unknown := set(self.method_settings) - known:
+        if unknown := set(self.method_settings) - known - {DRAFT_VOCAB_SIZE}:
             raise ValueError(f"method_settings {sorted(unknown)} are not {self.method} settings; "
-                             f"known: {', '.join(sorted(known))}")
-        DRAFTERS[self.method](**self.method_settings)  # the method validates its own values
+                             f"known: {', '.join(sorted(known | {DRAFT_VOCAB_SIZE}))}")
+        if DRAFT_VOCAB_SIZE in self.method_settings:
+            self._check_draft_vocab_size("draft_vocab" in known)
+        self.drafter()  # the method validates its own values
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if bad := {k: v for k, v in self.part_lrs.items() if not v > 0}:
@@ -148,6 +158,37 @@ class TrainConfig:
             known_target(self.target_shape)
         if self.accelerator:
             get_accelerator(self.accelerator)
+
+    def _check_draft_vocab_size(self, supported: bool) -> None:
+        n = self.method_settings[DRAFT_VOCAB_SIZE]
+        if not supported:
+            raise ValueError(f"method {self.method} drafts over the target's own logits: it takes no "
+                             f"{DRAFT_VOCAB_SIZE}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or "draft_vocab" in self.method_settings:
+            raise ValueError(f"method_settings.{DRAFT_VOCAB_SIZE}={n!r} must be an integer >= 1, without draft_vocab")
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """`method_settings.draft_vocab_size`: how many tokens to draft over (0: the whole vocabulary)."""
+        return self.method_settings.get(DRAFT_VOCAB_SIZE, 0)
+
+    def drafter(self, draft_vocab: DraftVocab | None = None) -> Drafter:
+        """The method with its settings and `draft_vocab` (the one chosen for `draft_vocab_size`; None: ids
+        `0 .. draft_vocab_size - 1`, of the same shapes, for what needs no data: checks and memory plans)."""
+        settings = {k: v for k, v in self.method_settings.items() if k != DRAFT_VOCAB_SIZE}
+        if self.draft_vocab_size:
+            settings["draft_vocab"] = tuple(range(self.draft_vocab_size)) if draft_vocab is None else draft_vocab
+        return DRAFTERS[self.method](**settings)
+
+
+def choose_draft_vocab(cfg: TrainConfig, examples: list[dict], vocab_size: int) -> DraftVocab | None:
+    """The `cfg.draft_vocab_size` most frequent label tokens (`tokens` where `loss_mask` is 1) of the training
+    `examples`, ties by id; None without a `draft_vocab_size`."""
+    if not cfg.draft_vocab_size:
+        return None
+    tokens = np.concatenate([np.ravel(e["tokens"]) for e in examples])
+    mask = np.concatenate([np.ravel(e["loss_mask"]) for e in examples])
+    return most_frequent(token_counts(tokens, mask, vocab_size), cfg.draft_vocab_size)
 
 
 def check_target_shape(name: str, config: ModelConfig, model: str) -> None:
@@ -303,7 +344,10 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
         check_target_shape(cfg.target_shape, target_config, model_dir)
     check_batch_split(cfg)
     _check_data(cfg.data)
-    drafter = DRAFTERS[cfg.method](**cfg.method_settings)
+    if cfg.draft_vocab_size > target_config.vocab_size:
+        raise TrainConfigError(f"method_settings.{DRAFT_VOCAB_SIZE}={cfg.draft_vocab_size} exceeds the target's "
+                               f"{target_config.vocab_size} tokens: lower it")
+    drafter = cfg.drafter()
     if cfg.data.cache_target_hidden and drafter.loss_runs_target:
         raise TrainConfigError(f"method {cfg.method} runs the target inside its own loss, so cached target hidden "
                                "states would be computed and never used: set data.cache_target_hidden=false")
@@ -347,12 +391,13 @@ class TrainJob:
     new_state: Callable[[Target], dict[str, Any]]  # jitted: each array made in place on its shards
 
 
-def train_job(cfg: TrainConfig, target_config: ModelConfig, devices: list[jax.Device] | None = None) -> TrainJob:
-    """`cfg`'s job on `devices` (default: all of them)."""
+def train_job(cfg: TrainConfig, target_config: ModelConfig, devices: list[jax.Device] | None = None,
+              draft_vocab: DraftVocab | None = None) -> TrainJob:
+    """`cfg`'s job on `devices` (default: all of them), drafting over `draft_vocab` (`TrainConfig.drafter`)."""
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices) if cfg.mesh else None
     target_shardings = param_shardings(target_config, mesh) if mesh else None
     model = Transformer(target_config)
-    drafter = DRAFTERS[cfg.method](**cfg.method_settings)
+    drafter = cfg.drafter(draft_vocab)
     optimizer = make_optimizer(cfg.optim, cfg.loop.steps, cfg.part_lrs or None)
     abstract_target = Target(target_config, param_shapes(target_config)[0])
     state_shardings = train_state_shardings(drafter, abstract_target, optimizer, mesh) if mesh else None
@@ -418,7 +463,9 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
               "again)")
         return summary
     target_config = load_config(model_dir)
-    job = train_job(cfg, target_config)
+    tok = load_tokenizer(model_dir)
+    train_examples, heldout = split_examples(cfg.data, tok)
+    job = train_job(cfg, target_config, draft_vocab=choose_draft_vocab(cfg, train_examples, target_config.vocab_size))
     plan = plan_training(cfg, job, param_dtype(model_dir, cfg.dtype), *accelerator_capacity(None))
     if jax.process_index() == 0:
         print(f"{plan_table([plan])}\nmemory plan: {plan.verdict()}")
@@ -427,8 +474,6 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
                                f"{plan.capacity / GIB:.2f} GiB of {plan.where}: raise data.microbatches, lower "
                                "data.max_len, or use more devices (mesh)")
     target_params, target_config = load_params(model_dir, dtype=cfg.dtype, shardings=job.target_shardings)
-    tok = load_tokenizer(model_dir)
-    train_examples, heldout = split_examples(cfg.data, tok)
     if cfg.data.cache_target_hidden:
         train_examples = _with_hidden(train_examples, job.model, target_params, cfg.data.batch_size)
         heldout = _with_hidden(heldout, job.model, target_params, cfg.data.batch_size)
@@ -442,8 +487,9 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     def evaluate(state: dict[str, Any]) -> dict[str, float]:
         return mean_metrics([eval_step(state["params"], target_params, b) for b in heldout_batches])
 
-    print(f"target {model_dir}: {target_config.num_params:,} parameters; method {cfg.method} "
-          f"{dataclasses.asdict(drafter)}; {len(train_examples)} train / {len(heldout)} held-out examples")
+    settings = dataclasses.asdict(drafter) | ({"draft_vocab": f"{n} tokens"} if (n := len(drafter.draft_vocab)) else {})
+    print(f"target {model_dir}: {target_config.num_params:,} parameters; method {cfg.method} {settings}; "
+          f"{len(train_examples)} train / {len(heldout)} held-out examples")
     out_dir = Path(cfg.out_dir)
     if jax.process_index() == 0 and not saved_steps(out_dir / "checkpoints"):
         write_identity(out_dir, identity)  # at the first start; a resume has just been checked against it

@@ -24,6 +24,9 @@ Decoding keeps the invariant: the adaptation caches hold the pairs `(h_t, e_{t+1
 position `t < lengths - 1` plus the pair of the last one, whose adapted states (`adapted [B, S, D]`) the
 next proposal reads. `prefill` runs the prompt; `commit` runs the accepted path's pairs (fixed `D + 1`
 slots, masked by the accepted count), so `propose` only runs the heads.
+
+`draft_vocab` (`draft_vocab.py`): the LM heads cover only the draft vocabulary's columns (the low-rank ones start
+from the SVD of the target's `lm_head` cut to those columns).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from amphista_jax.drafters.base import (
     topk_proposal,
 )
 from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
+from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, decoder_stack, logical_dense, run_stack
 from amphista_jax.target import Target
@@ -73,8 +77,10 @@ class Amphista(LogicalInit):
     lm_head_rank: int = 0  # 0 = full-rank LM heads
     lambda_alignment: float = 1.0  # lambda_1, Eq. 7
     lambda_lm: float = 1.0  # lambda_2, Eq. 7
+    draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        normalise_field(self)
         if self.num_heads < 1:
             raise ValueError(f"{self.num_heads=} must be >= 1")
         if not 1 <= self.adaptation_stages <= min(MAX_STAGES, self.num_heads):
@@ -100,18 +106,19 @@ class Amphista(LogicalInit):
         return self.num_heads
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
-        d, v = target.config.hidden_size, target.config.vocab_size
+        d = target.config.hidden_size
         zeros = jnp.zeros((1, 1, d), jnp.float32)
         params = self._net(target.config).init(rng, zeros, zeros, jnp.zeros((1, 1), jnp.int32))["params"]
         k = self.num_heads
         if self.lm_head_rank:
-            u, s, vt = jnp.linalg.svd(target.lm_head(), full_matrices=False)  # of the [D, V] projection
-            r = self.lm_head_rank
+            lm_head = project_columns(target.lm_head(), self.draft_vocab)  # [D, V_d]
+            u, s, vt = jnp.linalg.svd(lm_head, full_matrices=False)
+            r, v = self.lm_head_rank, lm_head.shape[1]
             root = jnp.sqrt(s[:r])
             return params | {"lm_a": logical(jnp.broadcast_to(u[:, :r] * root, (k, d, r)).copy(), None, "embed", None),
                              "lm_b": logical(jnp.broadcast_to(root[:, None] * vt[:r], (k, r, v)).copy(), None, None,
                                              "vocab")}
-        return params | {"lm_head": head_projections(target, k)}
+        return params | {"lm_head": head_projections(target, k, self.draft_vocab)}
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
         d = target_config.hidden_size
@@ -144,17 +151,18 @@ class Amphista(LogicalInit):
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         self.check_tree(tree, target.config.vocab_size)
-        return topk_proposal(self.head_logits(params, target, ctx.state["adapted"], max(tree.depth, 1)), ctx.root, tree)
+        logits = self.head_logits(params, target, ctx.state["adapted"], max(tree.depth, 1))  # [B, depth, V_d]
+        return topk_proposal(logits, ctx.root, tree, self.draft_vocab)
 
     def head_logits(self, params: dict, target: Target, adapted: jax.Array, depth: int | None = None) -> jax.Array:
-        """Adapted states `[..., S, D]` -> fp32 draft logits `[..., depth, V]` of the first `depth` heads
+        """Adapted states `[..., S, D]` -> fp32 draft logits `[..., depth, V_d]` of the first `depth` heads
         (default: all; Eq. 2-6)."""
         return self.project(params, self._net(target.config).apply({"params": params}, adapted,
                                                                     method=_AmphistaNet.heads), depth)
 
     def project(self, params: dict, x: jax.Array, depth: int | None = None) -> jax.Array:
         """Eq. 6, the per-head LM heads (full, or low-rank `lm_a` then `lm_b`): head states `[..., K, D]` ->
-        fp32 logits `[..., depth, V]` of the first `depth` heads (default: all)."""
+        fp32 logits `[..., depth, V_d]` of the first `depth` heads (default: all)."""
         kept = depth or self.num_heads
         if self.lm_head_rank:
             return project_heads(project_heads(x, params["lm_a"], kept), params["lm_b"], kept).astype(jnp.float32)
@@ -171,7 +179,7 @@ class Amphista(LogicalInit):
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
         """Training-time drafts over whole sequences: `tokens [B, T]`, target hidden `[B, T, D]` ->
-        `[B, T, K, V]` (pair t uses the true token t + 1: teacher forcing; the last position's is a pad)."""
+        `[B, T, K, V_d]` (pair t uses the true token t + 1: teacher forcing; the last position's is a pad)."""
         embed = target.embed(jnp.roll(tokens, -1, axis=1))
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -180,9 +188,9 @@ class Amphista(LogicalInit):
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Eq. 7-9 summed over heads. batch: `tokens [B, T]`, `loss_mask [B, T]`; `target_out` needs logits."""
-        logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden)  # [B, T, K, V]
+        logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden)  # [B, T, K, V_d]
         return head_losses(logits, batch, [self.lambda_lm] * self.num_heads, target_out.logits,
-                           self.lambda_alignment, teacher_name="alignment")
+                           self.lambda_alignment, teacher_name="alignment", draft_vocab=self.draft_vocab)
 
 
 class _AmphistaNet(nn.Module):

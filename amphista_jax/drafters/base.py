@@ -23,6 +23,7 @@ import optax
 from flax import struct
 from jax.sharding import PartitionSpec
 
+from amphista_jax.drafters.draft_vocab import DraftVocab, project_columns, restrict, to_draft, to_target
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
 from amphista_jax.target import Extras, Target
@@ -72,9 +73,10 @@ def logical(value: jax.Array, *names: str | None) -> nn.Partitioned:
     return nn.Partitioned(value, names)
 
 
-def head_projections(target: Target, num_heads: int) -> nn.Partitioned:
-    """`[K, D, V]` one vocabulary projection per head, each initialised from the target's `lm_head`."""
-    lm_head = target.lm_head()
+def head_projections(target: Target, num_heads: int, draft_vocab: DraftVocab = ()) -> nn.Partitioned:
+    """`[K, D, V_d]` one vocabulary projection per head, each initialised from the target's `lm_head` (its
+    `draft_vocab` columns; all `V` without one)."""
+    lm_head = project_columns(target.lm_head(), draft_vocab)
     return logical(jax.numpy.broadcast_to(lm_head, (num_heads,) + lm_head.shape).copy(), None, "embed", "vocab")
 
 
@@ -88,12 +90,17 @@ class Drafter(abc.ABC):
     (the budget of a tree it grows on device every step); `trainable`, False for a method with nothing to learn
     (prompt lookup): its `init` is its whole drafter, front-ends use it by name without heads (and say nothing of
     untrained heads), and `amphista-jax train` refuses it.
+
+    `draft_vocab` (`drafters.draft_vocab`): the sorted target ids a drafter's heads score (EAGLE-3's `d2t`), `()`
+    for the whole vocabulary. A drafter that drafts over one declares it as a dataclass field (normalised in its
+    `__post_init__` by `draft_vocab.normalise_field`); here it is the default of every other drafter.
     """
 
     name: ClassVar[str]
     loss_runs_target: ClassVar[bool] = False
     trainable: ClassVar[bool] = True
     tree_kinds: ClassVar[tuple[type, ...]] = (TreeSpec,)
+    draft_vocab: DraftVocab = ()
 
     @property
     def paper_tree(self) -> str:
@@ -110,7 +117,7 @@ class Drafter(abc.ABC):
     def rankable(self, vocab_size: int) -> int:
         """How many candidates a node's children can rank among: the target's vocabulary by default (a draft
         vocabulary where a drafter drafts over one)."""
-        return vocab_size
+        return len(self.draft_vocab) or vocab_size
 
     def check_tree(self, tree: Tree, vocab_size: int | None = None) -> None:
         """Raise `TreeError` (one line naming the fix) unless this drafter can draft `tree` for a target of
@@ -225,24 +232,31 @@ def split_heads(params: dict, names: Sequence[str] = ("lm_head",)) -> dict:
                      if n in params and not isinstance(params[n], tuple)}
 
 
-def project_heads(x: jax.Array, weights: jax.Array | Sequence[jax.Array], heads: int) -> jax.Array:
-    """Per-head projections of the first `heads` heads: `x [..., >= heads, D]` and `weights` `[K, D, F]` (stacked)
-    or K arrays `[D, F]` (`split_heads`) -> `[..., heads, F]`. One matrix product per head: XLA:CPU runs a
-    batched product over heads several times slower than separate ones once a head has more than one row."""
+Projection = jax.Array | Sequence[jax.Array]  # per-head `[K, D, F]` or K arrays `[D, F]`; or one shared `[D, F]`
+
+
+def project_heads(x: jax.Array, weights: Projection, heads: int) -> jax.Array:
+    """Projections of the first `heads` heads: `x [..., >= heads, D]` and `weights` `[K, D, F]` (stacked) or K
+    arrays `[D, F]` (`split_heads`), one per head, or one `[D, F]` that every head shares -> `[..., heads, F]`.
+    One matrix product per head: XLA:CPU runs a batched product over heads several times slower than separate
+    ones once a head has more than one row; shared weights are one product over all heads' rows."""
+    if not isinstance(weights, Sequence) and weights.ndim == 2:
+        return x[..., :heads, :] @ weights
     return jax.numpy.stack([x[..., i, :] @ weights[i] for i in range(heads)], axis=-2)
 
 
 def draft_by_levels(root: jax.Array, tree: TreeSpec, state: Any, logits: Callable[[int, Any], jax.Array],
-                    extend: Callable[[int, Any, jax.Array], Any]) -> Proposal:
+                    extend: Callable[[int, Any, jax.Array], Any], draft_vocab: DraftVocab = ()) -> Proposal:
     """Deterministic top-k drafts (`q = None`) of a static tree, depth by depth, each node's children from its own
     path (Hydra, the semi-autoregressive drafter). `state` describes the nodes that have children at the current
-    depth (leaves `[B, M, ...]`; at depth 0 the root alone), `logits(depth, state) -> [B, M, V]` drafts their
-    children, and `extend(depth, parents' state, tokens [B, E])` gives the state of the children that have
-    children in turn."""
+    depth (leaves `[B, M, ...]`; at depth 0 the root alone), `logits(depth, state) -> [B, M, V_d]` drafts their
+    children (over `draft_vocab`, ids mapped back), and `extend(depth, parents' state, tokens [B, E])` gives the
+    state of the children that have children in turn."""
     b = root.shape[0]
     tokens = jax.numpy.zeros((b, tree.num_nodes), jax.numpy.int32).at[:, 0].set(root)
     for depth, level in enumerate(tree_levels(tree)):
         top = jax.lax.top_k(logits(depth, state), int(level.rank.max()) + 1)[1].astype(jax.numpy.int32)  # [B, M, k]
+        top = to_target(top, draft_vocab)
         children = top[:, level.parent_slot, level.rank]  # [B, C]
         tokens = tokens.at[:, level.nodes].set(children)
         if len(level.expand):
@@ -251,28 +265,36 @@ def draft_by_levels(root: jax.Array, tree: TreeSpec, state: Any, logits: Callabl
     return Proposal(tokens, batched(tree_arrays(tree), b))
 
 
-def topk_proposal(logits: jax.Array, root: jax.Array, tree: TreeSpec) -> Proposal:
-    """Deterministic top-k drafts (`q = None`) of a static tree from per-head logits `[B, K, V]`."""
-    topk = jax.lax.top_k(logits, tree.num_ranks)[1].astype(jax.numpy.int32)  # [B, K, R]
+def topk_proposal(logits: jax.Array, root: jax.Array, tree: TreeSpec, draft_vocab: DraftVocab = ()) -> Proposal:
+    """Deterministic top-k drafts (`q = None`) of a static tree from per-head logits `[B, K, V_d]` over
+    `draft_vocab` (ids mapped back to the target's)."""
+    topk = to_target(jax.lax.top_k(logits, tree.num_ranks)[1].astype(jax.numpy.int32), draft_vocab)  # [B, K, R]
     return Proposal(fill_tree_from_topk(root, topk, tree), batched(tree_arrays(tree), root.shape[0]))
 
 
-def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Masked mean CE and top-1 / top-5 accuracy of one head: `logits [B, T, V]`, `labels, mask [B, T]`."""
+def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array,
+                 draft_vocab: DraftVocab = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked mean CE and top-1 / top-5 accuracy of one head: `logits [B, T, V_d]` over `draft_vocab`, target
+    ids `labels` and `mask [B, T]`. A label outside the draft vocabulary is left out of the CE mean and counts
+    as a miss in top-1 / top-5."""
+    labels, inside = to_draft(labels, draft_vocab)
+    kept = mask * inside
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     denom = jax.numpy.maximum(mask.sum(), 1.0)
     # The label's rank = how many logits beat it. XLA:CPU lowers `top_k` inside this fusion to a full sort
     # (~40x slower per training step); a comparison count is one pass over the vocabulary.
     rank = (logits > jax.numpy.take_along_axis(logits, labels[..., None], axis=-1)).sum(-1)  # [B, T]
-    loss = (ce * mask).sum() / denom
-    return loss, {"loss": loss, "top1": ((rank == 0) * mask).sum() / denom,
-                  "top5": ((rank < 5) * mask).sum() / denom}
+    loss = (ce * kept).sum() / jax.numpy.maximum(kept.sum(), 1.0)
+    return loss, {"loss": loss, "top1": ((rank == 0) * kept).sum() / denom,
+                  "top5": ((rank < 5) * kept).sum() / denom}
 
 
 def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], teacher_logits: jax.Array | None = None,
-                teacher_weight: float = 0.0, teacher_name: str = "teacher") -> tuple[jax.Array, dict[str, jax.Array]]:
+                teacher_weight: float = 0.0, teacher_name: str = "teacher",
+                draft_vocab: DraftVocab = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The draft-head objective every head method shares: head k (0-based) at position t drafts token
-    t + 2 + k, which the target predicts at t + 1 + k. `logits [B, T, K, V]`; `batch` holds `tokens` and
+    t + 2 + k, which the target predicts at t + 1 + k. `logits [B, T, K, V_d]` (over `draft_vocab`, see
+    `head_metrics` and `teacher_ce`); `batch` holds `tokens` and
     `loss_mask [B, T]`. Returns the sum over heads of `lm_weights[k] * CE(truth)` (+ `teacher_weight *
     CE(softmax(teacher_logits))` when the target's `teacher_logits [B, T, V]` are given) and per-head
     metrics: `head{k}/loss`, `top1`, `top5` and `head{k}/<teacher_name>`."""
@@ -282,18 +304,20 @@ def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], tea
     for k in range(logits.shape[2]):
         shift = k + 2
         lk, m = logits[:, : t - shift, k], mask[:, shift:]
-        lm, head = head_metrics(lk, tokens[:, shift:], m)
+        lm, head = head_metrics(lk, tokens[:, shift:], m, draft_vocab)
         total = total + lm_weights[k] * lm
         metrics |= {f"head{k}/{name}": v for name, v in head.items()}
         if teacher_logits is not None:
-            teacher = teacher_ce(lk, teacher_logits[:, shift - 1: t - 1], m)
+            teacher = teacher_ce(lk, teacher_logits[:, shift - 1: t - 1], m, draft_vocab)
             total = total + teacher_weight * teacher
             metrics[f"head{k}/{teacher_name}"] = teacher
     return total, metrics
 
 
-def teacher_ce(logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked mean CE of draft `logits [B, T, V]` against the target's softmax over `teacher_logits [B, T, V]`
-    (teacher distillation: Amphista's alignment term, Hydra++'s teacher loss); `mask [B, T]`."""
-    teacher = jax.nn.softmax(teacher_logits, axis=-1)
+def teacher_ce(logits: jax.Array, teacher_logits: jax.Array, mask: jax.Array,
+               draft_vocab: DraftVocab = ()) -> jax.Array:
+    """Masked mean CE of draft `logits [B, T, V_d]` against the target's softmax over `teacher_logits [B, T, V]`
+    restricted to `draft_vocab` (renormalised; teacher distillation: Amphista's alignment term, Hydra++'s teacher
+    loss); `mask [B, T]`."""
+    teacher = jax.nn.softmax(restrict(teacher_logits, draft_vocab), axis=-1)
     return (optax.softmax_cross_entropy(logits, teacher) * mask).sum() / jax.numpy.maximum(mask.sum(), 1.0)

@@ -29,6 +29,10 @@ Drafts are deterministic top-k (`q = None`).
 Training (EAGLE, section 4 of its paper): teacher-forced on the target's own features with uniform noise
 `U(-a, a)` (`feature_noise`); `reg_weight * SmoothL1(predicted f_{t+1}, f_{t+1}) + cls_weight *
 CE(lm_head(predicted), softmax(target logits at t+1))`, weights 1 and 0.1.
+
+`draft_vocab` (`draft_vocab.py`, EAGLE-3's `d2t`): the frozen `lm_head` is read at the draft vocabulary's columns
+only, every top-k over them is mapped back to target ids (`FeatureDrafting.top_k`, the dynamic tree's root), and
+the CE term's teacher is the target's distribution restricted to them.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from amphista_jax.drafters.base import (
     head_losses,
 )
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
+from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids, to_target
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, logical_dense, run_stack
 from amphista_jax.target import Target
@@ -71,8 +76,10 @@ class Eagle(LogicalInit):
     feature_noise: float = 0.1  # training: U(-a, a) added to the target's features
     reg_weight: float = 1.0  # SmoothL1 regression of the next feature
     cls_weight: float = 0.1  # CE of lm_head(predicted feature) against the target's distribution
+    draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        normalise_field(self)
         if self.num_layers < 1:
             raise ValueError(f"{self.num_layers=} must be >= 1")
         if self.feature_noise < 0:
@@ -142,13 +149,14 @@ class Eagle(LogicalInit):
         return out, written, inputs
 
     def logprobs(self, params: dict, target: Target, features: jax.Array) -> jax.Array:
-        """Draft log-probabilities `[..., V]` of predicted features `[..., D]` through the frozen lm_head."""
-        return jax.nn.log_softmax(features @ target.lm_head(), axis=-1)
+        """Draft log-probabilities `[..., V_d]` of predicted features `[..., D]` through the frozen lm_head (its
+        draft vocabulary's columns)."""
+        return jax.nn.log_softmax(features @ project_columns(target.lm_head(), self.draft_vocab), axis=-1)
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array,
                      rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Teacher-forced over whole sequences: `tokens [B, T]`, target features `[B, T, D]` -> (draft logits
-        `[B, T, 1, V]` of token t + 2, predicted features `[B, T, D]` of f_{t+1}); past the end the inputs wrap
+        `[B, T, 1, V_d]` of token t + 2, predicted features `[B, T, D]` of f_{t+1}); past the end the inputs wrap
         around and the loss masks them. `rng` adds the feature noise when `feature_noise > 0`."""
         b, t = tokens.shape
         features = hidden.astype(jnp.float32)
@@ -158,7 +166,7 @@ class Eagle(LogicalInit):
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         predicted, _ = self._net(target.config).apply({"params": params}, target.embed(jnp.roll(tokens, -1, 1)),
                                                       features, positions, None)
-        return (predicted @ target.lm_head())[:, :, None], predicted
+        return (predicted @ project_columns(target.lm_head(), self.draft_vocab))[:, :, None], predicted
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """`reg_weight * SmoothL1 + cls_weight * CE(teacher)`; the predicted f_{t+1} is scored where token
@@ -173,7 +181,8 @@ class Eagle(LogicalInit):
         mask = batch["loss_mask"][:, 2:].astype(jnp.float32)
         reg = optax.huber_loss(predicted[:, : t - 2], target_out.hidden[:, 1: t - 1].astype(jnp.float32)).mean(-1)
         reg = (reg * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-        cls, metrics = head_losses(logits, batch, [0.0], target_out.logits, self.cls_weight, teacher_name="cls")
+        cls, metrics = head_losses(logits, batch, [0.0], target_out.logits, self.cls_weight, teacher_name="cls",
+                                   draft_vocab=self.draft_vocab)
         return self.reg_weight * reg + cls, metrics | {"head0/reg": reg}
 
 
@@ -203,7 +212,10 @@ class _EagleNet(nn.Module):
 class CachedStack(Protocol):
     """A drafter with its own cached stack that `FeatureDrafting` drives (EAGLE's layers, a whole draft model).
     Its state holds `base` (the stack's output for the root: its children's draft distribution) and `caches[0]`,
-    whose committed prefix ends just before depth 1 (a node of depth d sits at `lengths + d - 1`)."""
+    whose committed prefix ends just before depth 1 (a node of depth d sits at `lengths + d - 1`). `logprobs` are
+    over its `draft_vocab` (`()`: the whole vocabulary)."""
+
+    draft_vocab: tuple[int, ...]
 
     def run_nodes(self, params: Any, target: Target, tokens: jax.Array, parent_features: jax.Array,
                   positions: jax.Array, cache: KVCache, new_mask: jax.Array,
@@ -224,6 +236,11 @@ class FeatureDrafting:
 
     def logprobs(self, features: jax.Array) -> jax.Array:
         return self.drafter.logprobs(self.params, self.target, features)
+
+    def top_k(self, logprobs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """(scores, target token ids) `[..., k]` of the `k` best of `logprobs [..., V_d]`."""
+        score, index = jax.lax.top_k(logprobs, k)
+        return score, to_target(index.astype(jnp.int32), self.drafter.draft_vocab)
 
     def expand(self, tokens: jax.Array, parent_features: jax.Array, depth: int, sees: jax.Array,
                scratch: tuple[jax.Array, jax.Array] | None
@@ -259,7 +276,7 @@ class FeatureDrafting:
         scratch = _empty_scratch(self.ctx.state["caches"][0], b, sum(len(lv.expand) for lv in levels[:-1]))
         used = 0
         for depth, level in enumerate(levels, start=1):
-            logprobs, k = self.logprobs(features), int(level.rank.max()) + 1  # [B, M, V]
+            logprobs, k = self.logprobs(features), int(level.rank.max()) + 1  # [B, M, V_d]
             if temperature > 0:
                 dist = jax.nn.log_softmax(logprobs / temperature, axis=-1)
                 draws = jax.random.categorical(jax.random.fold_in(rng, depth), dist, shape=(k,) + dist.shape[:-1])
@@ -267,7 +284,7 @@ class FeatureDrafting:
                 q = (jnp.zeros((b, n) + dist.shape[-1:], jnp.float32) if q is None else q).at[:, level.nodes].set(
                     jnp.exp(dist)[:, level.parent_slot])
             else:
-                top = jax.lax.top_k(logprobs, k)[1].astype(jnp.int32)  # [B, M, k]
+                top = self.top_k(logprobs, k)[1]  # [B, M, k]
             children = top[:, level.parent_slot, level.rank]  # [B, C]
             tokens = tokens.at[:, level.nodes].set(children)
             if not len(level.expand):
@@ -285,7 +302,8 @@ class FeatureDrafting:
         keys/values kept as this step's scratch at the slots the builder assigns."""
         base, b = self.ctx.state["base"], self.ctx.root.shape[0]
         scratch = _empty_scratch(self.ctx.state["caches"][0], b, (budget.depth - 1) * budget.max_children)
-        tokens, arrays = grow_dynamic_tree(self.ctx.root, self.logprobs(base), base, self.expansion, scratch, budget)
+        tokens, arrays = grow_dynamic_tree(self.ctx.root, self.logprobs(base), base, self.expansion, scratch, budget,
+                                           target_ids(self.drafter.draft_vocab))
         return Proposal(tokens, arrays)
 
     def expansion(self, tokens: jax.Array, parent_features: jax.Array, level: Expansion, sees: jax.Array,
@@ -294,8 +312,8 @@ class FeatureDrafting:
         features, kv, _ = self.expand(tokens, parent_features, level.depth, sees, scratch)
         end = level.offset + level.width
         scratch = tuple(x.at[:, :, level.offset: end].set(y) for x, y in zip(scratch, kv, strict=True))
-        score, child = jax.lax.top_k(self.logprobs(features), level.children)
-        return score, child.astype(jnp.int32), features, scratch
+        score, child = self.top_k(self.logprobs(features), level.children)
+        return score, child, features, scratch
 
 
 def _empty_scratch(cache: KVCache, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:

@@ -26,6 +26,9 @@ The serial stack's prediction of `f_{t+1}` costs `reg_weight * SmoothL1 + cls_we
 (0-based) at t reads `[o_t ; o_{t+1}]` (`o_t = FC([E(x_{t+2}) ; predicted f_{t+1}])`) and predicts
 `f_{t+3+i}` with the same two terms, weighted `mlp_weight * mlp_decay ** (i + 1)` (1/9 and 0.8 in the
 reference trainer). The serial stack keeps every layer's input norm (the reference drops the first one's).
+
+`draft_vocab` (`draft_vocab.py`): the serial part and the heads read the frozen `lm_head` at the draft
+vocabulary's columns only (the serial part is EAGLE with the same setting).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from amphista_jax.drafters.base import DraftContext, LogicalInit, PrefillContext, Proposal, head_metrics, teacher_ce
+from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids
 from amphista_jax.drafters.eagle import Eagle, FeatureDrafting
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
@@ -64,8 +68,10 @@ class Gumiho(LogicalInit):
     cls_weight: float = 0.1
     mlp_weight: float = 1 / 9
     mlp_decay: float = 0.8
+    draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        normalise_field(self)
         for name in ("serial_layers", "mlp_heads", "top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -93,7 +99,7 @@ class Gumiho(LogicalInit):
 
     @property
     def serial(self) -> Eagle:
-        return Eagle(self.serial_layers, self.feature_noise, self.reg_weight, self.cls_weight)
+        return Eagle(self.serial_layers, self.feature_noise, self.reg_weight, self.cls_weight, self.draft_vocab)
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         k1, k2 = jax.random.split(rng)
@@ -126,20 +132,20 @@ class Gumiho(LogicalInit):
                    memory: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
             if level.depth == 1:  # the serial stack on the depth-1 frontier: its children are depth 2
                 features, _, inputs = draft.expand(tokens, carry, 1, sees, None)  # depth 1 sees no other node
-                score, child = jax.lax.top_k(draft.logprobs(features), level.children)
-                return score, child.astype(jnp.int32), {"feature": features, "input": inputs}, memory
+                score, child = draft.top_k(draft.logprobs(features), level.children)
+                return score, child, {"feature": features, "input": inputs}, memory
             if level.depth == 2:  # the parallel heads on each depth-2 node's own serial pair
                 own = serial.inputs(params["serial"], target, tokens, carry["feature"])
                 pair = jnp.concatenate([carry["input"], own], axis=-1)
-                carry = jax.lax.top_k(draft.logprobs(self._heads(params, pair)), level.children)  # [B, w, H, s] x 2
+                carry = draft.top_k(draft.logprobs(self._heads(params, pair)), level.children)  # [B, w, H, s] x 2
             score, child = carry[0][:, :, level.depth - 2], carry[1][:, :, level.depth - 2]
-            return score, child.astype(jnp.int32), carry, memory
+            return score, child, carry, memory
 
         k = self.top_k
         fanout = ((k, k), (k, k)) + ((s, s),) * (depth - 2)
         base = ctx.state["base"]
         drafted = draft_dynamic_tree(ctx.root, draft.logprobs(base), base, expand, (), tree.num_nodes - 1 - extra,
-                                     fanout)
+                                     fanout, target_ids(self.draft_vocab))
         if extra:
             tokens, parent, valid = extend_short_paths(drafted, extra, depth)
         else:
@@ -158,16 +164,16 @@ class Gumiho(LogicalInit):
         # o_t = FC([E(x_{t+2}) ; predicted f_{t+1}]); head i at t reads [o_t ; o_{t+1}] and predicts f_{t+3+i}.
         o = serial.inputs(params["serial"], target, jnp.roll(tokens, -2, 1), predicted)
         heads = self._heads(params, jnp.concatenate([o, jnp.roll(o, -1, 1)], axis=-1))  # [B, T, H, D]
-        lm_head, mask = target.lm_head(), batch["loss_mask"].astype(jnp.float32)
+        lm_head, mask = project_columns(target.lm_head(), self.draft_vocab), batch["loss_mask"].astype(jnp.float32)
         features = target_out.hidden.astype(jnp.float32)
         for i in range(min(self.mlp_heads, t - 4)):
             shift = 3 + i  # head i at t predicts f_{t+shift}, i.e. drafts token t + shift + 1
             m = mask[:, shift + 1:]
             reg = optax.huber_loss(heads[:, : t - shift - 1, i], features[:, shift: t - 1]).mean(-1)
             reg = (reg * m).sum() / jnp.maximum(m.sum(), 1.0)
-            logits_i = heads[:, : t - shift - 1, i] @ lm_head  # [B, T - shift - 1, V]
-            _, head = head_metrics(logits_i, tokens[:, shift + 1:], m)
-            cls = teacher_ce(logits_i, target_out.logits[:, shift: t - 1], m)
+            logits_i = heads[:, : t - shift - 1, i] @ lm_head  # [B, T - shift - 1, V_d]
+            _, head = head_metrics(logits_i, tokens[:, shift + 1:], m, self.draft_vocab)
+            cls = teacher_ce(logits_i, target_out.logits[:, shift: t - 1], m, self.draft_vocab)
             weight = self.mlp_weight * self.mlp_decay ** (i + 1)
             total = total + weight * (self.reg_weight * reg + self.cls_weight * cls)
             metrics |= {f"head{i + 2}/{name}": v for name, v in head.items()}

@@ -25,6 +25,8 @@ in training (appendix A.1; the paper found it hurts and uses 0; the reference co
 
 Training is teacher-forced: head k (0-based) at position t reads the true tokens t + 1 .. t + 1 + k as its
 path and drafts token t + 2 + k; its teacher is the target's distribution at t + 1 + k.
+
+`draft_vocab` (`draft_vocab.py`): the heads' projections cover only the draft vocabulary's columns.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from amphista_jax.drafters.base import (
     split_heads,
 )
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
+from amphista_jax.drafters.draft_vocab import normalise_field
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, logical_dense, run_stack
 from amphista_jax.target import Target
@@ -67,8 +70,10 @@ class Hydra(LogicalInit):
     lm_weight: float = 1.0  # CE against the ground-truth token (Hydra; Hydra++: 0)
     teacher_weight: float = 0.0  # CE against the target's softmax (Hydra++: 1)
     alpha_noise: float = 0.0  # embedding noise in training (appendix A.1; the paper settles on 0)
+    draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        normalise_field(self)
         if self.num_heads < 1:
             raise ValueError(f"{self.num_heads=} must be >= 1")
         if self.num_layers < 1:
@@ -95,7 +100,7 @@ class Hydra(LogicalInit):
         d, k = target.config.hidden_size, self.num_heads
         params = self._net(target.config).init(
             rng, jnp.zeros((1, 1, d)), jnp.zeros((1, 1, k, d)), jnp.zeros((1, 1), jnp.int32))["params"]
-        return params | {"lm_head": head_projections(target, k)}
+        return params | {"lm_head": head_projections(target, k, self.draft_vocab)}
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict | tuple:
         if not self.prefix_layer:
@@ -133,14 +138,14 @@ class Hydra(LogicalInit):
 
     def head_logits(self, params: dict, target: Target, head: int, base: jax.Array, path: jax.Array) -> jax.Array:
         """Head `head` (0-based) on base states `[..., D]` (broadcast) and path tokens `[..., head + 1]` (the
-        root first) -> fp32 logits `[..., V]` for the next token."""
+        root first) -> fp32 logits `[..., V_d]` for the next token."""
         embed = target.embed(path)  # [..., head + 1, D]
         base = jnp.broadcast_to(base.astype(jnp.float32), embed.shape[:-2] + base.shape[-1:])
         x = jnp.concatenate([base, embed.reshape(embed.shape[:-2] + (-1,))], axis=-1)
         return self._logits(params, target, head, x)
 
     def _logits(self, params: dict, target: Target, head: int, x: jax.Array) -> jax.Array:
-        """Head `head` (0-based) on its input `[..., (head + 2) D]` -> fp32 logits `[..., V]`: its MLP, then its
+        """Head `head` (0-based) on its input `[..., (head + 2) D]` -> fp32 logits `[..., V_d]`: its MLP, then its
         vocabulary projection."""
         mlp = self._net(target.config).apply({"params": params}, head, x, method=_HydraNet.head)
         return (mlp @ params["lm_head"][head]).astype(jnp.float32)
@@ -155,12 +160,13 @@ class Hydra(LogicalInit):
         # Head inputs of the nodes that have children, depth by depth: [B, M, (depth + 2) D].
         inputs = jnp.concatenate([self.base_state(ctx).astype(jnp.float32), target.embed(ctx.root)], axis=-1)[:, None]
         return draft_by_levels(ctx.root, tree, inputs, lambda depth, x: self._logits(params, target, depth, x),
-                               lambda depth, x, children: jnp.concatenate([x, target.embed(children)], axis=-1))
+                               lambda depth, x, children: jnp.concatenate([x, target.embed(children)], axis=-1),
+                               self.draft_vocab)
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array,
                      rng: jax.Array | None = None) -> jax.Array:
         """Training-time drafts over whole sequences, teacher-forced: `tokens [B, T]`, target hidden
-        `[B, T, D]` -> `[B, T, K, V]` (head k at t reads tokens t + 1 .. t + 1 + k; past the end they wrap
+        `[B, T, D]` -> `[B, T, K, V_d]` (head k at t reads tokens t + 1 .. t + 1 + k; past the end they wrap
         around and the loss masks them). `rng` adds the embedding noise when `alpha_noise > 0`."""
         embed = target.embed(tokens)  # [B, T, D]
         b, t, d = embed.shape
@@ -175,9 +181,10 @@ class Hydra(LogicalInit):
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Per head, `lm_weight * CE(truth) + teacher_weight * CE(softmax(target))`, summed over heads (the
         reference trainer's sum, no per-head decay). `target_out` needs logits for the teacher term."""
-        logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden, batch.get("rng"))  # [B,T,K,V]
+        logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden, batch.get("rng"))  # [B,T,K,Vd]
         return head_losses(logits, batch, [self.lm_weight] * self.num_heads,
-                           target_out.logits if self.teacher_weight else None, self.teacher_weight)
+                           target_out.logits if self.teacher_weight else None, self.teacher_weight,
+                           draft_vocab=self.draft_vocab)
 
 
 def _pass_first(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:

@@ -31,6 +31,8 @@ produced token t + 1), depth j (0-based) reads tokens t + 1 .. t + 1 + j and dra
 Drafting fills a static tree depth by depth, as Hydra does: every node that has children runs `q0` once on its
 own path's encoder state (batched over the level), its children take the top-k, and the encoder steps once per
 expanded child. There is no cache of its own: nothing to prefill or commit.
+
+`draft_vocab` (`draft_vocab.py`): `W3` covers only the draft vocabulary's columns (`[2W, V_d]`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from amphista_jax.drafters.base import (
     head_losses,
     logical,
 )
+from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
 from amphista_jax.target import Target
@@ -67,8 +70,10 @@ class SemiAutoregressive(LogicalInit):
     num_heads: int = 4
     encoder: str = "simplified"  # h_q: "simplified" (Eq. 6) or "lstm" (Eq. 7)
     width: int | None = None  # W, each branch of q0's hidden layer; None = H/4 (the paper's 1024 at H = 4096)
+    draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        normalise_field(self)
         if self.num_heads < 1:
             raise ValueError(f"{self.num_heads=} must be >= 1 (the draft depth k)")
         if self.encoder not in ENCODERS:
@@ -88,10 +93,12 @@ class SemiAutoregressive(LogicalInit):
         path = jnp.zeros((1, 1, self.num_heads, d))
         params = self._net(config).init(rng, jnp.zeros((1, 1, d)), path)["params"]
         features = 2 * self.branch_width(config)
+        check_fits(self.draft_vocab, config.vocab_size)
         if features == d:
-            lm_head = target.lm_head()
+            lm_head = project_columns(target.lm_head(), self.draft_vocab)  # [D, V_d]
         else:
-            lm_head = jax.random.normal(jax.random.fold_in(rng, 1), (features, config.vocab_size)) / jnp.sqrt(features)
+            v = len(self.draft_vocab) or config.vocab_size
+            lm_head = jax.random.normal(jax.random.fold_in(rng, 1), (features, v)) / jnp.sqrt(features)
         return params | {"lm_head": logical(lm_head, "embed", "vocab")}
 
     @property
@@ -103,7 +110,7 @@ class SemiAutoregressive(LogicalInit):
         return self._net(target.config).apply({"params": params}, *args, method=method)
 
     def _logits(self, params: dict, target: Target, base: jax.Array, carry: Carry) -> jax.Array:
-        """q0 on base states `[..., D]` and encoder states over paths -> fp32 logits `[..., V]`."""
+        """q0 on base states `[..., D]` and encoder states over paths -> fp32 logits `[..., V_d]`."""
         return (self._apply(params, target, _SARNet.mix, base, carry) @ params["lm_head"]).astype(jnp.float32)
 
     def _step(self, params: dict, target: Target, carry: Carry, tokens: jax.Array, position: int) -> Carry:
@@ -112,7 +119,7 @@ class SemiAutoregressive(LogicalInit):
 
     def path_logits(self, params: dict, target: Target, base: jax.Array, path: jax.Array) -> jax.Array:
         """The draft after a path, from scratch: base states `[..., D]` (broadcast) and path tokens `[..., j]` (the
-        root first, j <= num_heads) -> fp32 logits `[..., V]` of the token that follows the path."""
+        root first, j <= num_heads) -> fp32 logits `[..., V_d]` of the token that follows the path."""
         carry = self._apply(params, target, _SARNet.empty, path.shape[:-1])
         for position in range(path.shape[-1]):
             carry = self._step(params, target, carry, path[..., position], position)
@@ -126,11 +133,12 @@ class SemiAutoregressive(LogicalInit):
         carry = self._apply(params, target, _SARNet.empty, (ctx.root.shape[0], 1))
         carry = self._step(params, target, carry, ctx.root[:, None], 0)  # the encoder over each node's path
         return draft_by_levels(ctx.root, tree, carry, lambda depth, c: self._logits(params, target, base, c),
-                               lambda depth, c, children: self._step(params, target, c, children, depth + 1))
+                               lambda depth, c, children: self._step(params, target, c, children, depth + 1),
+                               self.draft_vocab)
 
     def draft_logits(self, params: dict, target: Target, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
         """Training-time drafts over whole sequences, teacher-forced: `tokens [B, T]`, target hidden `[B, T, D]`
-        -> `[B, T, K, V]` (depth j at t reads tokens t + 1 .. t + 1 + j; past the end they wrap around and the
+        -> `[B, T, K, V_d]` (depth j at t reads tokens t + 1 .. t + 1 + j; past the end they wrap around and the
         loss masks them)."""
         embed = target.embed(tokens)  # [B, T, D]
         path = jnp.stack([jnp.roll(embed, -(j + 1), axis=1) for j in range(self.num_heads)], axis=2)  # [B, T, K, D]
@@ -139,8 +147,8 @@ class SemiAutoregressive(LogicalInit):
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """Eq. 8's draft term: the mean over depths of the ground-truth CE (`head{j}/...` metrics per depth)."""
-        logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden)  # [B, T, K, V]
-        return head_losses(logits, batch, [1.0 / self.num_heads] * self.num_heads)
+        logits = self.draft_logits(params, target, batch["tokens"], target_out.hidden)  # [B, T, K, V_d]
+        return head_losses(logits, batch, [1.0 / self.num_heads] * self.num_heads, draft_vocab=self.draft_vocab)
 
 
 class _SARNet(nn.Module):
