@@ -176,54 +176,10 @@ def _pretrain_target(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    """Re-save a checkpoint (dtype change, re-sharding into files of at most --max-shard-mb), or with --heads
-    a draft-head checkpoint in another dtype (e.g. bf16 heads to ship). --out must be new or empty."""
-    import shutil
-    from pathlib import Path
+    from amphista_jax.convert import convert
 
-    import jax
-
-    from amphista_jax.errors import OutputExistsError, check_writable_dir
-    from amphista_jax.models.hf import load_params, save_params
-
-    source, out_dir = args.gguf or args.heads or args.model, Path(args.out)
-    if out_dir.resolve() == Path(source).resolve():
-        raise UsageError("--out must differ from the source checkpoint: convert writes a new checkpoint and never "
-                         "overwrites its source")
-    if args.gguf and args.heads:
-        raise UsageError("--gguf converts a model and --heads draft heads: give one of them")
-    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
-        raise OutputExistsError(f"--out {args.out} already exists and is not empty; convert never overwrites: pick "
-                                "a new --out")
-    if args.max_shard_mb < 0:
-        raise UsageError(f"--max-shard-mb {args.max_shard_mb}: must be >= 0 (0 = one file)")
-    check_writable_dir(out_dir, "--out")
-    if args.gguf:
-        from amphista_jax.models.gguf import convert_gguf
-
-        print(f"saved {convert_gguf(args.gguf, out_dir).num_params:,} parameters (fp32) and the tokenizer to {out_dir}")
-        return 0
-    params, config = load_params(args.model, dtype="float32" if args.heads else args.dtype)
-    if args.heads:
-        from amphista_jax.drafters.io import load_draft, save_draft
-
-        method, drafter, draft_params = load_draft(args.heads, config, params)
-        if args.dtype == "checkpoint":
-            draft_params = _as_stored(args.heads, draft_params)
-        save_draft(args.out, method, drafter, draft_params, config,
-                   dtype=None if args.dtype == "checkpoint" else args.dtype, target_params=params)
-        dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(draft_params)}) if args.dtype == "checkpoint" else [
-            args.dtype]
-        print(f"saved {method} heads ({sum(x.size for x in jax.tree.leaves(draft_params)):,} parameters, "
-              f"{'/'.join(dtypes)}) to {args.out}")
-        return 0
-    out = save_params(params, config, args.out, dtype=args.dtype,
-                      max_shard_bytes=args.max_shard_mb * 2**20 if args.max_shard_mb else None)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                 "tokenizer.model", "chat_template.jinja"):
-        if (Path(args.model) / name).is_file():
-            shutil.copy(Path(args.model) / name, out / name)
-    print(f"saved {config.num_params:,} parameters to {out}")
+    print(convert(args.out, model=args.model, heads=args.heads, gguf=args.gguf, dtype=args.dtype,
+                  max_shard_mb=args.max_shard_mb))
     return 0
 
 
@@ -241,24 +197,10 @@ def _fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _as_stored(heads: str, params):
-    """`params` with each leaf in the dtype it is stored in under `heads` (`load_draft` restores fp32)."""
-    from pathlib import Path
-
-    import jax
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as ckpt:
-        meta = ckpt.metadata(Path(heads).absolute() / "params")
-    meta = getattr(meta, "item_metadata", meta)
-    stored = {jax.tree_util.keystr(k): m.dtype for k, m in jax.tree_util.tree_flatten_with_path(meta)[0]}
-    return jax.tree_util.tree_map_with_path(lambda k, x: x.astype(stored.get(jax.tree_util.keystr(k), x.dtype)),
-                                            params)
-
-
 def _train(args: argparse.Namespace) -> int:
     from amphista_jax.config_io import load_config
-    from amphista_jax.train.heads import TrainConfig, train_heads
+    from amphista_jax.train.config import TrainConfig
+    from amphista_jax.train.heads import train_heads
 
     train_heads(load_config(TrainConfig, args.config, args.set or []))
     return 0
@@ -269,7 +211,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from amphista_jax.accelerators import get_accelerator
     from amphista_jax.config_io import load_config
-    from amphista_jax.train.heads import TrainConfig
+    from amphista_jax.train.config import TrainConfig
     from amphista_jax.train.plan import describe, plan_configs, plan_request, write_plans
 
     if args.decode_batch < 1:

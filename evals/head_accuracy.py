@@ -23,7 +23,8 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters.base import Drafter
 from amphista_jax.models.llama import target_model
 from amphista_jax.target import Target
-from amphista_jax.train.heads import DataConfig, batch_examples, heldout_examples
+from amphista_jax.train.config import DataConfig
+from amphista_jax.train.examples import batch_examples, example_source
 from amphista_jax.train.loop import mean_metrics
 from amphista_jax.train.step import make_steps
 
@@ -35,7 +36,7 @@ def heldout_batches(tokenizer: Any, data_cfg: DataConfig | None = None, n_batche
     """Up to `n_batches` full held-out batches `{"tokens", "loss_mask": [B, T]}` of `data_cfg` (default: the
     held-out split of the embedded target's own corpus, which neither it nor its shipped heads trained on)."""
     data_cfg = data_cfg or DataConfig(kind="stdlib", corpus=str(default_model_dir()))
-    return batch_examples(heldout_examples(data_cfg, tokenizer), data_cfg.batch_size, n_batches)
+    return batch_examples(example_source(data_cfg).heldout(tokenizer), data_cfg.batch_size, n_batches)
 
 
 def head_accuracy(target: Target, drafter: Drafter, draft_params: Any, batches: list[dict[str, np.ndarray]]

@@ -49,7 +49,7 @@ from amphista_jax.sampling import SamplingConfig
 from amphista_jax.sharding import MeshError, make_mesh, param_shardings, place_for_decoding
 from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
-from amphista_jax.train.heads import DataConfig, MeshConfig
+from amphista_jax.train.config import DataConfig, MeshConfig
 from amphista_jax.train.loop import maybe_initialize_distributed
 from amphista_jax.verify import AcceptanceConfig
 

@@ -9,7 +9,7 @@ import pytest
 from amphista_jax.config_io import ConfigFileError, load_config
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.evals.runner import EvalConfig
-from amphista_jax.train.heads import TrainConfig
+from amphista_jax.train.config import TrainConfig
 from amphista_jax.train.pretrain_target import PretrainConfig
 
 CONFIGS = Path(__file__).parents[1] / "configs"

@@ -174,7 +174,8 @@ def test_shared_projection_medusa_is_small_and_lossless(target):
 
 
 def test_the_trainer_chooses_the_most_frequent_label_tokens():
-    from amphista_jax.train.heads import DataConfig, TrainConfig, choose_draft_vocab
+    from amphista_jax.train.config import DataConfig, TrainConfig
+    from amphista_jax.train.examples import choose_draft_vocab
 
     data = DataConfig(train="x")
     cfg = TrainConfig(data, method="eagle", method_settings={"draft_vocab_size": 2, "num_layers": 1})

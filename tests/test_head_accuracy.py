@@ -14,7 +14,7 @@ from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
 from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer
-from amphista_jax.train.heads import DataConfig
+from amphista_jax.train.config import DataConfig
 
 
 def test_untrained_medusa_heads_equal_the_targets_own_head_shifted():

@@ -24,7 +24,8 @@ from amphista_jax.models.hf import load_params
 from amphista_jax.plan import decode_plan, device_bytes
 from amphista_jax.sharding import batch_sharding, make_mesh, on_mesh, place_for_decoding
 from amphista_jax.target import Target
-from amphista_jax.train.heads import DataConfig, MeshConfig, TrainConfig, plan_training, train_job
+from amphista_jax.train.config import DataConfig, MeshConfig, TrainConfig
+from amphista_jax.train.heads import plan_training, train_job
 from amphista_jax.train.plan import plan_request
 from amphista_jax.tree_names import get_tree
 from tests.helpers import ROOT, subprocess_env

@@ -219,7 +219,7 @@ def test_eval_specs_name_it_plainly_with_its_paper_tree(target):
 
 def test_train_refuses_it_in_one_line(tmp_path):
     from amphista_jax.config_io import ConfigFileError, load_config
-    from amphista_jax.train.heads import TrainConfig
+    from amphista_jax.train.config import TrainConfig
 
     (tmp_path / "job.yaml").write_text("method: prompt_lookup\ndata: {kind: text, train: x}\n")
     with pytest.raises(ConfigFileError, match="nothing to train"):

@@ -24,14 +24,8 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES, load_config, param_dtype
 from amphista_jax.models.shapes import known_target
 from amphista_jax.plan import MemoryPlan, accelerator_capacity, decode_plan, plan_table
-from amphista_jax.train.heads import (
-    TrainConfig,
-    check_batch_split,
-    check_positions,
-    check_target_shape,
-    plan_training,
-    train_job,
-)
+from amphista_jax.train.config import TrainConfig, check_batch_split, check_positions, check_target_shape
+from amphista_jax.train.heads import plan_training, train_job
 from amphista_jax.tree_names import get_tree
 
 DECODE_NEW_TOKENS = 256

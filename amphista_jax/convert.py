@@ -1,0 +1,71 @@
+"""`amphista-jax convert`: re-save a checkpoint in another dtype or shard size, draft heads in another dtype,
+or a llama.cpp GGUF as a HF directory. The output must be new or empty: convert never overwrites."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.hf import load_params, save_params
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "tokenizer.model", "chat_template.jinja")
+
+
+def convert(out: str, model: str, heads: str | None = None, gguf: str | None = None, dtype: str = "bfloat16",
+            max_shard_mb: int = 0) -> str:
+    """Convert `gguf`, else `heads` (draft heads on the target `model`), else `model` into `out` (files of at most
+    `max_shard_mb` MB; 0: one file) in `dtype` ("checkpoint": as stored). Returns what was saved, in a line."""
+    source, out_dir = gguf or heads or model, Path(out)
+    if out_dir.resolve() == Path(source).resolve():
+        raise UsageError("--out must differ from the source checkpoint: convert writes a new checkpoint and never "
+                         "overwrites its source")
+    if gguf and heads:
+        raise UsageError("--gguf converts a model and --heads draft heads: give one of them")
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
+        raise OutputExistsError(f"--out {out} already exists and is not empty; convert never overwrites: pick "
+                                "a new --out")
+    if max_shard_mb < 0:
+        raise UsageError(f"--max-shard-mb {max_shard_mb}: must be >= 0 (0 = one file)")
+    check_writable_dir(out_dir, "--out")
+    if gguf:
+        from amphista_jax.models.gguf import convert_gguf
+
+        return f"saved {convert_gguf(gguf, out_dir).num_params:,} parameters (fp32) and the tokenizer to {out_dir}"
+    params, config = load_params(model, dtype="float32" if heads else dtype)
+    if heads:
+        return _convert_heads(heads, out, params, config, dtype)
+    saved = save_params(params, config, out, dtype=dtype,
+                        max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
+    for name in TOKENIZER_FILES:
+        if (Path(model) / name).is_file():
+            shutil.copy(Path(model) / name, saved / name)
+    return f"saved {config.num_params:,} parameters to {saved}"
+
+
+def _convert_heads(heads: str, out: str, target_params: dict, config: ModelConfig, dtype: str) -> str:
+    from amphista_jax.drafters.io import load_draft, save_draft
+
+    method, drafter, draft_params = load_draft(heads, config, target_params)
+    if dtype == "checkpoint":
+        draft_params = as_stored(heads, draft_params)
+    save_draft(out, method, drafter, draft_params, config, dtype=None if dtype == "checkpoint" else dtype,
+               target_params=target_params)
+    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(draft_params)}) if dtype == "checkpoint" else [dtype]
+    return (f"saved {method} heads ({sum(x.size for x in jax.tree.leaves(draft_params)):,} parameters, "
+            f"{'/'.join(dtypes)}) to {out}")
+
+
+def as_stored(heads: str, params: dict) -> dict:
+    """`params` with each leaf in the dtype it is stored in under `heads` (`load_draft` restores fp32)."""
+    with ocp.StandardCheckpointer() as ckpt:
+        meta = ckpt.metadata(Path(heads).absolute() / "params")
+    meta = getattr(meta, "item_metadata", meta)
+    stored = {jax.tree_util.keystr(k): m.dtype for k, m in jax.tree_util.tree_flatten_with_path(meta)[0]}
+    return jax.tree_util.tree_map_with_path(lambda k, x: x.astype(stored.get(jax.tree_util.keystr(k), x.dtype)),
+                                            params)

@@ -1,0 +1,184 @@
+"""Training examples: tokenised, split into train and held-out, batched, with the target's hidden states
+attached where cached, and the data's identity for resumes."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from amphista_jax import config_io
+from amphista_jax.drafters.draft_vocab import DraftVocab, most_frequent, token_counts
+from amphista_jax.identity import files_digest, json_digest, matching_files
+from amphista_jax.models.llama import Transformer
+from amphista_jax.train.config import DataConfig, TrainConfig, TrainConfigError
+from amphista_jax.train.corpus import build_corpus, package_version
+from amphista_jax.train.data import DataError, conversation_examples, packed_examples, text_examples
+from amphista_jax.train.pretrain_target import PretrainConfig
+from amphista_jax.train.step import target_forward
+
+
+def choose_draft_vocab(cfg: TrainConfig, examples: list[dict], vocab_size: int) -> DraftVocab | None:
+    """The `cfg.draft_vocab_size` most frequent label tokens (`tokens` where `loss_mask` is 1) of the training
+    `examples`, ties by id; None without a `draft_vocab_size`."""
+    if not cfg.draft_vocab_size:
+        return None
+    tokens = np.concatenate([np.ravel(e["tokens"]) for e in examples])
+    mask = np.concatenate([np.ravel(e["loss_mask"]) for e in examples])
+    return most_frequent(token_counts(tokens, mask, vocab_size), cfg.draft_vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleSource(abc.ABC):
+    """Where a run's examples come from (`data.kind`, chosen once by `example_source`): checked before slow
+    work, identified for resumes, tokenised into (train, held-out) examples."""
+
+    cfg: DataConfig
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise a one-line `TrainConfigError` when the data cannot be read."""
+
+    @abc.abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """What the data is (digests), for `train/run_identity`."""
+
+    @abc.abstractmethod
+    def split(self, tok: Any) -> tuple[list, list]:
+        """(train, held-out) examples."""
+
+    def heldout(self, tok: Any) -> list:
+        """The held-out examples of `split`."""
+        return self.split(tok)[1]
+
+
+class TextFiles(ExampleSource):
+    """Files (a directory or a glob) of plain text or code, packed; held out: `data.heldout` or a seeded
+    `heldout_fraction` of the examples."""
+
+    def _paths(self) -> list[tuple[str, str]]:
+        return [(name, path) for name, path in (("data.train", self.cfg.train), ("data.heldout", self.cfg.heldout))
+                if path]
+
+    def check(self) -> None:
+        for name, path in self._paths():
+            if not matching_files(path):
+                raise TrainConfigError(f"{name} {path} matches no file: point it at a file, a directory or a glob "
+                                       "of text files")
+
+    def identity(self) -> dict[str, Any]:
+        return {name: files_digest(matching_files(path), Path(path) if Path(path).is_dir() else None)
+                for name, path in self._paths()}
+
+    def load(self, path: str, tok: Any) -> tuple[list, Any]:
+        return text_examples(path, tok, self.cfg.max_len)
+
+    def split(self, tok: Any) -> tuple[list, list]:
+        cfg = self.cfg
+        train, report = self.load(cfg.train, tok)
+        print(report.summary())
+        if cfg.heldout:
+            heldout, held_report = self.load(cfg.heldout, tok)
+            print(held_report.summary())
+            return train, heldout
+        order = np.random.RandomState(cfg.seed).permutation(len(train))
+        n_held = max(1, int(len(train) * cfg.heldout_fraction))
+        if len(train) - n_held < cfg.batch_size:
+            raise DataError(f"{cfg.train} has {len(train)} examples: too few for a held-out split and a batch of "
+                            f"{cfg.batch_size}; add data or set data.heldout")
+        return [train[i] for i in order[n_held:]], [train[i] for i in order[:n_held]]
+
+
+class Conversations(TextFiles):
+    """ShareGPT-style conversations (JSON / JSONL): chat template, loss on the assistant's turns only."""
+
+    def check(self) -> None:
+        for name, path in self._paths():
+            if not Path(path).is_file():
+                raise TrainConfigError(f"{name} {path} is not a file: point it at a conversations JSON / JSONL file")
+
+    def load(self, path: str, tok: Any) -> tuple[list, Any]:
+        return conversation_examples(path, tok, self.cfg.max_len)
+
+
+class CodeCorpus(ExampleSource):
+    """The offline code corpus of an embedded target's pre-training (`train/corpus.py`), split by path hash as
+    there, so the target's held-out files stay unseen."""
+
+    def recipe(self) -> PretrainConfig | None:
+        """The target recipe whose corpus this is (None: the standard library alone)."""
+        if not self.cfg.corpus:
+            return None
+        summary = Path(self.cfg.corpus) / "training_summary.json"
+        if summary.is_file():
+            return config_io.from_dict(PretrainConfig, json.loads(summary.read_text())["config"], f"{summary}: ")
+        if not Path(self.cfg.corpus).is_file():
+            raise TrainConfigError(f"data.corpus {self.cfg.corpus} is neither a target recipe YAML nor an exported "
+                                   "target directory (with training_summary.json): fix the path, or set "
+                                   "data.corpus='' for the standard library alone")
+        return config_io.load_config(PretrainConfig, self.cfg.corpus, [])
+
+    def check(self) -> None:
+        for package in (t := self.recipe()) and t.packages or ():
+            package_version(package)  # installed, or a one-line error naming it
+
+    def identity(self) -> dict[str, Any]:
+        """The recipe of a corpus read from installed sources, and those sources' versions."""
+        t = self.recipe()
+        recipe = ({k: getattr(t, k) for k in ("stdlib", "packages", "exclude_tests", "heldout_fraction",
+                                              "max_source_mb")} if t else
+                  {"stdlib": True, "packages": (), "exclude_tests": False,
+                   "heldout_fraction": self.cfg.heldout_fraction})
+        versions = {"python": platform.python_version()} | {p: package_version(p) for p in recipe["packages"]}
+        return {"data.corpus": {"sha256": json_digest([recipe, versions]), "recipe": recipe, "versions": versions}}
+
+    def _texts(self) -> tuple[list[str], list[str]]:
+        if t := self.recipe():
+            corpus = build_corpus(t.stdlib, t.packages, t.exclude_tests, t.heldout_fraction, t.max_source_mb)
+        else:
+            corpus = build_corpus(True, (), False, self.cfg.heldout_fraction)
+        print(f"code corpus ({', '.join(corpus.manifest['sources'])}): {len(corpus.train)} train / "
+              f"{len(corpus.heldout)} held-out files")
+        return corpus.train, corpus.heldout
+
+    def split(self, tok: Any) -> tuple[list, list]:
+        train, heldout = self._texts()
+        return packed_examples(train, tok, self.cfg.max_len), packed_examples(heldout, tok, self.cfg.max_len)
+
+    def heldout(self, tok: Any) -> list:  # without tokenising the train split
+        return packed_examples(self._texts()[1], tok, self.cfg.max_len)
+
+
+SOURCES: dict[str, type[ExampleSource]] = {"text": TextFiles, "sharegpt": Conversations, "stdlib": CodeCorpus}
+
+
+def example_source(cfg: DataConfig) -> ExampleSource:
+    return SOURCES[cfg.kind](cfg)
+
+
+def batch_examples(examples: list[dict], batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
+    """Up to `max_batches` full batches (fixed, shardable shapes) of `examples`, in order."""
+    n = min(len(examples) // batch_size, max_batches)
+    if n == 0:
+        raise DataError(f"{len(examples)} held-out examples are fewer than one batch of {batch_size}: add held-out "
+                        "data, raise data.heldout_fraction or lower data.batch_size")
+    return [{k: np.stack([e[k] for e in examples[i * batch_size: (i + 1) * batch_size]]) for k in examples[0]}
+            for i in range(n)]
+
+
+def with_hidden(examples: list[dict], model: Transformer, target_params: dict, batch: int) -> list[dict]:
+    """Attach the target's hidden states `[T, D]` (fp16 on host) to every example."""
+    forward = jax.jit(lambda p, t: target_forward(model, p, {"tokens": t}).hidden.astype(jnp.float16))
+    out = []
+    for i in range(0, len(examples), batch):
+        chunk = examples[i: i + batch]
+        hidden = np.asarray(forward(target_params, jnp.asarray(np.stack([e["tokens"] for e in chunk]))))
+        out += [e | {"hidden": h} for e, h in zip(chunk, hidden, strict=True)]
+    return out
