@@ -43,6 +43,7 @@ class DataConfig:
     microbatches: int = 1
     seed: int = 0
     cache_target_hidden: bool = False  # precompute the target's hidden states once (small targets)
+    max_examples: int = 0  # read at most this many examples of each data file (0: all); a held-out split comes from them
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_KINDS:
@@ -56,6 +57,8 @@ class DataConfig:
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ValueError(f"data.microbatches={self.microbatches} must be >= 1 and divide data.batch_size="
                              f"{self.batch_size}")
+        if self.max_examples < 0:
+            raise ValueError(f"data.max_examples={self.max_examples} must be >= 0 (0 = all)")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
 

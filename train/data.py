@@ -159,9 +159,10 @@ def render_with_mask(tok: PreTrainedTokenizerBase, messages: list[dict[str, str]
     return ids, mask
 
 
-def conversation_examples(path: str | Path, tok: PreTrainedTokenizerBase, max_len: int
+def conversation_examples(path: str | Path, tok: PreTrainedTokenizerBase, max_len: int, limit: int = 0
                           ) -> tuple[list[dict[str, np.ndarray]], DataReport]:
-    """Padded examples `{"tokens": [max_len], "loss_mask": [max_len]}` from a conversations file."""
+    """Padded examples `{"tokens": [max_len], "loss_mask": [max_len]}` from a conversations file: the first
+    `limit` usable ones (0: all)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"dataset {path} does not exist")
@@ -183,6 +184,8 @@ def conversation_examples(path: str | Path, tok: PreTrainedTokenizerBase, max_le
         tokens[: len(ids)], loss_mask[: len(ids)] = ids, mask
         examples.append({"tokens": tokens, "loss_mask": loss_mask})
         report.kept += 1
+        if len(examples) == limit:
+            break
     if not examples:
         raise DataError(f"{path} yields no usable example:\n{report.summary()}")
     return examples, report

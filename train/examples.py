@@ -78,7 +78,8 @@ class TextFiles(ExampleSource):
                 for name, path in self._paths()}
 
     def load(self, path: str, tok: Any) -> tuple[list, Any]:
-        return text_examples(path, tok, self.cfg.max_len)
+        examples, report = text_examples(path, tok, self.cfg.max_len)
+        return examples[: self.cfg.max_examples or None], report
 
     def split(self, tok: Any) -> tuple[list, list]:
         cfg = self.cfg
@@ -105,7 +106,7 @@ class Conversations(TextFiles):
                 raise TrainConfigError(f"{name} {path} is not a file: point it at a conversations JSON / JSONL file")
 
     def load(self, path: str, tok: Any) -> tuple[list, Any]:
-        return conversation_examples(path, tok, self.cfg.max_len)
+        return conversation_examples(path, tok, self.cfg.max_len, self.cfg.max_examples)
 
 
 class CodeCorpus(ExampleSource):
