@@ -120,6 +120,14 @@ def _task_range(text: str) -> tuple[int, int]:
     return int(start), int(stop)
 
 
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """argparse type of --batch-sizes: `B,B,...`."""
+    sizes = text.split(",")
+    if not all(s.strip().isdigit() and int(s) >= 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r} is not batch sizes >= 1 joined by commas, e.g. 1,2,4,8,16")
+    return tuple(sorted({int(s) for s in sizes}))
+
+
 def _tree_search(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -139,12 +147,12 @@ def _tree_search(args: argparse.Namespace) -> int:
                          "another file")
     check_writable_dir(out.parent, "--out")
     prompts = humaneval_prompts(*args.tasks)
-    result, tree = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
-                          max_new_tokens=args.max_new_tokens, runs=args.runs)
+    results, policy = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
+                             max_new_tokens=args.max_new_tokens, runs=args.runs, batch_sizes=args.batch_sizes)
     print(out.with_suffix(".report.md").read_text())
-    best = result.speedups[result.best]
-    print(f"wrote {out} ({tree.num_nodes - 1} draft nodes, depth {tree.depth}); predicted speed-up {best:.2f}x"
-          + ("" if best > 1 else ": no tree is predicted to beat autoregressive decoding on this device"))
+    print(f"wrote {out} and the tree per batch size ({policy.describe()}) beside it" + (
+        "" if any(t is not None for _, t in policy.by_batch) else
+        ": no tree is predicted to beat autoregressive decoding on this device"))
     return 0
 
 
@@ -318,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--ranks", type=int, default=10, help="ranks per depth in the calibration tree")
     ts.add_argument("--max-new-tokens", type=int, default=96)
     ts.add_argument("--runs", type=int, default=3, help="timed runs per tree (median)")
+    ts.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 2, 4, 8, 16), metavar="B,B,...",
+                    help="price every tree at these batch sizes and store the best per batch size (none where AR is "
+                    "predicted faster), which --tree auto follows; default 1,2,4,8,16")
     ts.add_argument("--out", default=None, help="tree JSON (default: <heads>/trees/<backend>.json)")
     ts.add_argument("--replace", action="store_true", help="replace an existing searched tree")
     ts.set_defaults(func=_tree_search)

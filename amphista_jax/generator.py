@@ -46,7 +46,7 @@ from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.target import Target
-from amphista_jax.tree_names import AUTO, resolve_tree
+from amphista_jax.tree_names import AUTO, TreePolicy, get_tree, read_policy, resolve_tree
 from amphista_jax.trees import Tree
 from amphista_jax.verify import AcceptanceConfig
 
@@ -75,6 +75,7 @@ class Generation:
     seconds: float  # wall time of the compiled program (compiling excluded)
     compile_seconds: float  # time spent compiling for this call (0 when its program was cached)
     output: GenerateOutput  # the raw per-row arrays on the host (accept lengths, tree statistics)
+    tree: str = "-"  # the tree decoding drafted on ("-": autoregressive decoding)
 
     @property
     def new_tokens(self) -> int:
@@ -104,7 +105,9 @@ class Generator:
     attention: str = "xla"
     mesh: jax.sharding.Mesh | None = None
     notes: list[str] = dataclasses.field(default_factory=list)  # what `load` chose for you, and why
+    policy: TreePolicy | None = None  # `tree="auto"` after a per-batch tree search: the tree at each batch size
     programs: dict[tuple, Any] = dataclasses.field(default_factory=dict, repr=False)
+    variants: dict[Tree | None, Generator] = dataclasses.field(default_factory=dict, repr=False)  # `for_batch`'s
 
     @classmethod
     def load(cls, model: str | Path | None = None, heads: str | Path | None = None, tree: str | Tree = AUTO, *,
@@ -116,7 +119,9 @@ class Generator:
         nothing to train, such as `prompt_lookup`, is ready as it is) or None
         (autoregressive); `draft_model` a small checkpoint of the target's family. `tree` is a tree name
         (`auto`: the tree searched for these heads on this device class, else their paper's), a JSON file of
-        paths or a `TreeSpec` / `TreeBudget`. Everything that can be checked before reading weights is."""
+        paths or a `TreeSpec` / `TreeBudget`. Where tree search picked a tree per batch size, `auto` follows it at
+        every call: the tree for the batch at hand, or autoregressive decoding where no tree was predicted to beat
+        it (`for_batch`). Everything that can be checked before reading weights is."""
         from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
         from amphista_jax.drafters.io import load_draft, read_draft_meta
         from amphista_jax.models.hf import load_config, load_params
@@ -137,8 +142,14 @@ class Generator:
             draft_config = load_config(draft_model)
             check_vocabularies(draft_config, config, str(draft_model))
             drafter = DraftModel(draft_config)
-        spec, tree_name = None, "-"
-        if drafter is not None:  # a draft model has no searched tree: `auto` is its paper's tree, said nowhere
+        spec, tree_name, policy = None, "-", None
+        if drafter is not None and tree == AUTO and (policy := read_policy(heads_dir)) is not None:
+            trees = [t for _, t in policy.by_batch if t is not None]
+            for t in trees:
+                drafter.check_tree(t, config.vocab_size)
+            spec, tree_name = policy.at(1) or (trees[0] if trees else get_tree(drafter.paper_tree)), AUTO
+            notes.append(f"tree auto: searched per batch size on {jax.default_backend()}: {policy.describe()}")
+        elif drafter is not None:  # a draft model has no searched tree: `auto` is its paper's tree, said nowhere
             spec, tree_name, note = _resolve_tree(tree, heads_dir, drafter)
             notes += [note] if note and draft_model is None else []
             drafter.check_tree(spec, config.vocab_size)
@@ -158,7 +169,7 @@ class Generator:
             params, draft_params = place_for_decoding(mesh, config, params, drafter, draft_params)
         return cls(config, params, tokenizer, stop_token_ids(model_dir, tokenizer, config), drafter, draft_params,
                    spec, tree_name, method, str(model_dir), None if heads_dir is None else str(heads_dir), attention,
-                   mesh, notes)
+                   mesh, notes, policy)
 
     @property
     def pad_id(self) -> int:
@@ -167,7 +178,7 @@ class Generator:
     def autoregressive(self) -> Generator:
         """The plain autoregressive decoder of the same target (the baseline every speed-up is measured on)."""
         return dataclasses.replace(self, drafter=None, draft_params=None, tree=None, tree_name="-", method="ar",
-                                   heads_dir=None, notes=[], programs={})
+                                   heads_dir=None, notes=[], policy=None, programs={}, variants={})
 
     def with_tree(self, tree: str | Tree) -> Generator:
         """The same target and drafter on another tree (checked against the drafter and the target)."""
@@ -175,7 +186,19 @@ class Generator:
             raise GeneratorError("autoregressive decoding has no tree: load heads or a draft model")
         spec, name, note = _resolve_tree(tree, self.heads_dir, self.drafter)
         self.drafter.check_tree(spec, self.config.vocab_size)
-        return dataclasses.replace(self, tree=spec, tree_name=name, notes=[note] if note else [], programs={})
+        return dataclasses.replace(self, tree=spec, tree_name=name, notes=[note] if note else [], policy=None,
+                                   programs={}, variants={})
+
+    def for_batch(self, batch: int) -> Generator:
+        """This generator as it decodes `batch` rows: under a tree policy (`tree="auto"` after a per-batch tree
+        search) the same drafter on the tree picked for that batch size, or the autoregressive decoder where none
+        was predicted to beat it; without one, itself. Each is made once and keeps its compiled programs."""
+        if self.policy is None or (tree := self.policy.at(batch)) == self.tree:
+            return self
+        if tree not in self.variants:
+            self.variants[tree] = self.autoregressive() if tree is None else dataclasses.replace(
+                self, tree=tree, tree_name=f"auto (batch {batch})", notes=[], policy=None, programs={}, variants={})
+        return self.variants[tree]
 
     # -- prompts ----------------------------------------------------------------------------------------------
 
@@ -283,12 +306,13 @@ class Generator:
         template too): greedy at `temperature` 0, else sampled (lossless rejection sampling by default). Rows stop
         at a stop token (unless `stop_at_eos` is False) or after `max_new_tokens`. `cache_size` overrides the
         cache's slots (default: the prompt bucket, the new tokens and the tree's scratch slots)."""
-        settings = self.settings(max_new_tokens, _sampling(temperature, top_k, top_p, self.config.vocab_size),
-                                 acceptance, stop_at_eos)
+        sampling = _sampling(temperature, top_k, top_p, self.config.vocab_size)
         ids = self._batch(prompts, chat)
+        gen = self.for_batch(len(ids))
+        settings = gen.settings(max_new_tokens, sampling, acceptance, stop_at_eos)
         tokens, lengths = pad_prompts(ids, length=bucket(max(len(i) for i in ids)), pad_id=self.pad_id)
-        out, seconds, compile_s = self.run(tokens, lengths, settings, seed, cache_size)
-        return self._generation(out, seconds, compile_s, settings.eos_ids)
+        out, seconds, compile_s = gen.run(tokens, lengths, settings, seed, cache_size)
+        return gen._generation(out, seconds, compile_s, settings.eos_ids)
 
     def _generation(self, out: GenerateOutput, seconds: float, compile_s: float, eos_ids: tuple[int, ...]
                     ) -> Generation:
@@ -300,7 +324,7 @@ class Generator:
             tau=[(len(i) - 1) / s if s else 1.0 for i, s in zip(ids, steps, strict=True)],
             stop_reasons=["eos" if i and i[-1] in eos_ids else "length" for i in ids],
             drafted=[[bool(d) for d in out.drafted[r, : len(ids[r])]] for r in rows], seconds=seconds,
-            compile_seconds=compile_s, output=out)
+            compile_seconds=compile_s, output=out, tree=self.tree_name)
 
     def stream(self, prompt: Prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, chat: bool = False, acceptance: AcceptanceConfig | None = None,
@@ -309,6 +333,11 @@ class Generator:
         decode steps between pieces (the same steps and keys as `generate`, so the same tokens)."""
         if steps_per_chunk < 1:
             raise GeneratorError(f"steps_per_chunk={steps_per_chunk}: must be >= 1")
+        if (gen := self.for_batch(1)) is not self:
+            yield from gen.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                top_k=top_k, top_p=top_p, seed=seed, chat=chat, acceptance=acceptance,
+                                                steps_per_chunk=steps_per_chunk)
+            return
         settings = self.settings(max_new_tokens, _sampling(temperature, top_k, top_p, self.config.vocab_size),
                                  acceptance)
         ids = self.encode(prompt, chat)

@@ -3,14 +3,18 @@
 searched for the heads on this device class.
 
 `auto` needs the heads' directory and the tree their paper drafts, both passed in by the caller (this module
-knows no drafter). Where no tree was searched, `resolve_auto` says why in a note that the front-end prints
+knows no drafter), and the batch size at hand: tree search stores the tree it picked for each batch size it
+measured (`TreePolicy`, `<heads>/trees/<backend>.batch.json`), including none where autoregressive decoding was
+predicted faster. Where no tree was searched, `resolve_auto` says why in a note that the front-end prints
 (`note: tree auto: <why>; using <fallback>` on stderr); `get_tree` itself prints nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -69,26 +73,77 @@ def _sizes(name: str, kind: str, what: str, form: str, example: str) -> list[int
     raise TreeError(f"tree {name!r}: {what} reads {kind}-{form} (each >= 1), e.g. {kind}-{example}")
 
 
-def resolve_auto(heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE) -> tuple[str, str | None]:
-    """What `auto` means for the heads in `heads_dir`: (the tree to load, None) where `amphista-jax tree-search`
-    searched one for them on this device class, else (`paper_tree`, a note saying why, e.g. "tree auto: no tree
-    was searched for DIR on cpu (...); using mc_sim_7b_63") for the front-end to print as `note: <note>`.
+def policy_path(heads_dir: str | Path, backend: str | None = None) -> Path:
+    """Where `amphista-jax tree-search` writes the tree it picked for each batch size (`TreePolicy`)."""
+    return Path(heads_dir) / "trees" / f"{backend or jax.default_backend()}.batch.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePolicy:
+    """The tree tree search picked at each batch size it measured; None where no tree was predicted to beat
+    autoregressive decoding (no speculation)."""
+
+    by_batch: tuple[tuple[int, TreeSpec | None], ...]  # ascending batch sizes
+
+    def __post_init__(self) -> None:
+        sizes = [b for b, _ in self.by_batch]
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise TreeError(f"a tree policy needs distinct ascending batch sizes >= 1, got {sizes}")
+
+    def at(self, batch: int) -> TreeSpec | None:
+        """The entry of the largest measured batch size <= `batch` (the smallest one's below them all)."""
+        return [t for b, t in self.by_batch if b <= batch][-1] if batch >= self.by_batch[0][0] else self.by_batch[0][1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"batch_sizes": {str(b): None if t is None else [list(p) for p in t.choices] for b, t in self.by_batch}}
+
+    @classmethod
+    def read(cls, path: str | Path) -> TreePolicy:
+        try:
+            sizes = json.loads(Path(path).read_text())["batch_sizes"]
+            return cls(tuple(sorted((int(b), None if paths is None else TreeSpec(tuple(tuple(p) for p in paths)))
+                                    for b, paths in sizes.items())))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise TreeError(f"tree policy {path} cannot be read ({type(e).__name__}: {e}): run `amphista-jax "
+                            "tree-search --replace` again, or delete it to use the heads' paper tree") from None
+
+    def describe(self) -> str:
+        return ", ".join(f"batch {b}: " + ("no speculation" if t is None else f"{t.num_nodes - 1} nodes")
+                         for b, t in self.by_batch)
+
+
+def read_policy(heads_dir: str | Path | None) -> TreePolicy | None:
+    """The tree policy searched for the heads in `heads_dir` on this device class, or None."""
+    path = policy_path(heads_dir) if heads_dir is not None else None
+    return TreePolicy.read(path) if path is not None and path.is_file() else None
+
+
+def resolve_auto(heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE, batch: int = 1
+                 ) -> tuple[Tree | None, str | None]:
+    """What `auto` means for the heads in `heads_dir` at `batch` rows: the tree `amphista-jax tree-search` picked
+    for them on this device class at that batch size (None: no speculation, with a note saying so), else the one
+    tree it searched (older searches), else `paper_tree` with a note saying why (e.g. "tree auto: no tree was
+    searched for DIR on cpu (...); using mc_sim_7b_63") for the front-end to print as `note: <note>`.
     `paper_tree` is the tree the heads' paper drafts (the drafter's `paper_tree`; `PAPER_TREE` without heads)."""
+    if (policy := read_policy(heads_dir)) is not None:
+        tree = policy.at(batch)
+        return tree, None if tree is not None else (
+            f"tree auto: no speculation at batch {batch} (tree search on {jax.default_backend()} predicted "
+            "autoregressive decoding faster than every tree)")
     path = searched_tree_path(heads_dir) if heads_dir is not None else None
     if path is not None and path.is_file():
-        return str(path), None
+        return load_tree(path), None
     why = (f"no tree was searched for {heads_dir} on {jax.default_backend()} (`amphista-jax tree-search --heads "
            f"{heads_dir}` searches one)" if heads_dir is not None else "trees are searched only for a heads directory")
-    return paper_tree, f"tree auto: {why}; using {paper_tree}"
+    return get_tree(paper_tree), f"tree auto: {why}; using {paper_tree}"
 
 
-def resolve_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE
-                 ) -> tuple[Tree, str | None]:
-    """(`get_tree(name_or_path, heads_dir, paper_tree)`, the note `auto` leaves for the front-end to print as
-    `note: <note>`, or None)."""
+def resolve_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE,
+                 batch: int = 1) -> tuple[Tree | None, str | None]:
+    """(the tree `name_or_path` names, `auto` resolved at `batch` rows: None for no speculation; the note `auto`
+    leaves for the front-end to print as `note: <note>`, or None)."""
     if name_or_path == AUTO:
-        name, note = resolve_auto(heads_dir, paper_tree)
-        return get_tree(name), note
+        return resolve_auto(heads_dir, paper_tree, batch)
     return get_tree(name_or_path), None
 
 
@@ -98,7 +153,10 @@ def get_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree:
     the note saying so), BiTA's efficient tree `efficient-DxK`, or the budget of a tree grown on device every
     step: `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
     if name_or_path == AUTO:
-        return resolve_tree(name_or_path, heads_dir, paper_tree)[0]
+        tree, note = resolve_auto(heads_dir, paper_tree)
+        if tree is None:
+            raise TreeError(f"{note}: use resolve_tree, which says so, or name a tree")
+        return tree
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if Path(name_or_path).is_file():

@@ -11,6 +11,10 @@
 3. **Price.** `measure_step_seconds` times the real decode loop of this drafter on this device for a grid of
    sizes; `pick` keeps the size with the most expected tokens per second, `tau(k) / step(k)`, and compares it
    with autoregressive decoding measured the same way.
+4. **Per batch size.** Steps are priced at each batch size asked for (a verify forward of B x nodes tokens costs
+   more, relative to an AR step of B tokens, as B grows), so the pick may shrink with the batch and, where no tree
+   is predicted to beat AR, be no speculation at all (`TreePolicy`, what `--tree auto` follows at each batch). The
+   picked tree's speed-up is also measured by decoding B calibration prompts with it and with AR.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from amphista_jax.decode import pad_prompts, scratch_slots
 from amphista_jax.errors import UserError
 from amphista_jax.generator import Generator
 from amphista_jax.sampling import SamplingConfig
+from amphista_jax.tree_names import TreePolicy
 from amphista_jax.trees import TreeSpec, efficient_tree
 
 
@@ -35,6 +40,7 @@ class TreeSearchError(UserError, ValueError):
 
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 63)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 def acceptance_rates(tries: np.ndarray, hits: np.ndarray) -> np.ndarray:
@@ -93,6 +99,11 @@ def pick(sizes: Sequence[int], taus: Sequence[float], step_seconds: Sequence[flo
     return SearchResult(tuple(sizes), tuple(taus), tuple(step_seconds), ar_step_seconds, int(np.argmax(rate)))
 
 
+def tree_policy(results: dict[int, SearchResult], trees: Sequence[TreeSpec]) -> TreePolicy:
+    """At each batch size, its picked tree where that is predicted to beat AR, else None (no speculation)."""
+    return TreePolicy(tuple((b, trees[r.best] if r.speedups[r.best] > 1 else None) for b, r in sorted(results.items())))
+
+
 def collect_rates(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 8,
                   progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Summed `(node_tries, node_hits) [D, R]` of greedy speculative decoding of `prompts` with `gen`'s tree."""
@@ -114,12 +125,13 @@ def collect_rates(gen: Generator, prompts: Sequence[Sequence[int]], max_new_toke
 
 
 def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[TreeSpec], max_new_tokens: int,
-                         runs: int = 3, progress: Callable[[int], None] | None = None) -> tuple[float, list[float]]:
+                         runs: int = 3, progress: Callable[[int], None] | None = None, batch: int = 1
+                         ) -> tuple[float, list[float]]:
     """(AR seconds per step, [seconds per speculative step for each tree]) of `gen`'s target and drafter on this
-    device: the median over `runs` of (decode time - prefill time) / decode steps, batch 1, no EOS stop so every
-    run decodes `max_new_tokens` tokens. The prefill (with the drafter's own, the same for every tree) is timed by
-    the same programs with one new token."""
-    tokens, lengths = pad_prompts([prompt], pad_id=gen.pad_id, multiple=64)
+    device: the median over `runs` of (decode time - prefill time) / decode steps, `batch` copies of `prompt`, no
+    EOS stop so every run decodes `max_new_tokens` tokens. The prefill (with the drafter's own, the same for every
+    tree) is timed by the same programs with one new token."""
+    tokens, lengths = pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
     # one cache size for every program (AR, prefill-only and each tree), so only the step differs
     cache_size = tokens.shape[1] + max_new_tokens + max(scratch_slots(gen.drafter, t) for t in trees)
 
@@ -145,6 +157,22 @@ def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[
         if progress:
             progress(1)
     return ar_step, steps
+
+
+def measure_speedup(gen: Generator, prompts: Sequence[Sequence[int]], batch: int, max_new_tokens: int,
+                    runs: int = 3) -> float:
+    """Measured speed-up of `gen` (a drafter on its tree) over AR decoding `batch` of `prompts` (cycled) greedily
+    together: the ratio of their median seconds (both write the same tokens: greedy decoding is lossless)."""
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+    tokens, lengths = pad_prompts(rows, pad_id=gen.pad_id, multiple=64)
+    cache_size = gen.cache_size(tokens.shape[1], max_new_tokens)
+
+    def seconds(g: Generator) -> float:
+        settings = g.settings(max_new_tokens, SamplingConfig())
+        g.run(tokens, lengths, settings, cache_size=cache_size)  # compile + warm-up
+        return float(np.median([g.run(tokens, lengths, settings, cache_size=cache_size)[1] for _ in range(runs)]))
+
+    return seconds(gen.autoregressive()) / seconds(gen)
 
 
 def report_markdown(result: SearchResult, trees: Sequence[TreeSpec], header: str) -> str:
@@ -181,17 +209,54 @@ def plot(result: SearchResult, path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_batches(results: dict[int, SearchResult], measured: dict[int, float], path: str | Path, title: str) -> None:
+    """Predicted (the picked tree's) and measured speed-up against batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(sizes, [results[b].speedups[results[b].best] for b in sizes], "o-", label="predicted (picked tree)")
+    ax.plot(sizes, [measured[b] for b in sizes], "s-", label="measured (picked tree, calibration prompts)")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size (rows decoded together)")
+    ax.set_ylabel("speed-up over AR at that batch")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def batch_markdown(results: dict[int, SearchResult], measured: dict[int, float], policy: TreePolicy) -> str:
+    rows = ["| batch | picked draft nodes | predicted speed-up | measured speed-up | `--tree auto` |",
+            "|---|---|---|---|---|"]
+    for b, r in sorted(results.items()):
+        tree = policy.at(b)
+        rows.append(f"| {b} | {r.sizes[r.best]} | {r.speedups[r.best]:.2f}x | {measured[b]:.2f}x | "
+                    f"{'no speculation' if tree is None else f'{tree.num_nodes - 1} nodes'} |")
+    return "\n".join(rows) + "\n"
+
+
 def output_paths(out_path: Path) -> tuple[Path, ...]:
-    """The tree JSON and, beside it, the report (JSON, markdown) and plot that `search` writes."""
+    """The tree JSON and, beside it, the tree policy per batch size, the report (JSON, markdown) and the plots that
+    `search` writes."""
     stem = out_path.with_suffix("")
-    return out_path, stem.with_suffix(".report.json"), stem.with_suffix(".report.md"), stem.with_suffix(".png")
+    return (out_path, stem.with_suffix(".batch.json"), stem.with_suffix(".report.json"), stem.with_suffix(".report.md"),
+            stem.with_suffix(".png"), stem.with_suffix(".batch.png"))
 
 
 def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str], out_path: Path, *, max_nodes: int = 63,
-           ranks: int = 10, max_new_tokens: int = 96, runs: int = 3, sizes: Sequence[int] = DEFAULT_SIZES
-           ) -> tuple[SearchResult, TreeSpec]:
-    """The whole search for trained heads: statistics on `prompts`, growth, timing on this device; writes the
-    picked tree to `out_path` (JSON paths) and `<stem>.report.{json,md}` + `<stem>.png` beside it."""
+           ranks: int = 10, max_new_tokens: int = 96, runs: int = 3, sizes: Sequence[int] = DEFAULT_SIZES,
+           batch_sizes: Sequence[int] = (1,)) -> tuple[dict[int, SearchResult], TreePolicy]:
+    """The whole search for trained heads: statistics on `prompts`, growth, timing on this device at each of
+    `batch_sizes`; writes the tree picked at the smallest batch size to `out_path` (JSON paths), the tree policy
+    per batch size (`<stem>.batch.json`, what `--tree auto` follows), `<stem>.report.{json,md}` and the plots
+    `<stem>.png` (trees at the smallest batch size) and `<stem>.batch.png` (speed-up against batch size)."""
     import json
 
     from tqdm import tqdm
@@ -204,6 +269,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
         raise TreeSearchError(f"tree search grows static trees for heads of a fixed depth; {method} drafts "
                               f"{'any depth' if drafter.max_depth is None else 'dynamic trees only'}: use its "
                               f"paper's tree ({drafter.paper_tree})")
+    batch_sizes = sorted(set(batch_sizes))
     calib = efficient_tree(drafter.max_depth, ranks)
     probe = Generator.load(model_dir, heads_dir, calib)
     ids = [probe.encode(p) for p in prompts]
@@ -214,34 +280,50 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     if not grown:
         raise TreeSearchError(f"no draft of the heads in {heads_dir} was accepted on the {len(prompts)} calibration "
                               f"prompts ({int(np.sum(tries))} tries): train the heads, or calibrate on more prompts")
-    measured = set(sizes) | {len(grown)}  # the grid, and the largest tree the statistics allow
-    picked = [i for i in range(len(grown)) if i + 1 in measured]
+    measured_sizes = set(sizes) | {len(grown)}  # the grid, and the largest tree the statistics allow
+    picked = [i for i in range(len(grown)) if i + 1 in measured_sizes]
     trees = [grown[i][0] for i in picked]
-    with tqdm(total=len(trees), desc=f"timing trees on {jax.default_backend()}", unit="tree") as bar:
-        ar_step, step_seconds = measure_step_seconds(probe, ids[0], trees, max_new_tokens, runs,
-                                                     progress=bar.update)
-    result = pick([i + 1 for i in picked], [grown[i][1] for i in picked], step_seconds, ar_step)
-    best = trees[result.best]
+    results, measured = {}, {}
+    with tqdm(total=len(trees) * len(batch_sizes), desc=f"timing trees on {jax.default_backend()}",
+              unit="tree") as bar:
+        for b in batch_sizes:
+            ar_step, step_seconds = measure_step_seconds(probe, ids[0], trees, max_new_tokens, runs,
+                                                         progress=bar.update, batch=b)
+            results[b] = pick([i + 1 for i in picked], [grown[i][1] for i in picked], step_seconds, ar_step)
+            measured[b] = measure_speedup(probe.with_tree(trees[results[b].best]), ids, b, max_new_tokens, runs)
+    policy = tree_policy(results, trees)
+    first = results[batch_sizes[0]]
+    best = trees[first.best]
     device = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps([list(p) for p in best.choices]) + "\n")
-    _, report_json, report_md, png = output_paths(out_path)
-    title = (f"{method} heads on {device}: picked {result.sizes[result.best]} draft nodes, predicted "
-             f"{result.speedups[result.best]:.2f}x")
+    _, policy_json, report_json, report_md, png, batch_png = output_paths(out_path)
+    policy_json.write_text(json.dumps(policy.to_json()) + "\n")
+    title = (f"{method} heads on {device}, batch {batch_sizes[0]}: picked {first.sizes[first.best]} draft nodes, "
+             f"predicted {first.speedups[first.best]:.2f}x")
     report = {"method": method, "heads": Path(heads_dir).name, "model": Path(model_dir).name, "device": device,
               "calibration_prompts": len(prompts), "calibration_tree_nodes": calib.num_nodes - 1,
               "max_new_tokens": max_new_tokens, "rates": rates.round(4).tolist(),
               "node_tries": np.asarray(tries).tolist(), "node_hits": np.asarray(hits).tolist(),
-              "ar_step_ms": ar_step * 1e3, "picked": best.choices,
-              "trees": [{"draft_nodes": n, "depth": t.depth, "expected_tau": tau, "step_ms": s * 1e3,
-                         "predicted_tokens_per_s": tps, "predicted_speedup": sp, "choices": t.choices}
-                        for n, t, tau, s, tps, sp in zip(result.sizes, trees, result.taus, result.step_seconds,
-                                                         result.tokens_per_second, result.speedups, strict=True)]}
+              "ar_step_ms": first.ar_step_seconds * 1e3, "picked": best.choices, "policy": policy.to_json(),
+              "trees": _tree_rows(first, trees),
+              "batches": [{"batch": b, "ar_step_ms": r.ar_step_seconds * 1e3, "picked_nodes": r.sizes[r.best],
+                           "predicted_speedup": r.speedups[r.best], "measured_speedup": measured[b],
+                           "trees": _tree_rows(r, trees)} for b, r in sorted(results.items())]}
     report_json.write_text(json.dumps(report, indent=1) + "\n")
     header = (f"# Tree search: {title}\n\nExpected tau from greedy acceptance statistics on {len(prompts)} calibration "
-              f"prompts; step times measured on this device (median of {runs}, batch 1, {max_new_tokens} new "
-              "tokens). Predicted speed-up = expected tau x AR step / step: a model prediction, not a measurement "
-              "of decoding.")
-    report_md.write_text(report_markdown(result, trees, header))
-    plot(result, png, title)
-    return result, best
+              f"prompts; step times measured on this device (median of {runs}, {max_new_tokens} new tokens). "
+              "Predicted speed-up = expected tau x AR step / step: a model prediction; the measured speed-up decodes "
+              "B calibration prompts with the picked tree and with AR.\n\n## Per batch size\n\n"
+              f"{batch_markdown(results, measured, policy)}\n## Trees at batch {batch_sizes[0]}")
+    report_md.write_text(report_markdown(first, trees, header))
+    plot(first, png, title)
+    plot_batches(results, measured, batch_png, f"{method} heads on {device}: speed-up against batch size")
+    return results, policy
+
+
+def _tree_rows(result: SearchResult, trees: Sequence[TreeSpec]) -> list[dict]:
+    return [{"draft_nodes": n, "depth": t.depth, "expected_tau": tau, "step_ms": s * 1e3, "predicted_tokens_per_s": tps,
+             "predicted_speedup": sp, "choices": t.choices}
+            for n, t, tau, s, tps, sp in zip(result.sizes, trees, result.taus, result.step_seconds,
+                                             result.tokens_per_second, result.speedups, strict=True)]

@@ -94,9 +94,10 @@ def split_label(spec: str) -> tuple[str, str]:
 
 
 def resolve_method(spec: str, default_tree: str, target: Target | None = None, seed: int = 0,
-                   temperature: float = 0.0) -> Method:
-    """One spec (see the module docstring) -> Method for a run at `temperature`; with `target`, its heads loaded
-    and checked against it, else only checked (`load_methods` loads them)."""
+                   temperature: float = 0.0, batch: int = 1) -> Method:
+    """One spec (see the module docstring) -> Method for a run at `temperature` and `batch` rows (`auto` picks
+    its tree by it; where tree search found no tree faster than AR there, the method decodes autoregressively);
+    with `target`, its heads loaded and checked against it, else only checked (`load_methods` loads them)."""
     label, rest = split_label(spec)
     rest, _, overrides = rest.partition("#")
     source, _, tree_name = rest.partition("@")
@@ -113,7 +114,11 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
     if model and not tree_name and default_tree == AUTO:  # a draft model has no searched tree: its paper's, quietly
         tree_name = drafter.paper_tree
     try:
-        tree, note = resolve_tree(tree_name or default_tree, heads, drafter.paper_tree)
+        tree, note = resolve_tree(tree_name or default_tree, heads, drafter.paper_tree, batch)
+        if tree is None:  # `auto`: no tree beats AR at this batch size on this device
+            print(f"note: {note}", file=sys.stderr)
+            return Method(label or name + (f"@{tree_name}" if tree_name else ""), spec, name,
+                          tree_name=f"{tree_name or default_tree}: none at batch {batch}")
         if model:  # drafts sampled at the run's temperature on static trees (`#temperature=0`: top-k drafts)
             drafter = _with_settings(spec, drafter.sampling_at(temperature, tree), overrides)
         drafter.check_tree(tree)
@@ -205,13 +210,13 @@ def load_methods(methods: list[Method], target: Target, seed: int = 0) -> list[M
 
 
 def resolve_methods(specs: tuple[str, ...], default_tree: str, target: Target | None = None, seed: int = 0,
-                    temperature: float = 0.0) -> list[Method]:
+                    temperature: float = 0.0, batch: int = 1) -> list[Method]:
     """The AR baseline first (added when missing), then each spec in order, for a run at `temperature`; labels
     must be unique. Without `target` the heads are checked but not loaded (see `load_methods`)."""
     ar_specs = [s for s in specs if split_label(s)[1] == AR]
     specs = tuple(s for s in specs if split_label(s)[1] != AR)
     methods = [resolve_method(ar_specs[0] if ar_specs else AR, default_tree, None, seed)]
-    methods += [resolve_method(s, default_tree, None, seed, temperature) for s in specs]
+    methods += [resolve_method(s, default_tree, None, seed, temperature, batch) for s in specs]
     labels = [m.label for m in methods]
     if dupes := sorted({x for x in labels if labels.count(x) > 1}):
         raise MethodSpecError(f"method labels {dupes} are used twice: name them, e.g. `medusa-a=runs/a/heads`")

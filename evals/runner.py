@@ -319,7 +319,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     mesh = eval_mesh(cfg.mesh)
     check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)
-    methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed, cfg.temperature)
+    methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed, cfg.temperature, cfg.batch_size)
     run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))
     if jax.process_index() == 0:
         print(report.summary())

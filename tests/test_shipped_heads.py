@@ -149,7 +149,7 @@ def test_tree_search_cli_writes_a_tree_report_and_plot(tmp_path, capsys):
 
     out = tmp_path / "cpu.json"
     args = ["tree-search", "--heads", str(shipped_heads_dir("medusa")), "--tasks", "100:102", "--max-nodes", "3",
-            "--max-new-tokens", "64", "--runs", "3", "--out", str(out)]  # decode >> prefill: robust to load
+            "--max-new-tokens", "64", "--runs", "3", "--batch-sizes", "1,2", "--out", str(out)]  # decode >> prefill
     assert main(args) == 0
     assert "predicted speed-up" in capsys.readouterr().out
     tree = load_tree(out)
@@ -159,6 +159,10 @@ def test_tree_search_cli_writes_a_tree_report_and_plot(tmp_path, capsys):
     assert [t["choices"] for t in report["trees"]][report["trees"].index(max(
         report["trees"], key=lambda t: t["predicted_tokens_per_s"]))] == report["picked"]  # the fastest is picked
     assert all(t["step_ms"] > 0 for t in report["trees"]) and out.with_suffix(".png").stat().st_size > 1000
+    assert [b["batch"] for b in report["batches"]] == [1, 2]
+    assert all(b["measured_speedup"] > 0 for b in report["batches"])
+    assert json.loads(out.with_suffix(".batch.json").read_text()) == report["policy"]
+    assert out.with_suffix(".batch.png").stat().st_size > 1000
     assert main(["generate", "--heads", str(shipped_heads_dir("medusa")), "--tree", str(out), "--prompt",
                  "def f(x):", "--max-new-tokens", "6"]) == 0
     before = out.read_bytes()

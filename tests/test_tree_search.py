@@ -12,9 +12,18 @@ import pytest
 from amphista_jax.assets import shipped_heads_dir
 from amphista_jax.drafters.io import read_draft_meta
 from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.tree_names import PAPER_TREE, PRESETS, get_tree, resolve_auto, resolve_tree, searched_tree_path
-from amphista_jax.tree_search import acceptance_rates, grow_trees, pick
-from amphista_jax.trees import TreeSpec, efficient_tree
+from amphista_jax.tree_names import (
+    PAPER_TREE,
+    PRESETS,
+    TreePolicy,
+    get_tree,
+    policy_path,
+    resolve_auto,
+    resolve_tree,
+    searched_tree_path,
+)
+from amphista_jax.tree_search import acceptance_rates, grow_trees, pick, tree_policy
+from amphista_jax.trees import TreeError, TreeSpec, efficient_tree
 
 
 def _expected_tau(choices, rates) -> float:
@@ -84,6 +93,60 @@ def test_tree_auto_reads_the_searched_tree(tmp_path, capsys):
     assert capsys.readouterr().err == ""
     path.parent.mkdir()
     path.write_text(json.dumps([[0], [0, 0], [1]]))
-    assert resolve_auto(tmp_path, "chain-1") == (str(path), None)
+    assert resolve_auto(tmp_path, "chain-1") == (TreeSpec(((0,), (1,), (0, 0))), None)
     assert resolve_tree("auto", tmp_path) == (TreeSpec(((0,), (1,), (0, 0))), None)
     assert get_tree("auto", tmp_path) == TreeSpec(((0,), (1,), (0, 0)))
+
+
+def test_tree_policy_picks_by_batch_and_says_no_speculation(tmp_path):
+    """Tree search stores one tree per batch size (none where every tree is predicted slower than AR, from
+    synthetic costs); `auto` resolves by the batch at hand: the largest measured batch size at or below it."""
+    sizes, taus = (1, 2, 4), (1.6, 2.0, 2.3)
+    trees = [TreeSpec(((0,),)), TreeSpec(((0,), (1,))), TreeSpec(((0,), (1,), (0, 0)))]
+    results = {1: pick(sizes, taus, (1.1, 1.2, 1.3), 1.0),  # 1.45, 1.67, 1.77 tokens/step-s: 4 nodes
+               4: pick(sizes, taus, (1.2, 1.9, 2.6), 1.0),  # 1.33, 1.05, 0.88: 1 node
+               16: pick(sizes, taus, (1.7, 2.5, 3.4), 1.0)}  # 0.94, 0.8, 0.68: AR wins
+    policy = tree_policy(results, trees)
+    assert policy.by_batch == ((1, trees[2]), (4, trees[0]), (16, None))
+    assert [policy.at(b) for b in (1, 2, 3, 4, 8, 15, 16, 64)] == [trees[2]] * 3 + [trees[0]] * 3 + [None] * 2
+    path = policy_path(tmp_path)
+    path.parent.mkdir()
+    path.write_text(json.dumps(policy.to_json()))
+    assert TreePolicy.read(path) == policy
+    assert resolve_tree("auto", tmp_path, batch=2) == (trees[2], None)
+    assert resolve_tree("auto", tmp_path, batch=4) == (trees[0], None)
+    tree, note = resolve_tree("auto", tmp_path, batch=32)
+    assert tree is None and "no speculation at batch 32" in note
+    assert resolve_tree("small-8", tmp_path, batch=32) == (PRESETS["small-8"], None)  # a named tree is kept
+    searched_tree_path(tmp_path).write_text(json.dumps([[0]]))  # the policy wins over a single searched tree
+    assert resolve_tree("auto", tmp_path, batch=1) == (trees[2], None)
+    path.write_text('{"batch_sizes": {"1": 3}}')
+    with pytest.raises(TreeError, match="tree-search --replace"):
+        resolve_tree("auto", tmp_path)
+    with pytest.raises(TreeError, match="distinct ascending"):
+        TreePolicy(((2, None), (1, None)))
+
+
+def test_generator_and_eval_follow_the_policy_by_batch(tmp_path):
+    """Under a tree policy the Generator drafts on the batch's tree and decodes autoregressively where the
+    policy says no speculation (same tokens, tau 1); the evaluation's method resolves the same way."""
+    from amphista_jax import Generator
+    from amphista_jax.evals.methods import resolve_method
+
+    heads = tmp_path / "medusa"
+    shutil.copytree(shipped_heads_dir("medusa"), heads)
+    path = policy_path(heads)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(TreePolicy(((1, PRESETS["small-8"]), (2, None))).to_json()))
+    gen = Generator.load(heads=heads)
+    assert gen.tree == PRESETS["small-8"] and any("batch 2: no speculation" in n for n in gen.notes)
+    prompts = ["def add(a, b):", "import os\n"]
+    one, two = gen.generate(prompts[0], max_new_tokens=12), gen.generate(prompts, max_new_tokens=12)
+    assert one.tree == "auto" and two.tree == "-" and two.tau == [1.0, 1.0]
+    ar = gen.autoregressive().generate(prompts[0], max_new_tokens=12)
+    assert two.token_ids[0] == one.token_ids[0] == ar.token_ids[0]
+    assert gen.for_batch(3) is gen.for_batch(2) and gen.for_batch(1) is gen
+    assert "".join(gen.stream(prompts[0], max_new_tokens=12)) == one.texts[0]
+    assert resolve_method(str(heads), "auto", batch=1).tree == PRESETS["small-8"]
+    at_two = resolve_method(f"m={heads}", "auto", batch=2)
+    assert at_two.drafter is None and at_two.label == "m" and "none at batch 2" in at_two.tree_name

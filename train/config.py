@@ -43,7 +43,7 @@ class DataConfig:
     microbatches: int = 1
     seed: int = 0
     cache_target_hidden: bool = False  # precompute the target's hidden states once (small targets)
-    max_examples: int = 0  # read at most this many examples of each data file (0: all); a held-out split comes from them
+    max_examples: int = 0  # at most this many examples of each data file (0: all); a held-out split comes from them
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_KINDS:

@@ -49,9 +49,11 @@ def end_to_end(params, config, tok, drafters: list[tuple[str, object, object, st
     rows = []
     specs = {}
     for (label, drafter, _, heads), name in itertools.product(drafters, trees):
-        specs[label, name], note = resolve_tree(name, heads, drafter.paper_tree)
+        tree, note = resolve_tree(name, heads, drafter.paper_tree)
         if note:
             print(f"note: {note}", file=sys.stderr)
+        if tree is not None:  # None: `auto` found no tree faster than AR (that row is the AR row)
+            specs[label, name] = tree
     drafter_of = {label: drafter for label, drafter, _, _ in drafters}
     scratch = max(scratch_slots(drafter_of[label], tree) for (label, _), tree in specs.items())
     for prompt in PROMPTS:
@@ -64,6 +66,8 @@ def end_to_end(params, config, tok, drafters: list[tuple[str, object, object, st
         rows.append({"prompt": prompt, "method": "ar", "tree": "-", "tokens_per_s": new_tokens / ar_s, "tau": 1.0,
                      "speedup": 1.0, "same_as_ar": True})
         for (label, drafter, draft_params, _), name in itertools.product(drafters, trees):
+            if (label, name) not in specs:
+                continue
             spec = functools.partial(speculative_generate, params, draft_params, tokens, lengths, jax.random.key(0),
                                      config=config, drafter=drafter, tree=specs[label, name],
                                      max_new_tokens=new_tokens, cache_size=cache)
