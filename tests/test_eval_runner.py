@@ -186,10 +186,14 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
 
     config = tiny_llama_config()
     target = Target(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
-    specs = tuple(f"{name}:untrained" for name in DRAFTERS) + ("base=ar", "x=medusa:untrained@chain-4")
+    # every drafter on the default tree, or on its paper's where it drafts dynamic budgets only (Gumiho)
+    trees = {n: "" if TreeSpec in d.tree_kinds else d().paper_tree for n, d in DRAFTERS.items()}
+    specs = tuple(f"{n}:untrained" + (f"@{t}" if t else "") for n, t in trees.items()) + (
+        "base=ar", "x=medusa:untrained@chain-4")
     methods = resolve_methods(specs, "small-8", target)
-    assert [m.label for m in methods] == ["base", *(f"{n}-untrained" for n in DRAFTERS), "x"]  # AR first
-    assert [m.tree_name for m in methods] == ["-", *["small-8"] * len(DRAFTERS), "chain-4"]
+    assert [m.label for m in methods] == ["base", *(f"{n}-untrained" + (f"@{t}" if t else "") for n, t in
+                                                    trees.items()), "x"]  # AR first
+    assert [m.tree_name for m in methods] == ["-", *(t or "small-8" for t in trees.values()), "chain-4"]
     assert resolve_methods(("medusa:untrained",), "small-8", target)[0].label == "ar"  # AR is always run
     with pytest.raises(MethodSpecError, match="unknown method 'medusae'"):
         resolve_methods(("medusae:untrained",), "small-8", target)

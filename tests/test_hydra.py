@@ -273,4 +273,4 @@ def test_settings_are_validated():
         Hydra(alpha_noise=-1.0)
     plus = dataclasses.asdict(Hydra.plus_plus())
     assert plus == {"num_heads": 4, "num_layers": 4, "prefix_layer": True, "lm_weight": 0.0, "teacher_weight": 1.0,
-                    "alpha_noise": 0.0}
+                    "alpha_noise": 0.0, "draft_vocab": ()}

@@ -56,7 +56,7 @@ def test_shipped_heads_files(target, heads):
             continue
         tree = get_tree("auto", path)  # the CPU tree searched for these heads, within the heads' depth
         assert searched_tree_path(path, "cpu").is_file() and 1 <= tree.num_nodes - 1 <= 63
-        assert tree.depth <= heads[name][0].num_heads
+        assert tree.depth <= heads[name][0].max_depth
     with pytest.raises(FileNotFoundError, match="train them"):
         shipped_heads_dir("no-such-method")
 
