@@ -183,6 +183,7 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     from amphista_jax.models.config import tiny_llama_config
     from amphista_jax.models.llama import init_params
     from amphista_jax.target import Target
+    from amphista_jax.trees import TreeSpec
 
     config = tiny_llama_config()
     target = Target(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
