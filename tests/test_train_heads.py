@@ -170,13 +170,20 @@ def test_bad_records_are_skipped_and_counted(smoke_model, tmp_path):
     lines = [json.dumps(good), "{not json", json.dumps({"conversations": []}),
              json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}),
              json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}),
-             json.dumps({"conversations": [{"from": "human", "value": "only a question"}]})]
+             json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}),
+             json.dumps({"conversations": [{"from": "gpt", "value": "an answer to nothing"}]}),
+             # ShareGPT has answers to nothing first: dropped (as FastChat does), the rest is kept
+             json.dumps({"conversations": [{"from": "gpt", "value": "zzz"}, {"from": "human", "value": "hi"},
+                                           {"from": "gpt", "value": "hello there"}]})]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")
     examples, report = conversation_examples(path, tok, max_len=64)
-    assert report.kept == 2 and len(examples) == 2
+    assert report.kept == 3 and len(examples) == 3
     assert report.skipped == {"invalid JSON (Expecting property name enclosed in double quotes)": 1,
-                              "empty conversation": 1, "unknown role 'wizard'": 1, "no assistant turn": 1}
+                              "empty conversation": 1, "unknown role 'wizard'": 1, "no assistant turn": 1,
+                              "no turn before the assistant's": 1}
+    assert all((examples[2][k] == examples[0][k]).all() for k in examples[0])  # the leading answer is gone
+    assert len(conversation_examples(path, tok, max_len=64, limit=2)[0]) == 2  # data.max_examples
     assert report.problems[0].endswith("data.jsonl:2: invalid JSON (Expecting property name enclosed in double quotes)")
     path.write_text("\n".join(lines[1:4]) + "\n")
     with pytest.raises(DataError, match="yields no usable example"):

@@ -114,7 +114,8 @@ def read_records(path: Path, report: DataReport) -> Iterator[tuple[int, Any]]:
 def normalize_messages(record: Any, require_assistant: bool = True) -> list[dict[str, str]]:
     """`[{"role", "content"}]` from a ShareGPT (`conversations`/`from`/`value`) or `messages` record.
 
-    Raises ValueError naming the problem (empty conversation, unknown role, missing text, no assistant turn).
+    Leading assistant turns (answers to no prompt) are dropped. Raises ValueError naming the problem (empty
+    conversation, unknown role, missing text, no assistant turn).
     """
     if not isinstance(record, dict):
         raise ValueError("record is not a JSON object")
@@ -132,6 +133,10 @@ def normalize_messages(record: Any, require_assistant: bool = True) -> list[dict
         if not isinstance(content, str):
             raise ValueError("turn has no text")
         out.append({"role": ROLE_ALIASES[role], "content": content})
+    while out and out[0]["role"] == "assistant":  # an answer to nothing (ShareGPT has them): dropped, as FastChat does
+        out.pop(0)
+    if not out:
+        raise ValueError("no turn before the assistant's")
     if require_assistant and not any(m["role"] == "assistant" for m in out):
         raise ValueError("no assistant turn")
     return out
