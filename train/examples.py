@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from amphista_jax import config_io
 from amphista_jax.drafters.draft_vocab import DraftVocab, most_frequent, token_counts
@@ -178,7 +179,7 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
     """Attach the target's hidden states `[T, D]` (fp16 on host) to every example."""
     forward = jax.jit(lambda p, t: target_forward(model, p, {"tokens": t}).hidden.astype(jnp.float16))
     out = []
-    for i in range(0, len(examples), batch):
+    for i in tqdm(range(0, len(examples), batch), desc="target hidden states", unit="batch"):
         chunk = examples[i: i + batch]
         hidden = np.asarray(forward(target_params, jnp.asarray(np.stack([e["tokens"] for e in chunk]))))
         out += [e | {"hidden": h} for e, h in zip(chunk, hidden, strict=True)]
