@@ -187,7 +187,7 @@ def _convert(args: argparse.Namespace) -> int:
     from amphista_jax.convert import convert
 
     print(convert(args.out, model=args.model, heads=args.heads, gguf=args.gguf, dtype=args.dtype,
-                  max_shard_mb=args.max_shard_mb))
+                  max_shard_mb=args.max_shard_mb, heads_from=tuple(args.heads_from) if args.heads_from else None))
     return 0
 
 
@@ -340,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--heads", default=None, help="convert this draft-head checkpoint instead of the model")
     c.add_argument("--gguf", default=None, help="convert this llama.cpp GGUF file (llama, mistral, qwen2) into a HF "
                    "directory in fp32, with its tokenizer and chat template, instead of --model")
+    c.add_argument("--heads-from", nargs=2, metavar=("FORMAT", "DIR"), default=None,
+                   help="convert heads released in another project's layout for --model: medusa (FasterDecoding's "
+                   "medusa_lm_head.safetensors / .pt, read without torch)")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     c.add_argument("--max-shard-mb", type=int, default=0, help="0 = one file")

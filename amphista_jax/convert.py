@@ -1,5 +1,6 @@
 """`amphista-jax convert`: re-save a checkpoint in another dtype or shard size, draft heads in another dtype,
-or a llama.cpp GGUF as a HF directory. The output must be new or empty: convert never overwrites."""
+a llama.cpp GGUF as a HF directory, or heads released in another project's layout (`drafters/published.py`) as
+a heads directory. The output must be new or empty: convert never overwrites."""
 
 from __future__ import annotations
 
@@ -18,15 +19,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def convert(out: str, model: str, heads: str | None = None, gguf: str | None = None, dtype: str = "bfloat16",
-            max_shard_mb: int = 0) -> str:
-    """Convert `gguf`, else `heads` (draft heads on the target `model`), else `model` into `out` (files of at most
-    `max_shard_mb` MB; 0: one file) in `dtype` ("checkpoint": as stored). Returns what was saved, in a line."""
-    source, out_dir = gguf or heads or model, Path(out)
+            max_shard_mb: int = 0, heads_from: tuple[str, str] | None = None) -> str:
+    """Convert `gguf`, else `heads` (draft heads on the target `model`), else `heads_from` ((format, directory) of
+    released heads for `model`), else `model` into `out` (files of at most `max_shard_mb` MB; 0: one file) in
+    `dtype` ("checkpoint": as stored). Returns what was saved, in a line."""
+    from amphista_jax.drafters.published import READERS
+
+    if heads_from and heads_from[0] not in READERS:
+        raise UsageError(f"--heads-from {heads_from[0]}: unknown layout; known: {', '.join(READERS)}")
+    if sum(x is not None for x in (gguf, heads, heads_from)) > 1:
+        raise UsageError("give one of --gguf (a model), --heads (our heads) and --heads-from (released heads)")
+    source, out_dir = gguf or heads or (heads_from[1] if heads_from else model), Path(out)
     if out_dir.resolve() == Path(source).resolve():
         raise UsageError("--out must differ from the source checkpoint: convert writes a new checkpoint and never "
                          "overwrites its source")
-    if gguf and heads:
-        raise UsageError("--gguf converts a model and --heads draft heads: give one of them")
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         raise OutputExistsError(f"--out {out} already exists and is not empty; convert never overwrites: pick "
                                 "a new --out")
@@ -37,9 +43,11 @@ def convert(out: str, model: str, heads: str | None = None, gguf: str | None = N
         from amphista_jax.models.gguf import convert_gguf
 
         return f"saved {convert_gguf(gguf, out_dir).num_params:,} parameters (fp32) and the tokenizer to {out_dir}"
-    params, config = load_params(model, dtype="float32" if heads else dtype)
+    params, config = load_params(model, dtype="float32" if heads or heads_from else dtype)
     if heads:
         return _convert_heads(heads, out, params, config, dtype)
+    if heads_from:
+        return _convert_published(*heads_from, out, params, config, dtype)
     saved = save_params(params, config, out, dtype=dtype,
                         max_shard_bytes=max_shard_mb * 2**20 if max_shard_mb else None)
     for name in TOKENIZER_FILES:
@@ -59,6 +67,18 @@ def _convert_heads(heads: str, out: str, target_params: dict, config: ModelConfi
     dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(draft_params)}) if dtype == "checkpoint" else [dtype]
     return (f"saved {method} heads ({sum(x.size for x in jax.tree.leaves(draft_params)):,} parameters, "
             f"{'/'.join(dtypes)}) to {out}")
+
+
+def _convert_published(fmt: str, src: str, out: str, target_params: dict, config: ModelConfig, dtype: str) -> str:
+    from amphista_jax.drafters.io import save_draft
+    from amphista_jax.drafters.published import READERS
+    from amphista_jax.target import Target
+
+    drafter, params = READERS[fmt](src, Target(config, target_params))
+    save_draft(out, drafter.name, drafter, params, config, dtype=None if dtype == "checkpoint" else dtype,
+               target_params=target_params)
+    return (f"saved the released {fmt} heads of {src} as {drafter.name} heads "
+            f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters) to {out}")
 
 
 def as_stored(heads: str, params: dict) -> dict:
