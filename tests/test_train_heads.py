@@ -209,7 +209,7 @@ def test_distill_is_resumable_and_feeds_training(smoke_model, tmp_path):
     assert report.kept == 3
 
 
-def test_train_cli_end_to_end(smoke_model, tmp_path):
+def test_train_cli_end_to_end(smoke_model, tmp_path, capsys):
     run_dir, _ = smoke_model
     code = write_code_files(tmp_path / "code")
     out = tmp_path / "run"
@@ -217,9 +217,17 @@ def test_train_cli_end_to_end(smoke_model, tmp_path):
             "--set", f"out_dir={out}", "--set", "data.kind=text", "--set", f"data.train={code}",
             "--set", "data.max_len=32", "--set", "data.batch_size=4", "--set", "loop.steps=4",
             "--set", "loop.eval_every=2", "--set", "loop.log_every=1", "--set", "method_settings.num_heads=2",
-            "--set", "data.cache_target_hidden=true"]
+            "--set", "data.cache_target_hidden=true", "--set", f"data.hidden_store={tmp_path / 'hidden'}"]
     assert main(args) == 0
+    assert len(list((tmp_path / "hidden").glob("hidden-*.npy"))) == 2  # train and held-out; no temporary left
+    assert [p.name for p in (tmp_path / "hidden").iterdir() if ".tmp" in p.name] == []
+    capsys.readouterr()
+    assert main(args[:-2] + ["--set", f"data.hidden_store={tmp_path / 'hidden'}", "--set",
+                             f"out_dir={tmp_path / 'run2'}"]) == 0  # another run on the same data and target
+    assert capsys.readouterr().out.count("target hidden states: read from") == 2
+    again = json.loads((tmp_path / "run2" / "summary.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
+    assert again["heldout_after"] == summary["heldout_after"]  # the same hidden states, the same training
     assert summary["steps"] == 4 and set(summary["heldout_after"]) >= {"loss", "head0/top1", "head1/top5"}
     assert (out / "training_curve.png").stat().st_size > 1000
     params, config = load_params(run_dir / "export", dtype="float32")

@@ -43,6 +43,7 @@ class DataConfig:
     microbatches: int = 1
     seed: int = 0
     cache_target_hidden: bool = False  # precompute the target's hidden states once (small targets)
+    hidden_store: str = ""  # with cache_target_hidden: keep them in this directory for later runs ("": don't)
     max_examples: int = 0  # at most this many examples of each data file (0: all); a held-out split comes from them
 
     def __post_init__(self) -> None:

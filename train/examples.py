@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -175,12 +177,32 @@ def batch_examples(examples: list[dict], batch_size: int, max_batches: int) -> l
             for i in range(n)]
 
 
-def with_hidden(examples: list[dict], model: Transformer, target_params: dict, batch: int) -> list[dict]:
-    """Attach the target's hidden states `[T, D]` (fp16 on host) to every example."""
+def with_hidden(examples: list[dict], model: Transformer, target_params: dict, batch: int,
+                store: str | Path = "", target: Any = None) -> list[dict]:
+    """Attach the target's hidden states `[T, D]` (fp16 on host) to every example. With a `store` directory they
+    are kept there as `hidden-<key>.npy` (key: a digest of the target's identity `target`, its params' dtype and
+    every example's tokens) and read back, memory-mapped, by any later run over the same examples and target, so
+    the methods trained on one data set compute them once; the file is written under a temporary name and renamed
+    when complete (a killed run leaves nothing a later one trusts)."""
+    tokens = np.stack([e["tokens"] for e in examples])  # [N, T]
+    path = None
+    if store:
+        dtype = str(jax.tree.leaves(target_params)[0].dtype)
+        key = json_digest([target, dtype, list(tokens.shape), hashlib.sha256(tokens.tobytes()).hexdigest()])
+        path = Path(store) / f"hidden-{key[:24]}.npy"
+        if path.is_file():
+            print(f"target hidden states: read from {path}")
+            return [e | {"hidden": h} for e, h in zip(examples, np.load(path, mmap_mode="r"), strict=True)]
+        path.parent.mkdir(parents=True, exist_ok=True)
     forward = jax.jit(lambda p, t: target_forward(model, p, {"tokens": t}).hidden.astype(jnp.float16))
-    out = []
+    shape = tokens.shape + (model.config.hidden_size,)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}") if path else None
+    hidden = np.lib.format.open_memmap(tmp, "w+", np.float16, shape) if tmp else np.empty(shape, np.float16)
     for i in tqdm(range(0, len(examples), batch), desc="target hidden states", unit="batch"):
-        chunk = examples[i: i + batch]
-        hidden = np.asarray(forward(target_params, jnp.asarray(np.stack([e["tokens"] for e in chunk]))))
-        out += [e | {"hidden": h} for e, h in zip(chunk, hidden, strict=True)]
-    return out
+        hidden[i: i + batch] = np.asarray(forward(target_params, jnp.asarray(tokens[i: i + batch])))
+    if tmp:
+        hidden.flush()
+        del hidden
+        os.replace(tmp, path)
+        hidden = np.load(path, mmap_mode="r")
+    return [e | {"hidden": h} for e, h in zip(examples, hidden, strict=True)]

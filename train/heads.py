@@ -215,8 +215,9 @@ def train_heads(cfg: TrainConfig) -> dict[str, Any]:
                                "data.max_len, or use more devices (mesh)")
     target_params, target_config = load_params(model_dir, dtype=cfg.dtype, shardings=job.target_shardings)
     if cfg.data.cache_target_hidden:
-        train_examples = with_hidden(train_examples, job.model, target_params, cfg.data.batch_size)
-        heldout = with_hidden(heldout, job.model, target_params, cfg.data.batch_size)
+        store, target = cfg.data.hidden_store, identity["target"]
+        train_examples = with_hidden(train_examples, job.model, target_params, cfg.data.batch_size, store, target)
+        heldout = with_hidden(heldout, job.model, target_params, cfg.data.batch_size, store, target)
     drafter, train_step, eval_step = job.drafter, job.train_step, job.eval_step
     init_state = functools.partial(job.new_state, Target(target_config, target_params))  # made in place on shards
 
