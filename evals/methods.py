@@ -88,7 +88,7 @@ def split_label(spec: str) -> tuple[str, str]:
     """`label=source[@tree]` -> (label, source[@tree]); a heads path that itself contains `=`
     (`runs/lr=1e-3/heads`) is a source, not a label."""
     label, eq, rest = spec.partition("=")
-    if not eq or "/" in label or Path(spec.partition("@")[0]).is_dir():
+    if not eq or any(c in label for c in "/@#:") or Path(spec.partition("@")[0]).is_dir():  # `=` of a path or setting
         return "", spec
     return label, rest
 
@@ -100,7 +100,10 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
     with `target`, its heads loaded and checked against it, else only checked (`load_methods` loads them)."""
     label, rest = split_label(spec)
     rest, _, overrides = rest.partition("#")
-    source, _, tree_name = rest.partition("@")
+    source, at, tree_name = rest.partition("@")
+    if at and not tree_name:
+        raise MethodSpecError(f"method spec {spec!r} names an empty tree after `@`: name one (e.g. `@small-8`, "
+                              "`@auto`) or drop the `@` for the run's default tree")
     if not source:
         raise MethodSpecError(f"method spec {spec!r} names no source: use `ar`, `<method>:untrained` or a "
                               "draft-head checkpoint directory")

@@ -208,3 +208,8 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     heads.mkdir(parents=True)
     assert split_label(f"{heads}@chain-4") == ("", f"{heads}@chain-4")
     assert split_label(f"mine={heads}") == ("mine", str(heads))
+    spec = "gumiho:untrained@dynamic-63x7x35#full_tree_attention=false"  # the `=` of a setting is not a label's
+    assert split_label(spec) == ("", spec) and split_label(f"g={spec}") == ("g", spec)
+    assert resolve_methods((spec,), "small-8")[1].drafter.full_tree_attention is False
+    with pytest.raises(MethodSpecError, match="empty tree after `@`"):
+        resolve_methods(("medusa:untrained@",), "small-8")
