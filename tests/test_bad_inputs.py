@@ -435,6 +435,8 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "data.max_len=100000"], ["data.max_len=100000", "2048 positions"]),
     (["--set", "mesh.data=3"], ["3 devices", "device count"]),
     (["--set", "part_lrs.nothere=0.1"], ["part_lrs ['nothere']", "parameter groups"]),
+    (["--set", "method_settings.num_heads=-3"], ["num_heads=-3 must be >= 1"]),
+    (["--set", "method_settings.loss_decay=0"], ["loss_decay=0 must be in (0, 1]"]),
     (["--set", "method=bita", "--set", "method_settings={}", "--set", "data.cache_target_hidden=true"],
      ["bita runs the target inside its own loss", "data.cache_target_hidden=false"]),
 ])

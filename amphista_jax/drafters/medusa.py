@@ -46,6 +46,10 @@ class Medusa(LogicalInit):
 
     def __post_init__(self) -> None:
         normalise_field(self)
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"{self.num_heads=} must be >= 1 and {self.num_layers=} >= 0 (ResBlocks per head)")
+        if not 0 < self.loss_decay <= 1:
+            raise ValueError(f"{self.loss_decay=} must be in (0, 1]")
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d = target.config.hidden_size
