@@ -220,10 +220,12 @@ def _plan(args: argparse.Namespace) -> int:
     from amphista_jax.accelerators import get_accelerator
     from amphista_jax.config_io import load_config
     from amphista_jax.train.config import TrainConfig
-    from amphista_jax.train.plan import describe, plan_configs, plan_request, write_plans
+    from amphista_jax.train.plan import check_plan_out, describe, plan_configs, plan_request, write_plans
 
     if args.decode_batch < 1:
         raise UsageError(f"--decode-batch {args.decode_batch}: must be >= 1")
+    if args.out:
+        check_plan_out(Path(args.out), args.replace)
     accelerator = get_accelerator(args.accelerator) if args.accelerator else None
     requests = [plan_request(path, load_config(TrainConfig, path, args.set or []), accelerator)
                 for path in args.config]  # every config checked before the first compile
@@ -369,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--decode-batch", type=int, default=1, help="rows decoded together in the decode plan")
     pl.add_argument("--tree", default=None, help="the decode plan's draft tree (default: the papers' 63-node tree; "
                     "EAGLE-2's dynamic budget for eagle, dynamic-63x7x35 for gumiho)")
-    pl.add_argument("--out", default=None, help="also write plan.json and plan.md here")
+    pl.add_argument("--out", default=None, help="also write plan.json and plan.md into this directory")
+    pl.add_argument("--replace", action="store_true", help="overwrite plan.json / plan.md already in --out")
     pl.set_defaults(func=_plan)
 
     d = sub.add_parser("distill", help="answer prompts with the target to make self-distillation data")

@@ -543,3 +543,13 @@ def test_pretrain_fresh_start_never_appends_to_another_runs_metrics(capsys, tmp_
     outcome = run_cli(capsys, PRETRAIN + [f"run_dir={run_dir}", f"export_dir={run_dir / 'export'}"],
                       watch=[run_dir])
     assert_bad_input(outcome, "metrics.jsonl holds 1 metric rows", "another run's log")
+
+
+def test_plan_never_overwrites_earlier_plans_and_checks_out_before_compiling(capsys, tmp_path, user_files):
+    out = tmp_path / "plans"
+    out.mkdir()
+    (out / "plan.md").write_text("my notes\n")
+    plan = ["plan", "--config", "configs/medusa/vicuna-7b.yaml"]
+    assert_bad_input(run_cli(capsys, plan + ["--out", str(out)], watch=[out]), "plan.md", "--replace")
+    assert_bad_input(run_cli(capsys, plan + ["--out", str(user_files / "report.json")], watch=[user_files]),
+                     "is a file")

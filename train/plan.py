@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from amphista_jax.accelerators import Accelerator, get_accelerator
 from amphista_jax.decode import scratch_slots
-from amphista_jax.errors import UserError
+from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES, load_config, param_dtype
 from amphista_jax.models.shapes import known_target
@@ -143,6 +143,21 @@ def describe(results: list[tuple[list[MemoryPlan], dict]]) -> str:
     lines += ["", plan_table(plans, names), ""]
     lines += [f"- {name} {p.job}: {p.verdict()}" for name, p in zip(names, plans, strict=True)]
     return "\n".join(lines)
+
+
+PLAN_FILES = ("plan.json", "plan.md")
+
+
+def check_plan_out(out: Path, replace: bool) -> None:
+    """Before any compile: `out` must be a directory we can write, without plans of an earlier run unless
+    `replace`."""
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"--out {out} is a file: plan writes plan.json and plan.md into a directory; pick "
+                                "a directory")
+    if (taken := [n for n in PLAN_FILES if (out / n).exists()]) and not replace:
+        raise OutputExistsError(f"--out {out} already holds {', '.join(taken)}: pass --replace to overwrite them, or "
+                                "pick another directory")
+    check_writable_dir(out, "--out")
 
 
 def write_plans(results: list[tuple[list[MemoryPlan], dict]], out: Path) -> None:
