@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from amphista_jax.decode import pad_prompts
-from amphista_jax.errors import OutputExistsError, check_writable_dir
+from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
 from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
 from amphista_jax.evals.methods import Method, load_methods, resolve_methods
@@ -52,6 +52,10 @@ from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
 from amphista_jax.train.config import DataConfig, MeshConfig
 from amphista_jax.train.loop import maybe_initialize_distributed
 from amphista_jax.verify import AcceptanceConfig
+
+
+class EvalConfigError(UserError, ValueError):
+    """An eval config that cannot work with its model: found before any weights load."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +320,9 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     out_dir = Path(cfg.out_dir)
     # Bad input is found here, before any model is loaded.
     config = load_config(model_dir)
+    if cfg.top_k > config.vocab_size:
+        raise EvalConfigError(f"top_k={cfg.top_k} is larger than the vocabulary of {model_dir} ({config.vocab_size} "
+                              "tokens): lower it (0 = no top-k filter)")
     mesh = eval_mesh(cfg.mesh)
     check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)

@@ -328,6 +328,8 @@ def test_distill_prompts_that_are_not_json(capsys, tmp_path):
     (["--methods", "ar", "x="], ["method spec 'x='", "names no source"]),
     (["--set", "mesh.data=3"], ["3 devices", "device count", "mesh=null"]),
     (["--set", "mesh.tensor=0"], ["tensor=0", ">= 1"]),
+    (["--set", "top_k=100000"], ["top_k=100000", "larger than the vocabulary"]),
+    (["--methods", "ar", "medusa:untrained@"], ["empty tree after `@`"]),
 ])
 def test_eval_bad_arguments(capsys, tmp_path, extra, needles):
     out = tmp_path / "eval"
