@@ -555,3 +555,21 @@ def test_plan_never_overwrites_earlier_plans_and_checks_out_before_compiling(cap
     assert_bad_input(run_cli(capsys, plan + ["--out", str(out)], watch=[out]), "plan.md", "--replace")
     assert_bad_input(run_cli(capsys, plan + ["--out", str(user_files / "report.json")], watch=[user_files]),
                      "is a file")
+
+
+@pytest.mark.parametrize("damage, needles", [
+    (lambda text, cfg: text[:40], ["config.json is not valid JSON", "damaged"]),
+    (lambda text, cfg: json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}), ["no 'hidden_size'"]),
+    (lambda text, cfg: json.dumps(cfg | {"hidden_size": "big"}), ["wrong kind", "'big'"]),
+    (lambda text, cfg: "[1, 2]", ["holds a JSON list"]),
+])
+def test_a_damaged_config_json_is_one_line(capsys, tmp_path, damage, needles):
+    import shutil
+
+    from amphista_jax.assets import default_model_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir(), model)
+    text = (model / "config.json").read_text()
+    (model / "config.json").write_text(damage(text, json.loads(text)))
+    assert_bad_input(run_cli(capsys, ["generate", "--model", str(model), "--prompt", "hi"], watch=[model]), *needles)

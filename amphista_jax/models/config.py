@@ -140,7 +140,23 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+        """`config.json` parsed and checked field by field: a file that is not JSON, a missing field or a value of
+        the wrong kind is a one-line `ConfigError` naming the file and the field."""
+        try:
+            cfg = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}): the checkpoint's config is damaged; restore it "
+                              "or re-save the model") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not a config object")
+        try:
+            return cls.from_hf_dict(cfg)
+        except KeyError as e:
+            raise ConfigError(f"{path} has no {e.args[0]!r}: a Llama-family config.json needs it") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{path}: a field has a value of the wrong kind ({e}): fix it") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A `config.json` dict that `transformers` (v4 and v5) loads as the same architecture."""
