@@ -132,6 +132,7 @@ def _tree_search(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from amphista_jax.demo import humaneval_prompts
+    from amphista_jax.output_lock import file_lock, lock_beside
     from amphista_jax.tree_names import searched_tree_path
     from amphista_jax.tree_search import output_paths, search
 
@@ -147,8 +148,9 @@ def _tree_search(args: argparse.Namespace) -> int:
                          "another file")
     check_writable_dir(out.parent, "--out")
     prompts = humaneval_prompts(*args.tasks)
-    results, policy = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
-                             max_new_tokens=args.max_new_tokens, runs=args.runs, batch_sizes=args.batch_sizes)
+    with file_lock(lock_beside(out), "tree-search"):
+        results, policy = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
+                                 max_new_tokens=args.max_new_tokens, runs=args.runs, batch_sizes=args.batch_sizes)
     print(out.with_suffix(".report.md").read_text())
     print(f"wrote {out} and the tree per batch size ({policy.describe()}) beside it" + (
         "" if any(t is not None for _, t in policy.by_batch) else

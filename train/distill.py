@@ -27,6 +27,7 @@ from tqdm import tqdm
 from amphista_jax.decode import check_fits, generate, pad_prompts
 from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
 from amphista_jax.models.hf import load_config, load_params
+from amphista_jax.output_lock import file_lock, lock_beside
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.data import DataError, DataReport, normalize_messages, read_records
@@ -141,38 +142,39 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 8, m
     """Answer every prompt not yet in `out_file`; returns how many were answered in this run."""
     check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature)
     out = Path(out_file)
-    done, cut = _answered_ids(out)
-    prompts, report = read_prompts(prompts_file)
-    print(report.summary())
-    todo = [(k, p) for k, p in prompts if k not in done]
-    print(f"{len(done)} prompts already answered in {out}; {len(todo)} to go")
-    if not todo:
-        return 0
-    params, config = load_params(model)
-    tok = load_tokenizer(model)
-    chat = bool(tok.chat_template) if chat is None else chat
-    eos = stop_token_ids(model, tok, config)
-    pad = config.pad_token_id or 0
-    kw = dict(config=config, max_new_tokens=max_new_tokens, cache_size=prompt_len + max_new_tokens,
-              sampling=SamplingConfig(temperature), eos_ids=eos, pad_id=pad)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if cut is not None:
-        print(f"warning: cutting the torn last line of {out} (an interrupted run); that prompt is redone")
-        with out.open("r+b") as f:
-            f.truncate(cut)
-    with out.open("a") as f, tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
-        for i in range(0, len(todo), batch_size):
-            chunk = todo[i: i + batch_size]
-            ids = [encode_prompt(tok, p, chat=chat)[-prompt_len:] for _, p in chunk]
-            ids += [ids[0]] * (batch_size - len(ids))  # fixed batch shape: one compile
-            tokens, lengths = pad_prompts(ids, length=prompt_len, pad_id=pad)
-            check_fits(lengths, max_new_tokens, prompt_len + max_new_tokens)
-            result = generate(params, tokens, lengths, jax.random.fold_in(jax.random.key(seed), i), **kw)
-            rows, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
-            for (key, prompt), row, n in zip(chunk, rows, counts, strict=False):
-                answer = tok.decode(row[:n], skip_special_tokens=True)
-                f.write(json.dumps({"id": key, "conversations": [
-                    {"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]}) + "\n")
-            f.flush()
-            bar.update(len(chunk))
-    return len(todo)
+    with file_lock(lock_beside(out), "distill"):  # one run appends to a file at a time
+        done, cut = _answered_ids(out)
+        prompts, report = read_prompts(prompts_file)
+        print(report.summary())
+        todo = [(k, p) for k, p in prompts if k not in done]
+        print(f"{len(done)} prompts already answered in {out}; {len(todo)} to go")
+        if not todo:
+            return 0
+        params, config = load_params(model)
+        tok = load_tokenizer(model)
+        chat = bool(tok.chat_template) if chat is None else chat
+        eos = stop_token_ids(model, tok, config)
+        pad = config.pad_token_id or 0
+        kw = dict(config=config, max_new_tokens=max_new_tokens, cache_size=prompt_len + max_new_tokens,
+                  sampling=SamplingConfig(temperature), eos_ids=eos, pad_id=pad)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if cut is not None:
+            print(f"warning: cutting the torn last line of {out} (an interrupted run); that prompt is redone")
+            with out.open("r+b") as f:
+                f.truncate(cut)
+        with out.open("a") as f, tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
+            for i in range(0, len(todo), batch_size):
+                chunk = todo[i: i + batch_size]
+                ids = [encode_prompt(tok, p, chat=chat)[-prompt_len:] for _, p in chunk]
+                ids += [ids[0]] * (batch_size - len(ids))  # fixed batch shape: one compile
+                tokens, lengths = pad_prompts(ids, length=prompt_len, pad_id=pad)
+                check_fits(lengths, max_new_tokens, prompt_len + max_new_tokens)
+                result = generate(params, tokens, lengths, jax.random.fold_in(jax.random.key(seed), i), **kw)
+                rows, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
+                for (key, prompt), row, n in zip(chunk, rows, counts, strict=False):
+                    answer = tok.decode(row[:n], skip_special_tokens=True)
+                    f.write(json.dumps({"id": key, "conversations": [
+                        {"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]}) + "\n")
+                f.flush()
+                bar.update(len(chunk))
+        return len(todo)

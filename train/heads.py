@@ -13,6 +13,7 @@ in their `draft_vocab` setting.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -35,6 +36,7 @@ from amphista_jax.identity import target_identity
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params, param_dtype
 from amphista_jax.models.llama import Transformer, param_shapes
+from amphista_jax.output_lock import output_lock
 from amphista_jax.plan import MemoryPlan, abstract, accelerator_capacity, compiled_plan, mesh_devices, plan_table
 from amphista_jax.sharding import (
     make_mesh,
@@ -194,9 +196,15 @@ def _finished(cfg: TrainConfig) -> dict[str, Any] | None:
 
 
 def train_heads(cfg: TrainConfig) -> dict[str, Any]:
+    """Train `cfg`'s heads into `cfg.out_dir` (resuming what it holds of this run), under the directory's lock."""
     maybe_initialize_distributed()
     cfg = with_fetched_data(cfg)
-    model_dir, identity = preflight(cfg)
+    preflight(cfg)  # every bad setting fails here, before anything is written
+    with output_lock(cfg.out_dir, "train") if jax.process_index() == 0 else contextlib.nullcontext():
+        return _train(cfg, *preflight(cfg))  # checked again under the lock: another run may have written meanwhile
+
+
+def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[str, Any]:
     if (summary := _finished(cfg)) is not None:
         print(f"{cfg.out_dir} is already trained ({summary['steps']} steps with these settings, target and data): "
               f"its heads are in {Path(cfg.out_dir) / 'heads'}; nothing was changed (use a new out_dir to train "

@@ -1,0 +1,89 @@
+"""An exclusive lock on an output directory, so that two runs never write one output together.
+
+`output_lock(directory, command)` creates `<directory>/.amphista-lock` with `O_CREAT | O_EXCL` (atomic on local
+and NFS v3+ file systems), holding the owner's pid, host, command and start time, and removes it when the block
+ends, however it ends. A second run finds the file and stops with one line naming the owner. A lock whose owner
+is gone (same host, no such pid: a killed run) is stale: it is named in a note and taken over. A lock from another
+host cannot be checked from here: the line says which host holds it and how to clear it by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from amphista_jax.errors import UserError
+
+LOCK_FILE = ".amphista-lock"
+
+
+class OutputLockedError(UserError, RuntimeError):
+    """Another run is writing this output directory."""
+
+
+def _owner(path: Path) -> dict:
+    try:
+        owner = json.loads(path.read_text())
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}  # being written this instant, or damaged: treated as held by an unknown owner
+
+
+def _running(owner: dict) -> bool | None:
+    """Whether the owner still runs: None when that cannot be told from this host."""
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return None
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def output_lock(directory: str | Path, command: str) -> contextlib.AbstractContextManager[Path]:
+    """Hold `directory`'s lock (`<directory>/.amphista-lock`; the directory is made if missing) for the block."""
+    return file_lock(Path(directory) / LOCK_FILE, command)
+
+
+def lock_beside(output: str | Path) -> Path:
+    """The lock file of one output file (`<file>.lock`), for commands that write a file, not a directory."""
+    return Path(output).with_name(Path(output).name + ".lock")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, command: str) -> Iterator[Path]:
+    """Hold the lock file `path` (its directory is made if missing) for the block; yields its path."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": time.time()}
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            owner = _owner(path)
+            who = f"{owner.get('command', 'a run')} (pid {owner.get('pid', '?')} on {owner.get('host', '?')})"
+            running = _running(owner)
+            if running is False:
+                print(f"note: {directory}: the lock of {who} is stale (that process is gone): taking it over",
+                      file=sys.stderr)
+                path.unlink(missing_ok=True)
+                continue
+            how = ("wait for it to finish, or use another output directory" if running else
+                   f"if that run is over, delete {path}; else wait for it or use another output directory")
+            raise OutputLockedError(f"{directory} is being written by {who}: {how}") from None
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    try:
+        yield path
+    finally:
+        if _owner(path).get("pid") == me["pid"]:
+            path.unlink(missing_ok=True)

@@ -1,0 +1,77 @@
+"""One run per output: the lock file, stale locks, and the commands that take it (train, eval, distill)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from amphista_jax.cli import main
+from amphista_jax.errors import BAD_INPUT_EXIT
+from amphista_jax.output_lock import LOCK_FILE, OutputLockedError, file_lock, lock_beside, output_lock
+
+
+def _hold(path, pid: int, host: str | None = None, command: str = "train") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(), "command": command}))
+
+
+@pytest.fixture
+def live_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_lock_is_exclusive_released_and_stale_locks_are_taken_over(tmp_path, live_pid, dead_pid, capsys):
+    with output_lock(tmp_path / "out", "eval") as path:
+        assert path == tmp_path / "out" / LOCK_FILE
+        held = json.loads(path.read_text())
+        assert held["command"] == "eval" and held["host"] == socket.gethostname()
+        with pytest.raises(OutputLockedError, match=r"being written by eval \(pid \d+ on .*\): wait"):
+            with output_lock(tmp_path / "out", "train"):
+                pass
+    assert not path.exists()
+    with pytest.raises(RuntimeError, match="boom"), output_lock(tmp_path / "out", "eval"):
+        raise RuntimeError("boom")
+    assert not path.exists()  # released however the block ends
+    _hold(path, live_pid)
+    with pytest.raises(OutputLockedError, match=f"pid {live_pid}"):
+        with output_lock(tmp_path / "out", "eval"):
+            pass
+    _hold(path, dead_pid)  # a killed run's lock
+    with output_lock(tmp_path / "out", "eval"):
+        assert json.loads(path.read_text())["command"] == "eval"
+    err = capsys.readouterr().err
+    assert f"pid {dead_pid}" in err and "is stale" in err
+    _hold(path, 1, host="another-host")
+    with pytest.raises(OutputLockedError, match=f"if that run is over, delete {path}"):
+        with file_lock(path, "eval"):
+            pass
+    assert lock_beside(tmp_path / "a.jsonl") == tmp_path / "a.jsonl.lock"
+
+
+def test_train_and_eval_refuse_an_output_another_run_is_writing(tmp_path, live_pid, capsys):
+    out = tmp_path / "run"
+    _hold(out / LOCK_FILE, live_pid)
+    code = main(["train", "--config", "configs/medusa/code.yaml", "--set", f"out_dir={out}", "--set", "loop.steps=1"])
+    err = capsys.readouterr().err
+    assert code == BAD_INPUT_EXIT and "being written by train" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing else written
+    evals = tmp_path / "eval"
+    _hold(evals / LOCK_FILE, live_pid, command="eval")
+    code = main(["eval", "--config", "configs/eval/humaneval-code.yaml", "--methods", "ar", "--set",
+                 f"out_dir={evals}", "--set", "dataset.limit=1", "--set", "max_new_tokens=2"])
+    assert code == BAD_INPUT_EXIT and "being written by eval" in capsys.readouterr().err
+    assert sorted(p.name for p in evals.iterdir()) == [LOCK_FILE]
