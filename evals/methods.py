@@ -88,7 +88,7 @@ def split_label(spec: str) -> tuple[str, str]:
     """`label=source[@tree]` -> (label, source[@tree]); a heads path that itself contains `=`
     (`runs/lr=1e-3/heads`) is a source, not a label."""
     label, eq, rest = spec.partition("=")
-    if not eq or any(c in label for c in "/@#:") or Path(spec.partition("@")[0]).is_dir():  # `=` of a path or setting
+    if not eq or any(c in label for c in "/#") or Path(spec.partition("@")[0]).is_dir():  # `=` of a path or setting
         return "", spec
     return label, rest
 
