@@ -9,7 +9,6 @@ from amphista_jax.accelerators import get_accelerator
 from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.drafters.draft_vocab import DraftVocab
 from amphista_jax.errors import UserError
-from amphista_jax.fetch import resolve_data
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES
 from amphista_jax.models.shapes import known_target
@@ -168,12 +167,3 @@ def check_batch_split(cfg: TrainConfig) -> None:
         raise TrainConfigError(f"a microbatch of {rows} rows (data.batch_size {cfg.data.batch_size} / "
                                f"data.microbatches {cfg.data.microbatches}) does not split over mesh data x fsdp = "
                                f"{ways}: make it a multiple of {ways}")
-
-
-def with_fetched_data(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with registry data names (`data.train: sharegpt`) replaced by their fetched files (fetched on first
-    use: `amphista-jax fetch`)."""
-    data = dataclasses.replace(cfg.data, train=resolve_data(cfg.data.train), heldout=resolve_data(cfg.data.heldout))
-    return dataclasses.replace(cfg, data=data)
-
-

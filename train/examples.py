@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from amphista_jax import config_io
 from amphista_jax.drafters.draft_vocab import DraftVocab, most_frequent, token_counts
+from amphista_jax.fetch import resolve_data
 from amphista_jax.identity import files_digest, json_digest, matching_files
 from amphista_jax.models.llama import Transformer
 from amphista_jax.train.config import DataConfig, TrainConfig, TrainConfigError
@@ -164,7 +165,8 @@ SOURCES: dict[str, type[ExampleSource]] = {"text": TextFiles, "sharegpt": Conver
 
 
 def example_source(cfg: DataConfig) -> ExampleSource:
-    return SOURCES[cfg.kind](cfg)
+    """`cfg`'s source, with registry data names (`sharegpt`) as their fetched files (fetched on first use)."""
+    return SOURCES[cfg.kind](dataclasses.replace(cfg, train=resolve_data(cfg.train), heldout=resolve_data(cfg.heldout)))
 
 
 def batch_examples(examples: list[dict], batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:

@@ -55,7 +55,6 @@ from amphista_jax.train.config import (
     check_batch_split,
     check_positions,
     check_target_shape,
-    with_fetched_data,
 )
 from amphista_jax.train.data import example_dataset
 from amphista_jax.train.examples import batch_examples, choose_draft_vocab, example_source, with_hidden
@@ -198,7 +197,6 @@ def _finished(cfg: TrainConfig) -> dict[str, Any] | None:
 def train_heads(cfg: TrainConfig) -> dict[str, Any]:
     """Train `cfg`'s heads into `cfg.out_dir` (resuming what it holds of this run), under the directory's lock."""
     maybe_initialize_distributed()
-    cfg = with_fetched_data(cfg)
     preflight(cfg)  # every bad setting fails here, before anything is written
     with output_lock(cfg.out_dir, "train") if jax.process_index() == 0 else contextlib.nullcontext():
         return _train(cfg, *preflight(cfg))  # checked again under the lock: another run may have written meanwhile
