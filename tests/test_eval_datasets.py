@@ -31,6 +31,18 @@ def test_humaneval_from_the_package():
     assert not DatasetConfig(kind="humaneval").use_chat  # raw completion, no chat template
 
 
+def test_code_edit_asks_to_rewrite_each_humaneval_solution():
+    """A task whose answer repeats its prompt: every HumanEval solution, to be rewritten with type hints."""
+    prompts, report = load_prompts(DatasetConfig(kind="code_edit"))
+    with gzip.open(humaneval_path(), "rt") as f:
+        raw = [json.loads(line) for line in f if line.strip()]
+    assert len(prompts) == 164 and not report.skipped and DatasetConfig(kind="code_edit").use_chat
+    first = prompts[0]
+    assert first.id == "HumanEval/0" and first.category == "code-edit" and len(first.turns) == 1
+    assert first.turns[0].startswith("Rewrite this Python function with type hints")
+    assert raw[0]["prompt"] + raw[0]["canonical_solution"] in first.turns[0]
+
+
 def test_mt_bench_multi_turn_with_categories_and_malformed_lines(tmp_path, tok):
     path = tmp_path / "question.jsonl"
     lines = [
