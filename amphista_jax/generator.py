@@ -363,17 +363,20 @@ class Generator:
 
 def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None, Drafter | None, list[str]]:
     """(heads directory, untrained drafter, notes) of `Generator.load`'s `heads`."""
-    from amphista_jax.assets import default_model_dir, shipped_heads, shipped_heads_dir
+    from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, default_model_dir, shipped_heads, shipped_heads_dir
+    from amphista_jax.fetch import fetched_dir
 
     if heads is None:
         return None, None, []
     name = str(heads)
     if isinstance(heads, Path) or (name not in VARIANTS and Path(heads).is_dir()):  # a method name wins over ./name
         return str(heads), None, []
-    embedded = Path(model_dir).resolve() == default_model_dir().resolve()
+    real = fetched_dir(REAL_TARGET)
+    target = {default_model_dir().resolve(): DEFAULT_MODEL, real and real.resolve(): REAL_TARGET}.get(
+        Path(model_dir).resolve())
     shipped = name.replace("++", "-plus")
-    if embedded and shipped in shipped_heads():
-        return str(shipped_heads_dir(shipped)), None, [f"using the shipped {name} heads"]
+    if target and shipped in shipped_heads(target):
+        return str(shipped_heads_dir(shipped, target)), None, [f"using the {name} heads shipped for {target}"]
     if name in VARIANTS:
         drafter = VARIANTS[name]
         untrained = f"no trained heads for this model: using untrained {name} heads (expect tau ~1)"

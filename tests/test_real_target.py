@@ -74,3 +74,18 @@ def test_greedy_tokens_match_transformers_generate(smollm2):
         n = int(out.num_tokens[row])
         assert np.asarray(out.tokens[row, :n]).tolist() == ref
         assert n == NEW_TOKENS  # both prompts ask for more than 64 tokens, so no EOS cuts the comparison short
+
+
+@pytest.mark.parametrize("tree", ["small-8", "mc_sim_7b_63"])  # a small tree, the papers' tree
+def test_shipped_heads_decode_the_real_target_losslessly(smollm2, tree):
+    """The Medusa heads shipped for SmolLM2 (a 4096-token draft vocabulary, the target's shared lm_head), batch 3 of
+    ragged chat prompts: the same tokens as autoregressive greedy decoding, with drafts accepted."""
+    from amphista_jax import Generator
+    from amphista_jax.assets import shipped_heads_dir
+
+    path, _, prompts = smollm2
+    gen = Generator.load(path, shipped_heads_dir("medusa", "smollm2"), tree)
+    batch = prompts + [prompts[0][:9]]
+    out = gen.generate(batch, max_new_tokens=24)
+    assert out.token_ids == gen.autoregressive().generate(batch, max_new_tokens=24).token_ids
+    assert max(out.tau) > 1.0

@@ -1,4 +1,5 @@
-"""Package data: the embedded default target model, draft heads trained for it and its sibling draft model."""
+"""Package data: the embedded default target model, draft heads trained for it and its sibling draft model, and
+draft heads trained for the fetched real target (`smollm2-heads/`, `amphista-jax fetch smollm2`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "code-llama"
 HEADS_DIR = Path(__file__).parent / f"{DEFAULT_MODEL}-heads"
+REAL_TARGET = "smollm2"  # the fetched real target (`amphista_jax.fetch`) heads are shipped for
 
 
 def default_model_dir() -> Path:
@@ -25,16 +27,22 @@ def draft_model_dir() -> Path:
     return path
 
 
-def shipped_heads() -> list[str]:
-    """Names of the head sets shipped for the embedded model (`medusa`, `amphista`, `hydra`, `hydra-plus`)."""
-    return sorted(p.name for p in HEADS_DIR.iterdir() if (p / "draft.json").is_file()) if HEADS_DIR.is_dir() else []
+def _heads_root(target: str) -> Path:
+    return Path(__file__).parent / f"{target}-heads"
 
 
-def shipped_heads_dir(name: str) -> Path:
-    """Draft heads `name` trained for the embedded model (`amphista_jax/assets/code-llama-heads/<name>`)."""
-    path = HEADS_DIR / name
+def shipped_heads(target: str = DEFAULT_MODEL) -> list[str]:
+    """Names of the head sets shipped for `target` (the embedded model: `medusa`, `amphista`, `hydra`, ...;
+    `smollm2`: the fetched real target's)."""
+    root = _heads_root(target)
+    return sorted(p.name for p in root.iterdir() if (p / "draft.json").is_file()) if root.is_dir() else []
+
+
+def shipped_heads_dir(name: str, target: str = DEFAULT_MODEL) -> Path:
+    """Draft heads `name` trained for `target` (`amphista_jax/assets/<target>-heads/<name>`)."""
+    path = _heads_root(target) / name
     if not (path / "draft.json").is_file():
-        shipped = ", ".join(shipped_heads()) or "none"
-        raise FileNotFoundError(f"no shipped {name} heads in {HEADS_DIR} (shipped: {shipped}); "
+        shipped = ", ".join(shipped_heads(target)) or "none"
+        raise FileNotFoundError(f"no shipped {name} heads in {path.parent} (shipped: {shipped}); "
                                 "train them with `amphista-jax train` and pass --heads")
     return path
