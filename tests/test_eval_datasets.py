@@ -43,6 +43,17 @@ def test_code_edit_asks_to_rewrite_each_humaneval_solution():
     assert raw[0]["prompt"] + raw[0]["canonical_solution"] in first.turns[0]
 
 
+
+def test_per_category_takes_the_first_of_each_category(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]}) + "\n"
+                            for i, c in enumerate("aaabbbcc")))
+    prompts = load_prompts(DatasetConfig(kind="mt_bench", path=str(path), per_category=2))[0]
+    assert [p.id for p in prompts] == ["0", "1", "3", "4", "6", "7"]
+    assert [p.id for p in load_prompts(DatasetConfig(kind="mt_bench", path=str(path), per_category=1, limit=2))[0]] \
+        == ["0", "3"]
+
+
 def test_mt_bench_multi_turn_with_categories_and_malformed_lines(tmp_path, tok):
     path = tmp_path / "question.jsonl"
     lines = [
