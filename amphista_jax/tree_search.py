@@ -19,10 +19,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -187,49 +189,45 @@ def report_markdown(result: SearchResult, trees: Sequence[TreeSpec], header: str
     return "\n".join(rows) + "\n"
 
 
-def plot(result: SearchResult, path: str | Path, title: str) -> None:
-    """tau, step cost (relative to an AR step) and predicted speed-up against tree size."""
+@contextlib.contextmanager
+def _speedup_figure(path: str | Path, title: str) -> Iterator[Any]:
+    """Axes for a speed-up plot: the 1x line (AR), then the title, the legend and the PNG at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(result.sizes, result.taus, "o-", label="expected tau (tokens / step)")
-    ax.plot(result.sizes, [s / result.ar_step_seconds for s in result.step_seconds], "s-",
-            label="measured step cost / AR step")
-    ax.plot(result.sizes, result.speedups, "^-", label="predicted speed-up")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.axvline(result.sizes[result.best], color="green", lw=0.8, ls=":", label="picked")
-    ax.set_xlabel("draft nodes in the tree (root not counted)")
+    yield ax
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(result: SearchResult, path: str | Path, title: str) -> None:
+    """tau, step cost (relative to an AR step) and predicted speed-up against tree size."""
+    with _speedup_figure(path, title) as ax:
+        ax.plot(result.sizes, result.taus, "o-", label="expected tau (tokens / step)")
+        ax.plot(result.sizes, [s / result.ar_step_seconds for s in result.step_seconds], "s-",
+                label="measured step cost / AR step")
+        ax.plot(result.sizes, result.speedups, "^-", label="predicted speed-up")
+        ax.axvline(result.sizes[result.best], color="green", lw=0.8, ls=":", label="picked")
+        ax.set_xlabel("draft nodes in the tree (root not counted)")
 
 
 def plot_batches(results: dict[int, SearchResult], measured: dict[int, float], path: str | Path, title: str) -> None:
     """Predicted (the picked tree's) and measured speed-up against batch size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = sorted(results)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(sizes, [results[b].speedups[results[b].best] for b in sizes], "o-", label="predicted (picked tree)")
-    ax.plot(sizes, [measured[b] for b in sizes], "s-", label="measured (picked tree, calibration prompts)")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(b) for b in sizes])
-    ax.set_xlabel("batch size (rows decoded together)")
-    ax.set_ylabel("speed-up over AR at that batch")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _speedup_figure(path, title) as ax:
+        ax.plot(sizes, [results[b].speedups[results[b].best] for b in sizes], "o-", label="predicted (picked tree)")
+        ax.plot(sizes, [measured[b] for b in sizes], "s-", label="measured (picked tree, calibration prompts)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size (rows decoded together)")
+        ax.set_ylabel("speed-up over AR at that batch")
 
 
 def batch_markdown(results: dict[int, SearchResult], measured: dict[int, float], policy: TreePolicy) -> str:

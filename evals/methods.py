@@ -33,7 +33,7 @@ import yaml
 
 from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
-from amphista_jax.drafters.io import META_FILE, DraftCheckpointError, load_draft, read_draft_meta
+from amphista_jax.drafters.io import META_FILE, DraftCheckpointError, load_draft, params_fit, read_draft_meta
 from amphista_jax.errors import UserError
 from amphista_jax.generator import Generator
 from amphista_jax.identity import heads_identity, target_identity
@@ -202,10 +202,7 @@ def load_methods(methods: list[Method], target: Target, seed: int = 0) -> list[M
             out.append(dataclasses.replace(m, draft_params=params))
         else:
             name, _, params = load_draft(m.heads_dir, target.config, target.params)
-            wanted = jax.eval_shape(lambda d=m.drafter: d.init(jax.random.key(0), target))
-            same = jax.tree.structure(wanted) == jax.tree.structure(params) and all(
-                a.shape == b.shape for a, b in zip(jax.tree.leaves(wanted), jax.tree.leaves(params), strict=True))
-            if not same:
+            if not params_fit(m.drafter, params, target):
                 raise MethodSpecError(f"method spec {m.spec!r}: its settings change the heads' parameters; override "
                                       "only decoding settings")
             out.append(dataclasses.replace(m, method=name, draft_params=params))

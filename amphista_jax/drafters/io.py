@@ -105,6 +105,13 @@ def read_draft_meta(path: str | Path) -> DraftMeta:
     return DraftMeta(method, drafter, target, meta.get("target_sample"))
 
 
+def params_fit(drafter: Drafter, params: Any, target: Target) -> bool:
+    """Whether `params` have the tree and shapes `drafter.init` makes for `target` (so every code path takes them)."""
+    want = jax.eval_shape(lambda: drafter.init(jax.random.key(0), target))
+    return jax.tree.structure(want) == jax.tree.structure(params) and all(
+        a.shape == b.shape for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(params), strict=True))
+
+
 def load_draft(path: str | Path, target_config: ModelConfig, target_params: dict) -> tuple[str, Drafter, Any]:
     """(method name, drafter, params) from `path`, checked against the target."""
     path = Path(path).absolute()

@@ -18,11 +18,10 @@ import json
 import re
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.drafters.base import Drafter
+from amphista_jax.drafters.io import params_fit
 from amphista_jax.drafters.medusa import Medusa
 from amphista_jax.errors import UserError
 from amphista_jax.models.torch_files import read_tensors
@@ -75,16 +74,9 @@ def read_medusa(src: str | Path, target: Target) -> tuple[Medusa, dict]:
     lm_head = [get(f"{i}.{n}.weight", (v, d)).T for i in range(k)]
     drafter = Medusa(num_heads=k, num_layers=n)
     params = {"w": jnp.asarray(np.stack(w)), "b": jnp.asarray(np.stack(b)), "lm_head": jnp.asarray(np.stack(lm_head))}
-    _check_like_init(drafter, params, target)
-    return drafter, params
-
-
-def _check_like_init(drafter: Drafter, params: dict, target: Target) -> None:
-    """The params have the tree and shapes the drafter's own `init` makes (so every code path takes them)."""
-    want = jax.eval_shape(lambda: drafter.init(jax.random.key(0), target))
-    if jax.tree.structure(want) != jax.tree.structure(params) or any(
-            a.shape != b.shape for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(params), strict=True)):
+    if not params_fit(drafter, params, target):
         raise PublishedHeadsError(f"the converted {drafter.name} params do not match the drafter's own layout")
+    return drafter, params
 
 
 READERS = {"medusa": read_medusa}
