@@ -105,17 +105,17 @@ def check_fits(prompt_lengths: np.ndarray, max_new_tokens: int, cache_size: int,
 
 def prefill(
     model: Transformer, params: dict, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache,
-    extras: Extras | None = None,
+    extras: Extras | None = None, captures: tuple[int, ...] = (),
 ) -> tuple[Output, KVCache, jax.Array, jax.Array]:
     """Run the padded prompts `[B, T]` (and a drafter's prefill `extras`) through the model; commit each
-    row's own length.
+    row's own length. `captures`: the layers whose inputs the output keeps (`Output.captured`).
 
     Returns (output over all prompt slots, then the extras', committed cache, hidden state `[B, D]` and fp32
     logits `[B, V]` at each row's last prompt token).
     """
     b, t = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = forward(model, params, prompt, positions, cache, causal_mask(b, t), extras, return_logits=False)
+    out = forward(model, params, prompt, positions, cache, causal_mask(b, t), extras, False, captures)
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = model.apply({"params": params}, last_hidden, method=Transformer.logits)
     cache = out.cache.replace(lengths=prompt_lengths.astype(jnp.int32))
@@ -273,7 +273,8 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
         raise PromptTooLongError(f"padded prompt length {t} + {extras.count} prefill extras > {cache_size=}: raise "
                                  "the cache size (--max-len)")
     out, cache, hidden, logits = prefill(st.model(params), params, prompt, prompt_lengths,
-                                         constrain_caches(new_cache(st.config, b, cache_size, dtype)), extras)
+                                         constrain_caches(new_cache(st.config, b, cache_size, dtype)), extras,
+                                         st.drafter.captured_layers(st.config))
     first = select_token(logits, jax.random.fold_in(rng, 0), st.sampling)
     draft_state = st.drafter.prefill(draft_params, frozen, PrefillContext(out, prompt, prompt_lengths, first),
                                      constrain_caches(st.drafter.init_state(st.config, b, cache_size)))
@@ -329,7 +330,8 @@ def spec_verify(params: dict, s: SpecState, proposal: Proposal, settings: SpecSe
     st = settings
     tree = proposal.tree
     positions = s.cache.lengths[:, None] + tree.depth
-    verified = forward(st.model(params), params, proposal.tokens, positions, s.cache, tree.mask, proposal.extras)
+    verified = forward(st.model(params), params, proposal.tokens, positions, s.cache, tree.mask, proposal.extras,
+                       captures=st.drafter.captured_layers(st.config))
     verdict = verify(proposal.tokens, verified.logits[:, :st.tree.num_nodes], tree, st.sampling, st.acceptance,
                      _step_key(s, 1), proposal.q)
     return verified, verdict

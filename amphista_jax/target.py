@@ -54,14 +54,16 @@ class Extras:
 
 
 def forward(model: Transformer, params: dict, tokens: jax.Array, positions: jax.Array, cache: KVCache | None,
-            new_mask: jax.Array, extras: Extras | None, return_logits: bool = True) -> Output:
+            new_mask: jax.Array, extras: Extras | None, return_logits: bool = True,
+            captures: tuple[int, ...] = ()) -> Output:
     """The target over `tokens [B, T]` at `positions [B, T]` with visibility `new_mask [B, T, T]` among them, plus
     a drafter's `extras` after them: the output's hidden states (and logits) are `[B, T + E, ...]`, the new
     tokens' first. The tokens never see the extras; the extras see the committed prefix, `extras.sees_new`,
     `extras.sees_extras` and their own prefix keys/values. Decoding's forwards (`decode.prefill`, verification)
-    and a loss that runs the target with extras (BiTA's, without a cache) share it."""
+    and a loss that runs the target with extras (BiTA's, without a cache) share it. `captures`: the layers whose
+    inputs `Output.captured` holds (a drafter's `captured_layers`)."""
     if extras is None:
-        return model.apply({"params": params}, tokens, positions, cache, new_mask, return_logits)
+        return model.apply({"params": params}, tokens, positions, cache, new_mask, return_logits, captures=captures)
     b, t = tokens.shape
     e = extras.count
     mask = jnp.concatenate([jnp.concatenate([new_mask, jnp.zeros((b, t, e), bool)], 2),
@@ -71,4 +73,4 @@ def forward(model: Transformer, params: dict, tokens: jax.Array, positions: jax.
         visible = jnp.broadcast_to((jnp.arange(t + e) >= t)[None, :, None], (b, t + e, extras.prefix_k.shape[2]))
         prefix = PrefixKV(extras.prefix_k, extras.prefix_v, visible)
     return model.apply({"params": params}, tokens, jnp.concatenate([positions, extras.positions], 1), cache, mask,
-                       return_logits, extras.embeds, prefix)
+                       return_logits, extras.embeds, prefix, captures)

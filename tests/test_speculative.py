@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
-from amphista_jax.drafters import Amphista, BiTA, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive
+from amphista_jax.drafters import Amphista, BiTA, Eagle, Eagle3, Gumiho, Hydra, Medusa, SemiAutoregressive
 from amphista_jax.drafters.base import DraftContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.models.config import tiny_llama_config
@@ -283,14 +283,15 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     pytest.param(Amphista(num_heads=3), PRESETS["small-8"], marks=pytest.mark.slow),
     (Hydra(num_heads=3), PRESETS["small-8"]),
     pytest.param(Hydra.plus_plus(num_heads=3), PRESETS["small-8"], marks=pytest.mark.slow),
-    (Eagle(), dynamic_tree(8, 3, 3)), (Gumiho(top_k=2, fta_nodes=2), dynamic_tree(8, 4, 3)),
+    (Eagle(), dynamic_tree(8, 3, 3)), (Eagle3(), dynamic_tree(8, 3, 3)),
+    (Gumiho(top_k=2, fta_nodes=2), dynamic_tree(8, 4, 3)),
     pytest.param(SemiAutoregressive(num_heads=3), PRESETS["small-8"], marks=pytest.mark.slow),
     pytest.param(DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32)), PRESETS["small-8"],
                  marks=pytest.mark.slow),
     (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32), temperature=1.0), PRESETS["small-8"]),
     (BiTA(), PRESETS["small-8"])],
-    ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "gumiho", "sar", "draft-model", "draft-model-iid-q",
-         "bita"])
+    ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "eagle-3", "gumiho", "sar", "draft-model",
+         "draft-model-iid-q", "bita"])
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""

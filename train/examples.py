@@ -180,31 +180,56 @@ def batch_examples(examples: list[dict], batch_size: int, max_batches: int) -> l
 
 
 def with_hidden(examples: list[dict], model: Transformer, target_params: dict, batch: int,
-                store: str | Path = "", target: Any = None) -> list[dict]:
-    """Attach the target's hidden states `[T, D]` (fp16 on host) to every example. With a `store` directory they
-    are kept there as `hidden-<key>.npy` (key: a digest of the target's identity `target`, its params' dtype and
-    every example's tokens) and read back, memory-mapped, by any later run over the same examples and target, so
-    the methods trained on one data set compute them once; the file is written under a temporary name and renamed
-    when complete (a killed run leaves nothing a later one trusts)."""
+                store: str | Path = "", target: Any = None, captures: tuple[int, ...] = ()) -> list[dict]:
+    """Attach the target's hidden states `[T, D]` (fp16 on host) to every example, and with `captures` the
+    inputs of those layers `[T, C * D]` (`captured`, EAGLE-3's features). With a `store` directory each is kept
+    there (`hidden-<key>.npy`, `captured-<key>-<layers>.npy`; key: a digest of the target's identity `target`, its
+    params' dtype and every example's tokens) and read back, memory-mapped, by any later run over the same
+    examples and target, so the methods trained on one data set compute them once; a file is written under a
+    temporary name and renamed when complete (a killed run leaves nothing a later one trusts)."""
     tokens = np.stack([e["tokens"] for e in examples])  # [N, T]
-    path = None
+    d = model.config.hidden_size
+    wanted = {"hidden": ((), d)} | ({"captured": (captures, len(captures) * d)} if captures else {})
+    paths: dict[str, Path | None] = dict.fromkeys(wanted)
     if store:
         dtype = str(jax.tree.leaves(target_params)[0].dtype)
-        key = json_digest([target, dtype, list(tokens.shape), hashlib.sha256(tokens.tobytes()).hexdigest()])
-        path = Path(store) / f"hidden-{key[:24]}.npy"
-        if path.is_file():
-            print(f"target hidden states: read from {path}")
-            return [e | {"hidden": h} for e, h in zip(examples, np.load(path, mmap_mode="r"), strict=True)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-    forward = jax.jit(lambda p, t: target_forward(model, p, {"tokens": t}).hidden.astype(jnp.float16))
-    shape = tokens.shape + (model.config.hidden_size,)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}") if path else None
-    hidden = np.lib.format.open_memmap(tmp, "w+", np.float16, shape) if tmp else np.empty(shape, np.float16)
-    for i in tqdm(range(0, len(examples), batch), desc="target hidden states", unit="batch"):
-        hidden[i: i + batch] = np.asarray(forward(target_params, jnp.asarray(tokens[i: i + batch])))
-    if tmp:
-        hidden.flush()
-        del hidden
-        os.replace(tmp, path)
-        hidden = np.load(path, mmap_mode="r")
-    return [e | {"hidden": h} for e, h in zip(examples, hidden, strict=True)]
+        key = json_digest([target, dtype, list(tokens.shape), hashlib.sha256(tokens.tobytes()).hexdigest()])[:24]
+        paths = {"hidden": Path(store) / f"hidden-{key}.npy"} | (
+            {"captured": Path(store) / f"captured-{key}-{'-'.join(map(str, captures))}.npy"} if captures else {})
+    arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items() if path and path.is_file()}
+    for name in arrays:
+        print(f"target {name} states: read from {paths[name]}")
+    missing = [name for name in wanted if name not in arrays]
+    if missing:
+        arrays |= _compute_states(tokens, model, target_params, batch, {n: wanted[n][1] for n in missing},
+                                  {n: paths[n] for n in missing}, captures)
+    return [e | {name: a[i] for name, a in arrays.items()} for i, e in enumerate(examples)]
+
+
+def _compute_states(tokens: np.ndarray, model: Transformer, target_params: dict, batch: int, widths: dict[str, int],
+                    paths: dict[str, Path | None], captures: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """One pass of the target over `tokens [N, T]` filling the named states (`hidden`, `captured`) of the given
+    widths, each into its file's temporary name (renamed when complete) or into memory."""
+    def states(p: dict, t: jax.Array) -> dict[str, jax.Array]:
+        out = target_forward(model, p, {"tokens": t}, captures if "captured" in widths else ())
+        return {name: getattr(out, name).astype(jnp.float16) for name in widths}
+
+    forward = jax.jit(states)
+    arrays, temps = {}, {}
+    for name, width in widths.items():
+        shape = tokens.shape + (width,)
+        if (path := paths[name]) is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temps[name] = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            arrays[name] = np.lib.format.open_memmap(temps[name], "w+", np.float16, shape)
+        else:
+            arrays[name] = np.empty(shape, np.float16)
+    for i in tqdm(range(0, len(tokens), batch), desc=f"target {' and '.join(widths)} states", unit="batch"):
+        for name, value in forward(target_params, jnp.asarray(tokens[i: i + batch])).items():
+            arrays[name][i: i + batch] = np.asarray(value)
+    for name, tmp in temps.items():
+        arrays[name].flush()
+        del arrays[name]
+        os.replace(tmp, paths[name])
+        arrays[name] = np.load(paths[name], mmap_mode="r")
+    return arrays

@@ -161,12 +161,15 @@ def train_job(cfg: TrainConfig, target_config: ModelConfig, devices: list[jax.De
                     eval_step, new_state)
 
 
-def batch_shapes(cfg: DataConfig, batch: int, hidden_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global batch the train step takes: the examples' arrays stacked `batch` deep."""
+def batch_shapes(cfg: DataConfig, batch: int, hidden_size: int, captures: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch the train step takes: the examples' arrays stacked `batch` deep (`captures`: how many
+    captured layers' inputs ride along with cached hidden states)."""
     shapes = {"tokens": jax.ShapeDtypeStruct((batch, cfg.max_len), jnp.int32),
               "loss_mask": jax.ShapeDtypeStruct((batch, cfg.max_len), jnp.int32)}
     if cfg.cache_target_hidden:
         shapes["hidden"] = jax.ShapeDtypeStruct((batch, cfg.max_len, hidden_size), jnp.float16)
+        if captures:
+            shapes["captured"] = jax.ShapeDtypeStruct((batch, cfg.max_len, captures * hidden_size), jnp.float16)
     return shapes
 
 
@@ -176,7 +179,8 @@ def plan_training(cfg: TrainConfig, job: TrainJob, target_dtype: Any, capacity: 
     `target_dtype`)."""
     params = abstract(param_shapes(job.config, target_dtype)[0], job.target_shardings)
     state = abstract(jax.eval_shape(job.new_state, Target(job.config, params)), job.state_shardings)
-    batch = batch_shapes(cfg.data, cfg.data.batch_size, job.config.hidden_size)
+    batch = batch_shapes(cfg.data, cfg.data.batch_size, job.config.hidden_size,
+                         len(job.drafter.captured_layers(job.config)))
     if job.mesh is not None:
         batch = abstract(batch, jax.tree.map(lambda _: Step.batch_spec(job.mesh), batch))
     compiled = job.train_step.compile(state, params, batch)
@@ -222,8 +226,10 @@ def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
     target_params, target_config = load_params(model_dir, dtype=cfg.dtype, shardings=job.target_shardings)
     if cfg.data.cache_target_hidden:
         store, target = cfg.data.hidden_store, identity["target"]
-        train_examples = with_hidden(train_examples, job.model, target_params, cfg.data.batch_size, store, target)
-        heldout = with_hidden(heldout, job.model, target_params, cfg.data.batch_size, store, target)
+        captures = job.drafter.captured_layers(target_config)
+        train_examples = with_hidden(train_examples, job.model, target_params, cfg.data.batch_size, store, target,
+                                     captures)
+        heldout = with_hidden(heldout, job.model, target_params, cfg.data.batch_size, store, target, captures)
     drafter, train_step, eval_step = job.drafter, job.train_step, job.eval_step
     init_state = functools.partial(job.new_state, Target(target_config, target_params))  # made in place on shards
 

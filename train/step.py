@@ -30,20 +30,25 @@ from amphista_jax.sharding import BATCH_AXES, LOGICAL_RULES, local_batch_shards
 from amphista_jax.target import Target
 
 
-def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax.Array]) -> Output:
-    """The frozen target's last-layer hidden states and fp32 logits over `batch["tokens"] [B, T]`.
+def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax.Array],
+                   captures: tuple[int, ...] = ()) -> Output:
+    """The frozen target's last-layer hidden states and fp32 logits over `batch["tokens"] [B, T]` (and the
+    inputs of layers `captures`, `Output.captured`).
 
-    When the batch carries precomputed `hidden [B, T, D]` only the output projection runs.
+    When the batch carries precomputed `hidden [B, T, D]` (and `captured [B, T, C * D]`) only the output
+    projection runs.
     """
     if "hidden" in batch:
         hidden = batch["hidden"].astype(jnp.float32)
         logits = model.apply({"params": target_params}, hidden, method=Transformer.logits)
-        return jax.lax.stop_gradient(Output(hidden, logits, None))
+        captured = batch["captured"].astype(jnp.float32) if captures else None
+        return jax.lax.stop_gradient(Output(hidden, logits, None, captured))
     tokens = batch["tokens"]
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = model.apply({"params": target_params}, tokens, positions)
-    return jax.lax.stop_gradient(out.replace(hidden=out.hidden.astype(jnp.float32)))
+    out = model.apply({"params": target_params}, tokens, positions, captures=captures)
+    captured = None if out.captured is None else out.captured.astype(jnp.float32)
+    return jax.lax.stop_gradient(out.replace(hidden=out.hidden.astype(jnp.float32), captured=captured))
 
 
 def over_microbatches(fn: Callable[[dict, jax.Array], Any], batch: dict, rng: jax.Array, microbatches: int) -> Any:
@@ -91,7 +96,7 @@ def make_steps(model: Transformer, drafter: Drafter, optimizer: optax.GradientTr
         with nn.logical_axis_rules(LOGICAL_RULES):
             if runs_target:  # the drafter runs the frozen target in its loss: gradients reach its params through it
                 return drafter.loss(params, target, batch, None)
-            target_out = target_forward(model, target_params, batch)
+            target_out = target_forward(model, target_params, batch, drafter.captured_layers(model.config))
             # Pinned here, so that the drafter's shardings do not propagate back into the target's forward.
             target_out = target_out.replace(
                 hidden=nn.with_logical_constraint(target_out.hidden, ("batch", "length", "embed")),

@@ -136,6 +136,12 @@ class Drafter(abc.ABC):
             raise TreeError(f"the tree ranks {tree.num_ranks} siblings but {self.name} drafts from "
                             f"{self.rankable(vocab_size)} tokens: pick a tree with fewer children per node")
 
+    def captured_layers(self, config: ModelConfig) -> tuple[int, ...]:
+        """The target layers whose inputs (the residual stream before each) the drafter reads besides the last
+        hidden state: every target forward of decoding and training then keeps them (`Output.captured`, `[B, T,
+        C * D]`, in this order). None by default (EAGLE-3: low, middle and high)."""
+        return ()
+
     def sampling_at(self, temperature: float, tree: Tree) -> Drafter:
         """The drafter for decoding at `temperature` on `tree` (a draft model samples its drafts at the target's
         temperature on a static tree); itself by default."""
@@ -290,13 +296,14 @@ def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array,
 
 
 def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], teacher_logits: jax.Array | None = None,
-                teacher_weight: float = 0.0, teacher_name: str = "teacher",
+                teacher_weight: float | Sequence[float] = 0.0, teacher_name: str = "teacher",
                 draft_vocab: DraftVocab = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The draft-head objective every head method shares: head k (0-based) at position t drafts token
     t + 2 + k, which the target predicts at t + 1 + k. `logits [B, T, K, V_d]` (over `draft_vocab`, see
     `head_metrics` and `teacher_ce`); `batch` holds `tokens` and
     `loss_mask [B, T]`. Returns the sum over heads of `lm_weights[k] * CE(truth)` (+ `teacher_weight *
-    CE(softmax(teacher_logits))` when the target's `teacher_logits [B, T, V]` are given) and per-head
+    CE(softmax(teacher_logits))` when the target's `teacher_logits [B, T, V]` are given; one weight, or one per
+    head) and per-head
     metrics: `head{k}/loss`, `top1`, `top5` and `head{k}/<teacher_name>`."""
     tokens, mask = batch["tokens"], batch["loss_mask"].astype(jax.numpy.float32)
     t = tokens.shape[1]
@@ -309,7 +316,7 @@ def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], tea
         metrics |= {f"head{k}/{name}": v for name, v in head.items()}
         if teacher_logits is not None:
             teacher = teacher_ce(lk, teacher_logits[:, shift - 1: t - 1], m, draft_vocab)
-            total = total + teacher_weight * teacher
+            total = total + (teacher_weight[k] if isinstance(teacher_weight, Sequence) else teacher_weight) * teacher
             metrics[f"head{k}/{teacher_name}"] = teacher
     return total, metrics
 

@@ -40,11 +40,16 @@ def at_last(x: jax.Array, count: jax.Array) -> jax.Array:
     return x[jnp.arange(x.shape[0]), count - 1]
 
 
-def path_hidden(verdict: Verdict, verify_out: Output) -> jax.Array:
-    """`[B, D + 1, D]` the target's hidden states at the accepted path's nodes (entries past `n_accepted`
-    repeat the root's; callers commit only `n_accepted`)."""
+def at_path(verdict: Verdict, x: jax.Array) -> jax.Array:
+    """`[B, D + 1, ...]` per-node values `x [B, N, ...]` of a verify forward at the accepted path's nodes (entries
+    past `n_accepted` repeat the root's; callers commit only `n_accepted`)."""
     path = jnp.maximum(verdict.accepted_nodes, 0)
-    return jnp.take_along_axis(verify_out.hidden, path[:, :, None], axis=1)
+    return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def path_hidden(verdict: Verdict, verify_out: Output) -> jax.Array:
+    """`[B, D + 1, D]` the target's hidden states at the accepted path's nodes (`at_path`)."""
+    return at_path(verdict, verify_out.hidden)
 
 
 def run_and_commit(run: RunLayers, caches: tuple[KVCache, ...], t: int,

@@ -54,6 +54,9 @@ class Output:
     hidden: jax.Array  # [B, T, D] last-layer hidden states (after the final norm)
     logits: jax.Array | None  # [B, T, V] fp32, when asked for
     cache: KVCache | None  # the cache with the new tokens written to their scratch slots
+    # [B, T, C * D] the inputs of the `captures` layers (the residual stream before each), concatenated in order,
+    # when asked for (EAGLE-3's low / middle / high features)
+    captured: jax.Array | None = None
 
 
 def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
@@ -137,27 +140,44 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the scan body. `scanned` is this layer's (k cache, v cache, sliding window, prefix
-    keys, prefix values); `shared` ends with the prefix keys' visibility `[B, T, Pk]` (None: no prefix)."""
+    keys, prefix values, index); `shared` is (positions, new mask, visibility, distance, lengths, the prefix keys'
+    visibility `[B, T, Pk]` (None: no prefix), the captured layers' indices `[C]` (None: none)).
+
+    With captures the scan carries `(x, captured [C, B, T, D])`: layer `index` writes its input into the slots
+    whose index it is (`captured_inputs`), so only those C arrays are kept, whatever the depth.
+
+    `fused_input` (EAGLE-3's draft layer): the input is `[E(token) ; feature]` `[B, T, 2D]`; attention reads
+    `[input_norm(E) ; hidden_norm(feature)]` and the residual stream starts from the feature."""
 
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
+    fused_input: bool = False
 
     @nn.compact
     def __call__(self, x, scanned, shared):
-        layer_k, layer_v, window, prefix_k, prefix_v = scanned
-        positions, new_mask, visible, distance, lengths, prefix_visible = shared
+        layer_k, layer_v, window, prefix_k, prefix_v, index = scanned
+        positions, new_mask, visible, distance, lengths, prefix_visible, capture_at = shared
+        x, captured = x if isinstance(x, tuple) else (x, None)
+        if captured is not None:
+            captured = jnp.where((capture_at == index)[:, None, None, None], x[None].astype(captured.dtype), captured)
         c = self.config
         visible = apply_window(visible, distance, window)
         prefix = None if prefix_k is None else (prefix_k, prefix_v, prefix_visible)
+        norm = RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")
+        if self.fused_input:
+            embeds, x = jnp.split(x, 2, axis=-1)
+            attn_in = jnp.concatenate([norm(embeds), RMSNorm(c.rms_norm_eps, self.param_dtype, name="hidden_norm")(x)],
+                                      axis=-1)
+        else:
+            attn_in = norm(x)
         h, layer_k, layer_v = Attention(c, self.param_dtype, self.attention, name="attn")(
-            RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x), positions, new_mask, visible, layer_k,
-            layer_v, lengths, window, prefix)
+            attn_in, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix)
         x = x + h
         x = x + MLP(c, self.param_dtype, name="mlp")(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="post_attn_norm")(x))
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-        return x, (layer_k, layer_v)
+        return (x, captured) if captured is not None else x, (layer_k, layer_v)
 
 
 def decoder_layer(remat: bool, scanned: bool) -> type[nn.Module]:
@@ -199,6 +219,14 @@ def run_stack(
     Returns the last layer's output `[B, T, D]` (before any final norm) and the cache with the new tokens'
     keys/values in its scratch slots (`None` without a cache).
     """
+    x, cache, _ = captured_run(layers, config, x, positions, cache, new_mask, prefix)
+    return x, cache
+
+
+def captured_run(layers: nn.Module, config: ModelConfig, x: jax.Array, positions: jax.Array, cache: KVCache | None,
+                 new_mask: jax.Array | None, prefix: PrefixKV | None = None, captures: tuple[int, ...] = ()
+                 ) -> tuple[jax.Array, KVCache | None, jax.Array | None]:
+    """`run_stack` that also returns the inputs of layers `captures` `[B, T, C * D]` (None without any)."""
     b, t = x.shape[:2]
     if new_mask is None:
         new_mask = causal_mask(b, t)
@@ -206,17 +234,26 @@ def run_stack(
     lengths = None if cache is None else cache.lengths
     visible, distance = key_visibility(positions, new_mask, lengths, t if cache is None else cache.size)
     pk, pv, pvis = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.visible)
-    shared = (positions, new_mask, visible, distance, lengths, pvis)
-    scanned = (None if cache is None else cache.k, None if cache is None else cache.v, windows, pk, pv)
+    index = jnp.arange(config.num_layers, dtype=jnp.int32)
+    scanned = (None if cache is None else cache.k, None if cache is None else cache.v, windows, pk, pv, index)
+    captured = None
     if isinstance(layers, nn.Module):
-        x, (k, v) = layers(x, scanned, shared)
-    else:  # one module per layer (`split_layers`)
-        outs = []
+        shared = (positions, new_mask, visible, distance, lengths, pvis, jnp.asarray(captures, jnp.int32))
+        carry = (x, jnp.zeros((len(captures),) + x.shape, x.dtype)) if captures else x
+        carry, (k, v) = layers(carry, scanned, shared)
+        x, captured = carry if captures else (carry, None)
+    else:  # one module per layer (`split_layers`): the captured inputs are read as the loop passes them
+        shared = (positions, new_mask, visible, distance, lengths, pvis, None)
+        outs, caught = [], {}
         for i, layer in enumerate(layers):
+            caught[i] = x
             x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], scanned), shared)
             outs.append(out)
         k, v = jax.tree.map(lambda *a: jnp.stack(a), *outs) if cache is not None else (None, None)
-    return x, None if cache is None else cache.replace(k=k, v=v)
+        captured = jnp.stack([caught[i] for i in captures]) if captures else None
+    if captured is not None:  # [C, B, T, D] -> [B, T, C * D]
+        captured = jnp.moveaxis(captured, 0, -2).reshape(x.shape[:2] + (-1,))
+    return x, None if cache is None else cache.replace(k=k, v=v), captured
 
 
 class Transformer(nn.Module):
@@ -253,13 +290,14 @@ class Transformer(nn.Module):
         return_logits: bool = True,
         extra_embeds: jax.Array | None = None,  # [B, E, D] extra queries after the T tokens
         prefix: PrefixKV | None = None,  # keys/values only the extras see
+        captures: tuple[int, ...] = (),  # layers whose inputs `Output.captured` holds
     ) -> Output:
         x = self.embed_tokens(tokens)
         if extra_embeds is not None:
             x = jnp.concatenate([x, extra_embeds.astype(x.dtype)], axis=1)
-        x, cache = run_stack(self.layers, self.config, x, positions, cache, new_mask, prefix)
+        x, cache, captured = captured_run(self.layers, self.config, x, positions, cache, new_mask, prefix, captures)
         hidden = self.final_norm(x)
-        return Output(hidden, self.logits(hidden) if return_logits else None, cache)
+        return Output(hidden, self.logits(hidden) if return_logits else None, cache, captured)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """Input embeddings `[..., D]` of `tokens [...]` (Amphista/Hydra consume these)."""
