@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "directory in fp32, with its tokenizer and chat template, instead of --model")
     c.add_argument("--heads-from", nargs=2, metavar=("FORMAT", "DIR"), default=None,
                    help="convert heads released in another project's layout for --model: medusa (FasterDecoding's "
-                   "medusa_lm_head.safetensors / .pt, read without torch)")
+                   "medusa_lm_head.safetensors / .pt), eagle (SafeAILab's EAGLE-1/2 heads), eagle3 (SafeAILab's or "
+                   "SpecForge's EAGLE-3 heads); pytorch_model.bin / .pt files are read without torch")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     c.add_argument("--max-shard-mb", type=int, default=0, help="0 = one file")

@@ -5,8 +5,8 @@ layers (EAGLE: one; Gumiho's serial part: two) of the target's block type, with 
 `FC([E(x_{t+1}) ; f_t]) -> D` (`f_t` the target's last-layer hidden state at t, after the final norm) and
 predict `f_{t+1}`; the target's frozen `lm_head` turns the prediction into the draft distribution of `x_{t+2}`.
 Drafting is autoregressive in that feature space: a drafted node's predicted feature is its children's input
-feature. (Every layer keeps its input norm; EAGLE's reference drops it in the first layer, a detail that does
-not change what is drafted from what.)
+feature. Every layer normalises its input before attention; the released EAGLE heads' one layer does not
+(`input_norm=False`, what `published.read_eagle` loads them as).
 
 Slot `p` of the drafter's cache holds its input `(E(x_{p+1}), f_p)`; it stays in step with the target's
 cache (`causal_layers.py`): `prefill` runs the layers over the prompt (the root is the last slot's next token)
@@ -77,18 +77,22 @@ class Eagle(LogicalInit):
     reg_weight: float = 1.0  # SmoothL1 regression of the next feature
     cls_weight: float = 0.1  # CE of lm_head(predicted feature) against the target's distribution
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
+    input_norm: bool = True  # False: the released heads' form, attention reads the layer's input unnormalised
 
     def __post_init__(self) -> None:
         normalise_field(self)
         if self.num_layers < 1:
             raise ValueError(f"{self.num_layers=} must be >= 1")
+        if not self.input_norm and self.num_layers != 1:
+            raise ValueError(f"input_norm=False (EAGLE's released one-layer form) needs num_layers=1, not "
+                             f"{self.num_layers}")
         if self.feature_noise < 0:
             raise ValueError(f"{self.feature_noise=} must be >= 0 (0 = no noise)")
         if self.reg_weight < 0 or self.cls_weight < 0 or self.reg_weight + self.cls_weight == 0:
             raise ValueError(f"loss weights {self.reg_weight=}, {self.cls_weight=} must be >= 0, not both 0")
 
     def _net(self, target: ModelConfig) -> _EagleNet:
-        return _EagleNet(target, self.num_layers)
+        return _EagleNet(target, self.num_layers, self.input_norm)
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d = target.config.hidden_size
@@ -189,10 +193,12 @@ class Eagle(LogicalInit):
 class _EagleNet(nn.Module):
     target: ModelConfig
     num_layers: int = 1
+    input_norm: bool = True
 
     def setup(self) -> None:
         self.fc = logical_dense(self.target.hidden_size, ("embed", "mlp"), "fc")
-        self.layer = decoder_stack(block_config(self.target, self.num_layers), jnp.float32, "xla", name="layer")
+        self.layer = decoder_stack(block_config(self.target, self.num_layers), jnp.float32, "xla", name="layer",
+                                   input_norm=self.input_norm)
 
     def __call__(self, embeds: jax.Array, features: jax.Array, positions: jax.Array, cache: KVCache | None,
                  new_mask: jax.Array | None = None, prefix: PrefixKV | None = None) -> tuple[jax.Array, Any]:

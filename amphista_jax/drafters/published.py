@@ -8,6 +8,18 @@ drafters' params (`amphista-jax convert --heads-from FORMAT DIR --model TARGET -
 `{i}.{n}.weight [V, D]`, the head's own vocabulary projection: exactly our `Medusa` (its paper's form,
 `shared_lm_head=False`), with `w = W^T`. A `medusa_head.` prefix (a whole model's state dict) is accepted.
 
+`eagle` (SafeAILab/EAGLE, EAGLE-1/2 heads; `eagle/model/cnets1.py`): `config.json` (the target's Llama config
+with `num_hidden_layers: 1`) beside `pytorch_model.bin` or `model.safetensors`: `fc.weight [D, 2D]` (+ `fc.bias`)
+over `[E(token) ; feature]`, then `layers.0.{self_attn,mlp}.*` and `layers.0.post_attention_layernorm.weight` (the
+first layer has no input norm: our `Eagle(input_norm=False)`); the target's own `lm_head` gives the logits.
+`embed_tokens.weight`, a copy of the target's, is ignored.
+
+`eagle3` (SafeAILab/EAGLE `eagle/model/cnets.py`, SpecForge): `config.json` (`draft_vocab_size`) beside the same
+files: `fc.weight [D, 3D]` (no bias), `midlayer.{self_attn,mlp}.*` (q/k/v read `2D`), `midlayer.input_layernorm`
+(on the embedding), `midlayer.hidden_norm`, `midlayer.post_attention_layernorm`, `norm.weight`, `lm_head.weight
+[V_d, D]`, and `d2t [V_d]` (draft index i is target token `i + d2t[i]`; `t2d`, its inverse mask, is checked
+against it): our `Eagle3` with `draft_vocab = i + d2t[i]` and the reference's feature layers.
+
 Every checkpoint is checked against the target (hidden size, vocabulary) before anything is written, one line
 each.
 """
@@ -21,13 +33,18 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from amphista_jax.drafters.base import Drafter
+from amphista_jax.drafters.eagle import Eagle
+from amphista_jax.drafters.eagle3 import Eagle3
 from amphista_jax.drafters.io import params_fit
 from amphista_jax.drafters.medusa import Medusa
 from amphista_jax.errors import UserError
+from amphista_jax.models.hf import LAYER_TENSORS
 from amphista_jax.models.torch_files import read_tensors
 from amphista_jax.target import Target
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
+EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class PublishedHeadsError(UserError, ValueError):
@@ -47,6 +64,72 @@ def _check(what: str, got: tuple[int, ...], want: tuple[int, ...], target: Targe
         raise PublishedHeadsError(f"{what} has shape {got}, but the target (hidden size {target.config.hidden_size}, "
                                   f"vocabulary {target.config.vocab_size}) needs {want}: these heads were trained "
                                   "for another model; pass that model as --model")
+
+
+class _Tensors:
+    """A released checkpoint's tensors, read by name with their shapes checked against the target."""
+
+    def __init__(self, src: Path, tensors: dict[str, np.ndarray], target: Target, layout: str):
+        self.src, self.tensors, self.target, self.layout = src, tensors, target, layout
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        if name not in self.tensors:
+            raise PublishedHeadsError(f"{self.src} has no tensor {name}: the file is incomplete or not {self.layout}'s "
+                                      "released layout")
+        if shape is not None:
+            _check(name, tuple(self.tensors[name].shape), shape, self.target)
+        return np.asarray(self.tensors[name], np.float32)
+
+    def layer(self, prefix: str, d_in: int) -> dict:
+        """One released decoder layer (`{prefix}.self_attn.q_proj.weight`, ...) as our layer's params (q/k/v read
+        `d_in`-wide inputs); tensors it does not hold are left out (the caller's form says which it needs)."""
+        c = self.target.config
+        shapes = {"q_proj": (c.num_heads * c.head_dim, d_in), "k_proj": (c.num_kv_heads * c.head_dim, d_in),
+                  "v_proj": (c.num_kv_heads * c.head_dim, d_in), "o_proj": (c.hidden_size, c.num_heads * c.head_dim),
+                  "gate_proj": (c.intermediate_size, c.hidden_size), "up_proj": (c.intermediate_size, c.hidden_size),
+                  "down_proj": (c.hidden_size, c.intermediate_size)}
+        out: dict = {}
+        for path, (name, transposed) in LAYER_TENSORS.items():
+            full = f"{prefix}.{name}"
+            if full not in self.tensors:
+                continue
+            shape = shapes[path[1]] if transposed else ((c.hidden_size,) if path[-1] == "scale" else None)
+            value = self.get(full, shape)
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = jnp.asarray(value.T if transposed else value)
+        return out
+
+
+def _read(src: str | Path, files: tuple[str, ...], layout: str, target: Target) -> tuple[Path, _Tensors, dict]:
+    src = Path(src)
+    tensors = read_tensors(_first_file(src, files, layout))
+    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    for key, ours in (("hidden_size", target.config.hidden_size), ("vocab_size", target.config.vocab_size)):
+        if key in config and int(config[key]) != ours:
+            raise PublishedHeadsError(f"{src / 'config.json'} has {key} {config[key]} but the target has {ours}: "
+                                      "these heads were trained for another model; pass that model as --model")
+    return src, _Tensors(src, tensors, target, layout), config
+
+
+def _fitted(drafter: Drafter, params: dict, target: Target) -> tuple[Drafter, dict]:
+    if not params_fit(drafter, params, target):
+        raise PublishedHeadsError(f"the converted {drafter.name} params do not match the drafter's own layout")
+    return drafter, params
+
+
+def _require(layer: dict, names: tuple[tuple[str, ...], ...], src: Path, prefix: str, layout: str) -> None:
+    for path in names:
+        node = layer
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                raise PublishedHeadsError(f"{src} has no tensor {prefix}.{LAYER_TENSORS[path][0]}: the file is "
+                                          f"incomplete or not {layout}'s released layout")
+            node = node[key]
+
+
+_LAYER_CORE = tuple(p for p in LAYER_TENSORS if p[-1] == "kernel") + (("post_attn_norm", "scale"),)
 
 
 def read_medusa(src: str | Path, target: Target) -> tuple[Medusa, dict]:
@@ -79,4 +162,56 @@ def read_medusa(src: str | Path, target: Target) -> tuple[Medusa, dict]:
     return drafter, params
 
 
-READERS = {"medusa": read_medusa}
+def read_eagle(src: str | Path, target: Target) -> tuple[Eagle, dict]:
+    """(the drafter, its params) of SafeAILab's released EAGLE (EAGLE-1/2) heads in `src`, checked against
+    `target`."""
+    src, t, config = _read(src, EAGLE_FILES, "eagle", target)
+    d = target.config.hidden_size
+    if int(config.get("num_hidden_layers", 1)) != 1 or "layers.1.self_attn.q_proj.weight" in t.tensors:
+        raise PublishedHeadsError(f"{src} holds a draft stack of more than one layer: the released EAGLE heads have "
+                                  "one, and only that form loads")
+    layer = t.layer("layers.0", d)
+    _require(layer, _LAYER_CORE, src, "layers.0", "eagle")
+    fc = {"kernel": jnp.asarray(t.get("fc.weight", (d, 2 * d)).T),
+          "bias": jnp.asarray(t.get("fc.bias", (d,)) if "fc.bias" in t.tensors else np.zeros(d, np.float32))}
+    stacked = {"layer": {k: _stack(v) for k, v in layer.items()}}
+    return _fitted(Eagle(input_norm=False), {"fc": fc} | stacked, target)
+
+
+def _stack(tree: dict) -> dict:
+    """One layer's params on the leading `layers` axis of a one-layer `decoder_stack`."""
+    return {k: _stack(v) if isinstance(v, dict) else v[None] for k, v in tree.items()}
+
+
+def read_eagle3(src: str | Path, target: Target) -> tuple[Eagle3, dict]:
+    """(the drafter, its params) of released EAGLE-3 heads (SafeAILab, SpecForge) in `src`, checked against
+    `target`."""
+    src, t, config = _read(src, EAGLE_FILES, "eagle3", target)
+    c = target.config
+    d = c.hidden_size
+    d2t = np.asarray(t.tensors["d2t"] if "d2t" in t.tensors else t.get("d2t")).astype(np.int64)
+    ids = np.arange(len(d2t)) + d2t  # draft index -> target id
+    if "draft_vocab_size" in config and int(config["draft_vocab_size"]) != len(ids):
+        raise PublishedHeadsError(f"{src}: d2t has {len(ids)} entries but config.json's draft_vocab_size is "
+                                  f"{config['draft_vocab_size']}: the files do not belong together")
+    if ids.min() < 0 or ids.max() >= c.vocab_size or len(set(ids.tolist())) != len(ids):
+        raise PublishedHeadsError(f"{src}: d2t maps to target ids outside [0, {c.vocab_size}) or to one twice: these "
+                                  "heads were trained for another vocabulary; pass that model as --model")
+    if "t2d" in t.tensors:
+        t2d = np.asarray(t.tensors["t2d"]).astype(bool)
+        if t2d.shape != (c.vocab_size,) or not np.array_equal(np.flatnonzero(t2d), np.sort(ids)):
+            raise PublishedHeadsError(f"{src}: t2d ({t2d.shape[0]} entries) does not mark d2t's {len(ids)} target ids "
+                                      f"of a {c.vocab_size}-token vocabulary: these heads were trained for another "
+                                      "vocabulary; pass that model as --model")
+    order = np.argsort(ids)  # our draft vocabulary is sorted; the released one normally is already
+    layer = t.layer("midlayer", 2 * d)
+    _require(layer, _LAYER_CORE + (("input_norm", "scale"),), src, "midlayer", "eagle3")
+    layer["hidden_norm"] = {"scale": jnp.asarray(t.get("midlayer.hidden_norm.weight", (d,)))}
+    params = {"fc": {"kernel": jnp.asarray(t.get("fc.weight", (d, 3 * d)).T)}, "midlayer_0": layer,
+              "norm": {"scale": jnp.asarray(t.get("norm.weight", (d,)))},
+              "lm_head": jnp.asarray(t.get("lm_head.weight", (len(ids), d))[order].T)}
+    vocab = () if len(ids) == c.vocab_size else tuple(int(i) for i in ids[order])  # (): the whole vocabulary
+    return _fitted(Eagle3(draft_vocab=vocab), params, target)
+
+
+READERS = {"medusa": read_medusa, "eagle": read_eagle, "eagle3": read_eagle3}

@@ -28,7 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"checkpoint": None, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 LAYOUTS = ("stacked", "split")  # the target's layer layouts (`load_params`)
 
-_LAYER_TENSORS = {  # our path under `layers` -> HF name under `model.layers.{i}.`, transposed?
+LAYER_TENSORS = {  # our path under `layers` -> HF name under `model.layers.{i}.`, transposed?
     ("attn", "q_proj", "kernel"): ("self_attn.q_proj.weight", True),
     ("attn", "k_proj", "kernel"): ("self_attn.k_proj.weight", True),
     ("attn", "v_proj", "kernel"): ("self_attn.v_proj.weight", True),
@@ -115,7 +115,7 @@ def _hf_layout(config: ModelConfig) -> dict[tuple[str, ...], tuple[str, bool, bo
     template, transposed, stacked over layers)."""
     layout: dict[tuple[str, ...], tuple[str, bool, bool]] = {
         path: (name, t, False) for path, (name, t) in _TOP_TENSORS.items()}
-    for path, (name, t) in _LAYER_TENSORS.items():
+    for path, (name, t) in LAYER_TENSORS.items():
         layout[("layers",) + path] = ("model.layers.{}." + name, t, True)
         layout |= {(f"layer_{i}",) + path: (f"model.layers.{i}." + name, t, False) for i in range(config.num_layers)}
     return layout

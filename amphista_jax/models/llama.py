@@ -147,12 +147,14 @@ class DecoderLayer(nn.Module):
     whose index it is (`captured_inputs`), so only those C arrays are kept, whatever the depth.
 
     `fused_input` (EAGLE-3's draft layer): the input is `[E(token) ; feature]` `[B, T, 2D]`; attention reads
-    `[input_norm(E) ; hidden_norm(feature)]` and the residual stream starts from the feature."""
+    `[input_norm(E) ; hidden_norm(feature)]` and the residual stream starts from the feature. `input_norm=False`
+    (EAGLE's released draft layer): attention reads the input as it is."""
 
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
     fused_input: bool = False
+    input_norm: bool = True
 
     @nn.compact
     def __call__(self, x, scanned, shared):
@@ -164,13 +166,13 @@ class DecoderLayer(nn.Module):
         c = self.config
         visible = apply_window(visible, distance, window)
         prefix = None if prefix_k is None else (prefix_k, prefix_v, prefix_visible)
-        norm = RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")
+        attn_in = x
         if self.fused_input:
             embeds, x = jnp.split(x, 2, axis=-1)
-            attn_in = jnp.concatenate([norm(embeds), RMSNorm(c.rms_norm_eps, self.param_dtype, name="hidden_norm")(x)],
-                                      axis=-1)
-        else:
-            attn_in = norm(x)
+            attn_in = jnp.concatenate([RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(embeds),
+                                       RMSNorm(c.rms_norm_eps, self.param_dtype, name="hidden_norm")(x)], axis=-1)
+        elif self.input_norm:
+            attn_in = RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x)
         h, layer_k, layer_v = Attention(c, self.param_dtype, self.attention, name="attn")(
             attn_in, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix)
         x = x + h
@@ -187,8 +189,8 @@ def decoder_layer(remat: bool, scanned: bool) -> type[nn.Module]:
     return nn.remat(DecoderLayer, prevent_cse=not scanned) if remat else DecoderLayer
 
 
-def decoder_stack(config: ModelConfig, param_dtype: Dtype, attention: str, name: str, remat: bool = False
-                  ) -> nn.Module:
+def decoder_stack(config: ModelConfig, param_dtype: Dtype, attention: str, name: str, remat: bool = False,
+                  input_norm: bool = True) -> nn.Module:
     """`config.num_layers` decoder layers stacked on a leading `layers` axis (`nn.scan`: one compiled body).
 
     Draft methods build their own stacks from the target's block type (Amphista's adaptation layers and
@@ -201,7 +203,7 @@ def decoder_stack(config: ModelConfig, param_dtype: Dtype, attention: str, name:
         in_axes=(0, nn.broadcast),
         length=config.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
-    )(config, param_dtype, attention, name=name)
+    )(config, param_dtype, attention, input_norm=input_norm, name=name)
 
 
 def run_stack(
