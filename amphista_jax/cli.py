@@ -14,6 +14,7 @@ from amphista_jax.errors import (
     BAD_INPUT_EXIT,
     ENVIRONMENT_ERRNOS,
     ENVIRONMENT_EXIT,
+    MachineRefusal,
     UsageError,
     UserError,
     check_writable_dir,
@@ -424,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         if _debug(args):
             raise
-        return _one_line(args.command, str(e), BAD_INPUT_EXIT)
+        return _one_line(args.command, str(e), ENVIRONMENT_EXIT if isinstance(e, MachineRefusal) else BAD_INPUT_EXIT)
     except OSError as e:
         if _debug(args) or e.errno not in ENVIRONMENT_ERRNOS:
             raise

@@ -24,6 +24,11 @@ class UsageError(UserError, ValueError):
     """A command-line argument that cannot work."""
 
 
+class MachineRefusal(UserError, OSError):
+    """The machine refuses what the command needs (a read-only or forbidden path, too little free space): the CLI
+    exits with `ENVIRONMENT_EXIT`, as it does for the OSErrors of `ENVIRONMENT_ERRNOS`."""
+
+
 class OutputExistsError(UserError, FileExistsError):
     """An output path that holds something the user made: refused, never overwritten."""
 
@@ -33,8 +38,8 @@ ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.E
 
 
 def check_writable_dir(path: str | Path, what: str, need_bytes: int = 0) -> None:
-    """Raise `UsageError` unless `path` (a directory, created later if missing) can be written, with
-    `need_bytes` free where that can be estimated. Call before any slow work."""
+    """Raise `MachineRefusal` unless `path` (a directory, created later if missing) can be written, with
+    `need_bytes` free where that can be estimated (`UsageError` where it is a file). Call before any slow work."""
     path = Path(path).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
@@ -44,8 +49,8 @@ def check_writable_dir(path: str | Path, what: str, need_bytes: int = 0) -> None
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"{what} {path} cannot be written ({e.strerror}): pick a writable directory") from None
+        raise MachineRefusal(f"{what} {path} cannot be written ({e.strerror}): pick a writable directory") from None
     free = shutil.disk_usage(existing).free
     if need_bytes and free < need_bytes:
-        raise UsageError(f"{what} {path}: {free / 2**20:.0f} MiB free but about {need_bytes / 2**20:.0f} MiB are "
+        raise MachineRefusal(f"{what} {path}: {free / 2**20:.0f} MiB free but about {need_bytes / 2**20:.0f} MiB are "
                          "needed; free space or pick another disk")

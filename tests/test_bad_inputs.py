@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.cli import main
-from amphista_jax.errors import BAD_INPUT_EXIT
+from amphista_jax.errors import BAD_INPUT_EXIT, ENVIRONMENT_EXIT
+from tests.helpers import ROOT
 
 MODEL = str(default_model_dir())
 HEADS = str(shipped_heads_dir("medusa"))
@@ -573,3 +575,23 @@ def test_a_damaged_config_json_is_one_line(capsys, tmp_path, damage, needles):
     text = (model / "config.json").read_text()
     (model / "config.json").write_text(damage(text, json.loads(text)))
     assert_bad_input(run_cli(capsys, ["generate", "--model", str(model), "--prompt", "hi"], watch=[model]), *needles)
+
+
+# --- a machine that refuses: exit 3 at every door that writes ----------------------------------------------------
+UNWRITABLE = Path("/sys/amphista-jax-out")  # /sys refuses new files, root included
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--config", "configs/medusa/code.yaml", "--set", f"out_dir={UNWRITABLE}"],
+    ["eval", "--config", "configs/eval/humaneval-code.yaml", "--set", f"out_dir={UNWRITABLE}"],
+    ["convert", "--model", MODEL, "--out", str(UNWRITABLE)],
+    ["plan", "--config", "configs/medusa/vicuna-7b.yaml", "--out", str(UNWRITABLE)],
+], ids=["train", "eval", "convert", "plan"])
+def test_an_unwritable_output_exits_3_before_any_work(capsys, argv, monkeypatch):
+    try:
+        (UNWRITABLE.parent / f".probe-{os.getpid()}").touch()
+        pytest.skip("/sys is writable on this machine: no unwritable directory to point at")
+    except OSError:
+        pass
+    monkeypatch.chdir(ROOT)
+    assert_bad_input(run_cli(capsys, argv), "cannot be written", "writable", code=ENVIRONMENT_EXIT)
