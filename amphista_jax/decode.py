@@ -27,6 +27,7 @@ from amphista_jax.errors import UserError
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache, target_model
+from amphista_jax.prompt_checks import HostChecked
 from amphista_jax.sampling import SamplingConfig, select_token
 from amphista_jax.target import Extras, Target, forward
 from amphista_jax.trees import Tree, tree_statistics
@@ -149,6 +150,7 @@ def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return (tokens[..., None] == jnp.asarray(eos_ids, tokens.dtype)).any(-1)
 
 
+@HostChecked
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "cache_size", "sampling", "eos_ids", "pad_id",
                                              "attention"))
 def generate(
@@ -380,6 +382,7 @@ def spec_step(params: dict, draft_params: Any, s: SpecState, settings: SpecSetti
     return spec_commit(params, draft_params, s, proposal, verified, verdict, settings)
 
 
+@HostChecked
 @functools.partial(jax.jit, static_argnames=(
     "config", "drafter", "tree", "max_new_tokens", "cache_size", "sampling", "acceptance", "eos_ids", "pad_id",
     "attention"))

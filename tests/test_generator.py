@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from amphista_jax import Generator, GeneratorError
-from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.generator import bucket
+from amphista_jax.prompt_checks import PromptError
+from amphista_jax.sampling import SamplingConfig
 from amphista_jax.trees import TreeError
 from tests.helpers import count_compiles
 
@@ -105,3 +107,28 @@ def test_a_method_name_without_trained_heads_gets_untrained_heads_that_decode_lo
     ar = gen.autoregressive().generate(PROMPTS[:2], max_new_tokens=12)
     assert out.token_ids == ar.token_ids
     np.testing.assert_array_equal(out.output.num_tokens, ar.output.num_tokens)
+
+
+@pytest.mark.parametrize("prompt, lengths, message", [
+    ([1, 2, 3], [3], "[batch, length] integer array"),
+    ([[1.0, 2.0]], [2], "[batch, length] integer array"),
+    ([[1, 2]], [2, 2], "prompt_lengths must be 1 integers"),
+    ([[1, 2]], [0], "must be in [1, 2]"),
+    ([[1, 2]], [3], "must be in [1, 2]"),
+    ([[1, 10**6]], [2], "token id 1000000 is outside the model's"),
+    ([[1, -4]], [2], "token id -4 is outside the model's"),
+], ids=["1-d", "float", "batch", "empty", "beyond", "id-high", "id-negative"])
+@pytest.mark.parametrize("door", ["generate", "speculative_generate", "Generator.run"])
+def test_the_jitted_doors_refuse_bad_prompts_on_the_host(hydra, door, prompt, lengths, message):
+    """Inside jit a bad length or id is a garbage completion: every door checks concrete prompts first."""
+    prompt, lengths, key = np.asarray(prompt), np.asarray(lengths), jax.random.key(0)
+    kw = dict(config=hydra.config, max_new_tokens=2, cache_size=64)
+    with pytest.raises(PromptError, match=re.escape(message)) as e:
+        if door == "generate":
+            generate(hydra.params, prompt, lengths, key, **kw)
+        elif door == "speculative_generate":
+            speculative_generate(hydra.params, hydra.draft_params, prompt, lengths, key, drafter=hydra.drafter,
+                                 tree=hydra.tree, **kw)
+        else:
+            hydra.run(prompt, lengths, hydra.settings(2, SamplingConfig()))
+    assert "\n" not in str(e.value)

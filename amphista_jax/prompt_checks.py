@@ -1,0 +1,59 @@
+"""Host-side checks of the prompts the jitted decode functions take (`decode.generate`,
+`decode.speculative_generate`, `Generator.run`): inside `jax.jit` a bad length or token id is not an error but a
+garbage completion, so concrete prompts are checked before tracing and refused with a typed `PromptError`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import jax
+import numpy as np
+
+from amphista_jax.errors import UserError
+
+
+class PromptError(UserError, ValueError):
+    """Prompts the decode functions cannot read: not `[B, T]` integer token ids, lengths outside `[1, T]` or of
+    another batch, ids outside the model's vocabulary."""
+
+
+def check_prompts(prompt: Any, prompt_lengths: Any, vocab_size: int) -> None:
+    """Raise `PromptError` (naming the fix) unless right-padded `prompt [B, T]` and `prompt_lengths [B]` are
+    integer arrays whose lengths are in `[1, T]` and whose tokens (within each row's length) are ids of a
+    `vocab_size`-token model. Values under tracing are not checked (shapes and dtypes still are)."""
+    shape, dtype = np.shape(prompt), getattr(prompt, "dtype", np.asarray(prompt).dtype)
+    if len(shape) != 2 or not np.issubdtype(dtype, np.integer):
+        raise PromptError(f"prompts must be a [batch, length] integer array of token ids, not {dtype} of shape "
+                          f"{shape}: pad them with decode.pad_prompts(list of token-id lists)")
+    lshape, ldtype = np.shape(prompt_lengths), getattr(prompt_lengths, "dtype", np.asarray(prompt_lengths).dtype)
+    if lshape != shape[:1] or not np.issubdtype(ldtype, np.integer):
+        raise PromptError(f"prompt_lengths must be {shape[0]} integers (one per prompt row), not {ldtype} of shape "
+                          f"{lshape}: pass the lengths pad_prompts returned with these prompts")
+    if any(isinstance(x, jax.core.Tracer) for x in (prompt, prompt_lengths)):
+        return
+    tokens, lengths = np.asarray(prompt), np.asarray(prompt_lengths)
+    if lengths.min() < 1 or lengths.max() > shape[1]:
+        raise PromptError(f"prompt_lengths {lengths.tolist()} must be in [1, {shape[1]}] (the padded prompt width): "
+                          "an empty prompt has nothing to continue; pad wider for longer prompts")
+    inside = tokens[np.arange(shape[1])[None] < lengths[:, None]]
+    if inside.min() < 0 or inside.max() >= vocab_size:
+        bad = int(inside.max() if inside.max() >= vocab_size else inside.min())
+        raise PromptError(f"prompt token id {bad} is outside the model's {vocab_size}-token vocabulary: encode the "
+                          "prompts with this model's own tokenizer")
+
+
+class HostChecked:
+    """A jitted decode entry point that checks its prompts on the host first (`check_prompts`); `lower` (abstract
+    shapes: how `plan` and `Generator` compile it) passes straight through."""
+
+    def __init__(self, jitted: Any):
+        self.jitted, self.lower = jitted, jitted.lower
+        self.signature = inspect.signature(jitted)
+        functools.update_wrapper(self, jitted)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self.signature.bind(*args, **kwargs).arguments
+        check_prompts(bound["prompt"], bound["prompt_lengths"], bound["config"].vocab_size)
+        return self.jitted(*args, **kwargs)
