@@ -17,11 +17,22 @@ class TokenizerError(UserError, ValueError):
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of the checkpoint directory `path`, refused when it has more tokens than the model's
+    `config.json` `vocab_size` (its higher ids would index past the embedding: garbage, not an error)."""
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise TokenizerError(f"cannot load a tokenizer from {path} ({e}); the directory needs tokenizer.json "
                              "or the tokenizer files its tokenizer_config.json names") from e
+    config = Path(path) / "config.json"
+    try:
+        vocab = int(json.loads(config.read_text()).get("vocab_size", 0)) if config.is_file() else 0
+    except (ValueError, TypeError, AttributeError):
+        vocab = 0  # a damaged config.json is the model loader's to report
+    if vocab and len(tokenizer) > vocab:
+        raise TokenizerError(f"the tokenizer in {path} has {len(tokenizer)} tokens but the model's config.json has "
+                             f"vocab_size {vocab}: put the tokenizer that belongs to this model beside it")
+    return tokenizer
 
 
 def stop_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase, config: ModelConfig) -> tuple[int, ...]:

@@ -39,3 +39,18 @@ def test_chat_template_and_plain_prompts(tok_dir):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(TokenizerError, match="cannot load a tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    """Its ids beyond `vocab_size` would index past the embedding (a garbage completion): refused at load."""
+    from amphista_jax.assets import default_model_dir
+
+    for f in default_model_dir().iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    config = json.loads((default_model_dir() / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config | {"vocab_size": 1000}))
+    with pytest.raises(TokenizerError, match=r"has 4096 tokens but the model's config.json has vocab_size 1000"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert len(load_tokenizer(tmp_path)) == 4096
