@@ -216,5 +216,4 @@ class _Eagle3Net(nn.Module):
 
     def logits(self, out: jax.Array) -> jax.Array:
         """Draft logits `[..., V_d]` of layer outputs `[..., D]`: `lm_head(norm(out))`."""
-        lm_head = self.variables["params"]["lm_head"]
-        return self.norm(out) @ (lm_head.value if isinstance(lm_head, nn.Partitioned) else lm_head)
+        return self.norm(out) @ self.variables["params"]["lm_head"]  # [D, V_d], set by Eagle3.init_boxed
