@@ -312,6 +312,21 @@ def test_distill_out_under_a_file(capsys, prompts, user_files):
     assert_bad_input(outcome, "is a file, not a directory")
 
 
+def test_distill_skips_empty_prompts_and_refuses_a_file_of_only_empty_ones(capsys, tmp_path):
+    """Empty prompts would become records the evaluation refuses: they are skipped and counted, and a file with
+    nothing else is one line before the model loads."""
+    from amphista_jax.train.distill import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"id": i, "prompt": p}) for i, p in enumerate(["", "  ", "def f():"])) + "\n")
+    prompts, report = read_prompts(path)
+    assert prompts == [("2", "def f():")] and sum(report.skipped.values()) == 2
+    path.write_text(json.dumps({"id": 0, "prompt": " \n"}) + "\n")
+    outcome = run_cli(capsys, _distill(path, tmp_path / "out.jsonl"), watch=[path])
+    assert_bad_input(outcome, "yields no prompt", "an empty prompt")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_distill_prompts_that_are_not_json(capsys, tmp_path):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "x"\n')

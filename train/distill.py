@@ -45,6 +45,9 @@ def read_prompts(path: str | Path) -> tuple[list[tuple[str, str]], DataReport]:
         if text is None:
             report.skip(line, "no prompt (expected `prompt`, `turns` or a conversation with a user turn)")
             continue
+        if not text.strip():
+            report.skip(line, "an empty prompt (nothing to answer; the evaluation refuses such records)")
+            continue
         key = record.get("id", record.get("question_id", line)) if isinstance(record, dict) else line
         prompts.append((str(key), text))
         report.kept += 1
