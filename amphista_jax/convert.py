@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params, save_params
+from amphista_jax.output_lock import staged_output
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model", "chat_template.jinja")
@@ -39,10 +40,17 @@ def convert(out: str, model: str, heads: str | None = None, gguf: str | None = N
     if max_shard_mb < 0:
         raise UsageError(f"--max-shard-mb {max_shard_mb}: must be >= 0 (0 = one file)")
     check_writable_dir(out_dir, "--out")
+    with staged_output(out_dir, "convert") as staging:  # a killed or failed convert leaves no partial --out
+        return f"{_write(staging, model, heads, gguf, dtype, max_shard_mb, heads_from)} to {out_dir}"
+
+
+def _write(out: Path, model: str, heads: str | None, gguf: str | None, dtype: str, max_shard_mb: int,
+           heads_from: tuple[str, str] | None) -> str:
+    """`convert`'s work into the new directory `out`; returns what was saved (without where)."""
     if gguf:
         from amphista_jax.models.gguf import convert_gguf
 
-        return f"saved {convert_gguf(gguf, out_dir).num_params:,} parameters (fp32) and the tokenizer to {out_dir}"
+        return f"saved {convert_gguf(gguf, out).num_params:,} parameters (fp32) and the tokenizer"
     params, config = load_params(model, dtype="float32" if heads or heads_from else dtype)
     if heads:
         return _convert_heads(heads, out, params, config, dtype)
@@ -53,10 +61,10 @@ def convert(out: str, model: str, heads: str | None = None, gguf: str | None = N
     for name in TOKENIZER_FILES:
         if (Path(model) / name).is_file():
             shutil.copy(Path(model) / name, saved / name)
-    return f"saved {config.num_params:,} parameters to {saved}"
+    return f"saved {config.num_params:,} parameters"
 
 
-def _convert_heads(heads: str, out: str, target_params: dict, config: ModelConfig, dtype: str) -> str:
+def _convert_heads(heads: str, out: Path, target_params: dict, config: ModelConfig, dtype: str) -> str:
     from amphista_jax.drafters.io import load_draft, save_draft
 
     method, drafter, draft_params = load_draft(heads, config, target_params)
@@ -66,10 +74,10 @@ def _convert_heads(heads: str, out: str, target_params: dict, config: ModelConfi
                target_params=target_params)
     dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(draft_params)}) if dtype == "checkpoint" else [dtype]
     return (f"saved {method} heads ({sum(x.size for x in jax.tree.leaves(draft_params)):,} parameters, "
-            f"{'/'.join(dtypes)}) to {out}")
+            f"{'/'.join(dtypes)})")
 
 
-def _convert_published(fmt: str, src: str, out: str, target_params: dict, config: ModelConfig, dtype: str) -> str:
+def _convert_published(fmt: str, src: str, out: Path, target_params: dict, config: ModelConfig, dtype: str) -> str:
     from amphista_jax.drafters.io import save_draft
     from amphista_jax.drafters.published import READERS
     from amphista_jax.target import Target
@@ -78,7 +86,7 @@ def _convert_published(fmt: str, src: str, out: str, target_params: dict, config
     save_draft(out, drafter.name, drafter, params, config, dtype=None if dtype == "checkpoint" else dtype,
                target_params=target_params)
     return (f"saved the released {fmt} heads of {src} as {drafter.name} heads "
-            f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters) to {out}")
+            f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters)")
 
 
 def as_stored(heads: str, params: dict) -> dict:

@@ -5,6 +5,10 @@ and NFS v3+ file systems), holding the owner's pid, host, command and start time
 ends, however it ends. A second run finds the file and stops with one line naming the owner. A lock whose owner
 is gone (same host, no such pid: a killed run) is stale: it is named in a note and taken over. A lock from another
 host cannot be checked from here: the line says which host holds it and how to clear it by hand.
+
+`staged_output(out, command)` makes a new output directory whole or not at all: it is written as a staging
+directory beside it (`.<name>.partial-<pid>`, locked the same way) and renamed into place only when the block ends
+without error; an error removes it, and a killed run's staging directory is named and removed by the next run.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -87,3 +92,30 @@ def file_lock(path: Path, command: str) -> Iterator[Path]:
     finally:
         if _owner(path).get("pid") == me["pid"]:
             path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def staged_output(out: str | Path, command: str) -> Iterator[Path]:
+    """Yield a staging directory for the new output directory `out` (absent or empty: the caller checks); rename
+    it to `out` when the block ends without error, remove it when it raises. A staging directory left by a killed
+    run is named and removed; one whose writer still runs is refused (`OutputLockedError`)."""
+    out = Path(out).absolute()
+    for stale in sorted(out.parent.glob(f".{out.name}.partial-*")):
+        owner = _owner(stale / LOCK_FILE)
+        running = _running(owner)
+        if running:
+            raise OutputLockedError(f"{out} is being written by {owner.get('command', 'a run')} (pid "
+                                    f"{owner.get('pid')}, staging in {stale}): wait for it or pick another output")
+        if running is False or not owner:
+            print(f"note: {stale}: a partial output of a killed run; removing it", file=sys.stderr)
+            shutil.rmtree(stale, ignore_errors=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        with file_lock(staging / LOCK_FILE, command):
+            yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.is_dir():
+        out.rmdir()  # empty: a non-empty one was refused before any work
+    os.replace(staging, out)

@@ -8,9 +8,11 @@ models built here, so the whole suite takes seconds per case.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -233,6 +235,39 @@ def test_convert_never_overwrites_an_existing_checkpoint(capsys, tmp_path):
 def test_convert_never_writes_into_a_users_directory(capsys, user_files, extra):
     outcome = run_cli(capsys, ["convert", "--model", MODEL, *extra, "--out", str(user_files)], watch=[user_files])
     assert_bad_input(outcome, "already exists", "pick a new --out")
+
+
+def test_convert_writes_its_output_whole_or_not_at_all(capsys, tmp_path, monkeypatch):
+    """A convert that fails after writing part of its output leaves neither --out nor its staging directory; a
+    killed run's staging directory is named and removed by the next run, which then writes --out whole; a staging
+    directory whose writer still runs is refused in one line."""
+    import amphista_jax.convert as convert_module
+    from amphista_jax.models.hf import save_params
+
+    out = tmp_path / "new"
+
+    def fail_midway(params, config, path, **kw):
+        save_params(params, config, path, **kw)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+
+    monkeypatch.setattr(convert_module, "save_params", fail_midway)
+    assert_bad_input(run_cli(capsys, ["convert", "--model", MODEL, "--out", str(out)]), "No space left on device",
+                     code=ENVIRONMENT_EXIT)
+    assert sorted(tmp_path.iterdir()) == []  # no half-written --out, no staging left
+    monkeypatch.undo()
+    killed = tmp_path / f".{out.name}.partial-999999999"
+    (killed / "model.safetensors").parent.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"torn")
+    (killed / ".amphista-lock").write_text(json.dumps({"pid": 999999999, "host": socket.gethostname()}))
+    outcome = run_cli(capsys, ["convert", "--model", MODEL, "--out", str(out), "--dtype", "float32"])
+    assert outcome.code == 0 and "a partial output of a killed run; removing it" in outcome.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"] and (out / "config.json").is_file()
+    live = tmp_path / ".other.partial-1"
+    live.mkdir()
+    (live / ".amphista-lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                     "command": "convert"}))
+    outcome = run_cli(capsys, ["convert", "--model", MODEL, "--out", str(tmp_path / "other")], watch=[live])
+    assert_bad_input(outcome, "is being written by convert", "pick another output")
 
 
 def test_convert_negative_shard_size(capsys, tmp_path):
