@@ -89,3 +89,28 @@ def test_shipped_heads_decode_the_real_target_losslessly(smollm2, tree):
     out = gen.generate(batch, max_new_tokens=24)
     assert out.token_ids == gen.autoregressive().generate(batch, max_new_tokens=24).token_ids
     assert max(out.tau) > 1.0
+
+
+def test_eagle3_features_are_transformers_hidden_states_and_decode_losslessly(smollm2):
+    """EAGLE-3's captured features on the real target are the inputs of layers 2, 15 and 27 of its 30, exactly
+    `transformers`' `hidden_states[i]` (an independent forward); EAGLE-3 heads (untrained: a pipeline check, not a
+    speed claim) decode a ragged batch of 3 on EAGLE-2's dynamic tree with the same tokens as AR greedy decoding."""
+    from amphista_jax import Generator
+    from amphista_jax.drafters import Eagle3
+
+    path, model, prompts = smollm2
+    params, config = load_params(path, dtype="float32")
+    layers = Eagle3().captured_layers(config)
+    assert layers == (2, 15, 27)
+    ids = prompts[0]
+    out = Transformer(config).apply({"params": params}, jnp.asarray([ids]), jnp.arange(len(ids))[None],
+                                    return_logits=False, captures=layers)
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = np.concatenate([hidden[i][0].numpy() for i in layers], -1)
+    got = np.asarray(out.captured[0])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+    gen = Generator.load(path, "eagle3", "dynamic-8x3x3")
+    batch = prompts + [prompts[0][:9]]
+    assert gen.generate(batch, max_new_tokens=24).token_ids == gen.autoregressive().generate(
+        batch, max_new_tokens=24).token_ids
