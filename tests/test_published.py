@@ -208,7 +208,7 @@ def _released_eagle(path, c, embed, lm_head, eagle3: bool, vocab_ids=None, seed:
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": d, "vocab_size": c.vocab_size,
               "num_hidden_layers": 1} | ({"draft_vocab_size": len(vocab_ids)} if eagle3 else {})
     (path / "config.json").write_text(json.dumps(config))
-    emb, head = torch.from_numpy(np.asarray(embed)), torch.from_numpy(np.asarray(lm_head))
+    emb, head = torch.from_numpy(np.array(embed)), torch.from_numpy(np.array(lm_head))
 
     @torch.no_grad()
     def forward(ids, features):
