@@ -144,10 +144,7 @@ class Amphista(LogicalInit):
 
     def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: dict) -> dict:
         # Pair t sees the prompt's token t + 1; the last prompt position sees the root.
-        nxt = jnp.roll(prompt.prompt, -1, axis=1)
-        t = jnp.arange(nxt.shape[1])[None]
-        nxt = jnp.where(t == (prompt.lengths - 1)[:, None], prompt.root[:, None], nxt)
-        return self._adapt_and_cache(params, target, prompt.out.hidden, nxt, prompt.lengths, state)
+        return self._adapt_and_cache(params, target, prompt.out.hidden, prompt.next_tokens(), prompt.lengths, state)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         self.check_tree(tree, target.config.vocab_size)

@@ -57,6 +57,12 @@ class PrefillContext:
     lengths: jax.Array  # [B] prompt lengths
     root: jax.Array  # [B] the target's first generated token (at position `lengths`)
 
+    def next_tokens(self) -> jax.Array:
+        """`[B, T]` the token after each prompt slot: the prompt's next one, the root after the last (slots past
+        a row's length hold garbage)."""
+        nxt = jax.numpy.roll(self.prompt, -1, axis=1)
+        return nxt.at[jax.numpy.arange(nxt.shape[0]), self.lengths - 1].set(self.root)
+
 
 @struct.dataclass
 class Proposal:

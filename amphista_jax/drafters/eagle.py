@@ -119,10 +119,8 @@ class Eagle(LogicalInit):
         return {"base": base, "caches": caches}
 
     def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: dict) -> dict:
-        b, t = prompt.prompt.shape
-        nxt = jnp.roll(prompt.prompt, -1, axis=1)  # slot p's next token; the root follows the last prompt token
-        nxt = nxt.at[jnp.arange(b), prompt.lengths - 1].set(prompt.root)
-        return self._advance(params, target, nxt, prompt.out.hidden[:, :t], prompt.lengths, state)
+        t = prompt.prompt.shape[1]
+        return self._advance(params, target, prompt.next_tokens(), prompt.out.hidden[:, :t], prompt.lengths, state)
 
     def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: dict) -> tuple[dict, jax.Array]:

@@ -124,10 +124,8 @@ class Eagle3(LogicalInit):
         return {"base": base, "caches": caches}
 
     def prefill(self, params: dict, target: Target, prompt: PrefillContext, state: dict) -> dict:
-        b, t = prompt.prompt.shape
-        nxt = jnp.roll(prompt.prompt, -1, axis=1)  # slot p's next token; the root follows the last prompt token
-        nxt = nxt.at[jnp.arange(b), prompt.lengths - 1].set(prompt.root)
-        return self._advance(params, target, nxt, prompt.out.captured[:, :t], prompt.lengths, state)
+        t = prompt.prompt.shape[1]
+        return self._advance(params, target, prompt.next_tokens(), prompt.out.captured[:, :t], prompt.lengths, state)
 
     def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: dict) -> tuple[dict, jax.Array]:
