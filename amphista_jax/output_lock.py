@@ -6,6 +6,10 @@ ends, however it ends. A second run finds the file and stops with one line namin
 is gone (same host, no such pid: a killed run) is stale: it is named in a note and taken over. A lock from another
 host cannot be checked from here: the line says which host holds it and how to clear it by hand.
 
+`atomic_file(path)` / `write_atomic(path, text)` write one file under a temporary name in its directory and rename
+it into place when complete, so a reader (a later run, a resume) finds the old file or the new one, never a torn
+one: every report, summary, policy and run record goes through them.
+
 `staged_output(out, command)` makes a new output directory whole or not at all: it is written as a staging
 directory beside it (`.<name>.partial-<pid>`, locked the same way) and renamed into place only when the block ends
 without error; an error removes it, and a killed run's staging directory is named and removed by the next run.
@@ -92,6 +96,26 @@ def file_lock(path: Path, command: str) -> Iterator[Path]:
     finally:
         if _owner(path).get("pid") == me["pid"]:
             path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path` (same suffix, so writers that read it pick the same format); rename it
+    to `path` when the block ends without error, remove it when it raises."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` whole (`atomic_file`)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ import numpy as np
 from amphista_jax.decode import pad_prompts, scratch_slots
 from amphista_jax.errors import UserError
 from amphista_jax.generator import Generator
+from amphista_jax.output_lock import atomic_file, write_atomic
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tree_names import TreePolicy
 from amphista_jax.trees import TreeSpec, efficient_tree
@@ -203,7 +204,8 @@ def _speedup_figure(path: str | Path, title: str) -> Iterator[Any]:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 
@@ -294,9 +296,9 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     best = trees[first.best]
     device = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps([list(p) for p in best.choices]) + "\n")
+    write_atomic(out_path, json.dumps([list(p) for p in best.choices]) + "\n")
     _, policy_json, report_json, report_md, png, batch_png = output_paths(out_path)
-    policy_json.write_text(json.dumps(policy.to_json()) + "\n")
+    write_atomic(policy_json, json.dumps(policy.to_json()) + "\n")
     title = (f"{method} heads on {device}, batch {batch_sizes[0]}: picked {first.sizes[first.best]} draft nodes, "
              f"predicted {first.speedups[first.best]:.2f}x")
     report = {"method": method, "heads": Path(heads_dir).name, "model": Path(model_dir).name, "device": device,
@@ -308,13 +310,13 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
               "batches": [{"batch": b, "ar_step_ms": r.ar_step_seconds * 1e3, "picked_nodes": r.sizes[r.best],
                            "predicted_speedup": r.speedups[r.best], "measured_speedup": measured[b],
                            "trees": _tree_rows(r, trees)} for b, r in sorted(results.items())]}
-    report_json.write_text(json.dumps(report, indent=1) + "\n")
+    write_atomic(report_json, json.dumps(report, indent=1) + "\n")
     header = (f"# Tree search: {title}\n\nExpected tau from greedy acceptance statistics on {len(prompts)} calibration "
               f"prompts; step times measured on this device (median of {runs}, {max_new_tokens} new tokens). "
               "Predicted speed-up = expected tau x AR step / step: a model prediction; the measured speed-up decodes "
               "B calibration prompts with the picked tree and with AR.\n\n## Per batch size\n\n"
               f"{batch_markdown(results, measured, policy)}\n## Trees at batch {batch_sizes[0]}")
-    report_md.write_text(report_markdown(first, trees, header))
+    write_atomic(report_md, report_markdown(first, trees, header))
     plot(first, png, title)
     plot_batches(results, measured, batch_png, f"{method} heads on {device}: speed-up against batch size")
     return results, policy

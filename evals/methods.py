@@ -169,10 +169,10 @@ def _with_settings(spec: str, drafter: Drafter, overrides: str) -> Any:
                                   "#full_tree_attention=false)")
         settings[key.strip()] = yaml.safe_load(value)
     try:
-        return dataclasses.replace(drafter, **settings)
+        return type(drafter).from_settings({f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)}
+                                           | settings)
     except (TypeError, ValueError) as e:
-        known = ", ".join(f.name for f in dataclasses.fields(drafter))
-        raise MethodSpecError(f"method spec {spec!r}: bad settings {settings} ({e}); known: {known}") from None
+        raise MethodSpecError(f"method spec {spec!r}: {e}") from None
 
 
 def _read_meta(spec: str, heads: Path) -> tuple[str, Drafter]:

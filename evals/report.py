@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from amphista_jax.output_lock import atomic_file, write_atomic
+
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
@@ -108,16 +110,17 @@ def _pyplot():
 
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return path
 
 
 def write_reports(out_dir: Path, summary: dict[str, Any]) -> None:
     """summary.json, report.md, head_accuracy.png (when any), tau_by_category.png under `out_dir`."""
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     table = markdown(summary)
-    (out_dir / "report.md").write_text(table)
+    write_atomic(out_dir / "report.md", table)
     plot_head_accuracy(summary, out_dir / "head_accuracy.png")
     plot_tau_by_category(summary, out_dir / "tau_by_category.png")
     print(table)

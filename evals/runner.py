@@ -45,7 +45,7 @@ from amphista_jax.generator import Generator
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.hf import DTYPES, load_config, load_params
-from amphista_jax.output_lock import LOCK_FILE, output_lock
+from amphista_jax.output_lock import LOCK_FILE, output_lock, write_atomic
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.sharding import MeshError, make_mesh, param_shardings, place_for_decoding
 from amphista_jax.target import Target
@@ -161,7 +161,7 @@ def write_run_file(out_dir: Path, run: dict[str, Any]) -> None:
     """Process 0 records this run's settings and methods (after every process checked the old ones)."""
     _barrier("eval-run-file")
     if jax.process_index() == 0:
-        (out_dir / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+        write_atomic(out_dir / "run.json", json.dumps(run, indent=2) + "\n")
 
 
 def _barrier(name: str) -> None:
@@ -274,7 +274,7 @@ def _head_accuracies(s: _Session, methods: list[Method], config: Any, out_dir: P
             with s.on_mesh():
                 acc = head_accuracy(Target(config, s.params), m.drafter, m.draft_params, batches)
             cache[m.label] = {str(k): v for k, v in acc.items()}
-        path.write_text(json.dumps(cache, indent=2) + "\n")
+        write_atomic(path, json.dumps(cache, indent=2) + "\n")
     return {m.label: cache[m.label] for m in methods if m.label in cache}
 
 
@@ -287,7 +287,7 @@ def summarize(s: _Session, methods: list[Method], prompts: list[Prompt], config:
     merged = out_dir / "merged"
     merged.mkdir(exist_ok=True)
     for label, recs in results.items():
-        (merged / f"{safe_label(label)}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        write_atomic((merged / f"{safe_label(label)}.jsonl"), "".join(json.dumps(r) + "\n" for r in recs))
     ar = methods[0].label
     compile_s = {m.label: [json.loads(x) for x in _read_lines(s.results_dir.parent / "compile", m.label)]
                  for m in methods}
@@ -303,7 +303,7 @@ def summarize(s: _Session, methods: list[Method], prompts: list[Prompt], config:
     }
     stats = {m.label: tree_statistics(results[m.label]) for m in methods if m.drafter is not None}
     stats = {k: v | {"tree": next(m.tree_name for m in methods if m.label == k)} for k, v in stats.items() if v}
-    (out_dir / "tree_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    write_atomic(out_dir / "tree_stats.json", json.dumps(stats, indent=2) + "\n")
     write_reports(out_dir, summary)
     return summary
 

@@ -26,6 +26,7 @@ from amphista_jax.decode import generate, pad_prompts
 from amphista_jax.demo import ends_in_loop, humaneval_prompts
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
+from amphista_jax.output_lock import write_atomic
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.corpus import package_texts, package_version
 from amphista_jax.train.pretrain_target import bits_per_byte
@@ -79,8 +80,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"{r['loop_share']:.0%} of {r['loop_tasks']} |" for r in results]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "target_quality.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "target_quality.md").write_text("\n".join(table) + "\n")
+    write_atomic(out / "target_quality.json", json.dumps(results, indent=1) + "\n")
+    write_atomic(out / "target_quality.md", "\n".join(table) + "\n")
     print("\n".join(table))
 
 

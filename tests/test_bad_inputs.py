@@ -382,6 +382,9 @@ def test_distill_prompts_that_are_not_json(capsys, tmp_path):
     (["--set", "mesh.tensor=0"], ["tensor=0", ">= 1"]),
     (["--set", "top_k=100000"], ["top_k=100000", "larger than the vocabulary"]),
     (["--methods", "ar", "medusa:untrained@"], ["empty tree after `@`"]),
+    (["--methods", "ar", "prompt_lookup#max_ngram=three"], ["max_ngram='three' must be an integer"]),
+    (["--methods", "ar", "gumiho:untrained#full_tree_attention=1"], ["full_tree_attention=1", "true or false"]),
+    (["--methods", "ar", "medusa:untrained#heads=2"], ["['heads'] are not medusa settings", "num_heads"]),
 ])
 def test_eval_bad_arguments(capsys, tmp_path, extra, needles):
     out = tmp_path / "eval"
@@ -404,6 +407,22 @@ def test_eval_json_inputs_that_are_not_json(capsys, tmp_path, name, content, nee
              "heads/draft.json": ["--methods", "ar", str(path.parent)]}[name]
     outcome = run_cli(capsys, EVAL + ["--set", f"out_dir={tmp_path / 'eval'}", *extra], watch=[path])
     assert_bad_input(outcome, *needles)
+
+
+@pytest.mark.parametrize("setting, needles", [
+    ({"num_heads": "4"}, ["num_heads='4' must be an integer", "re-save the heads"]),
+    ({"shared_lm_head": "no"}, ["shared_lm_head='no' must be true or false"]),
+    ({"draft_vocab": [1, "x"]}, ["draft_vocab=[1, 'x'] must be a list of integers"]),
+    ({"heads": 4}, ["['heads'] are not medusa settings"]),
+])
+def test_eval_heads_whose_draft_json_has_wrong_types(capsys, tmp_path, setting, needles):
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    meta = json.loads((Path(HEADS) / "draft.json").read_text())
+    (heads / "draft.json").write_text(json.dumps(meta | {"settings": meta["settings"] | setting}))
+    outcome = run_cli(capsys, EVAL + ["--set", f"out_dir={tmp_path / 'eval'}", "--methods", "ar", str(heads)],
+                      watch=[heads])
+    assert_bad_input(outcome, "draft.json", *needles)
 
 
 def test_eval_never_writes_into_a_users_directory(capsys, user_files, tmp_path):
@@ -491,6 +510,8 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "part_lrs.nothere=0.1"], ["part_lrs ['nothere']", "parameter groups"]),
     (["--set", "method_settings.num_heads=-3"], ["num_heads=-3 must be >= 1"]),
     (["--set", "method_settings.loss_decay=0"], ["loss_decay=0 must be in (0, 1]"]),
+    (["--set", "method_settings.num_heads='4'"], ["num_heads='4' must be an integer"]),
+    (["--set", "method_settings.num_heads=2.5"], ["num_heads=2.5 must be an integer"]),
     (["--set", "method=bita", "--set", "method_settings={}", "--set", "data.cache_target_hidden=true"],
      ["bita runs the target inside its own loss", "data.cache_target_hidden=false"]),
 ])

@@ -11,7 +11,15 @@ import pytest
 
 from amphista_jax.cli import main
 from amphista_jax.errors import BAD_INPUT_EXIT
-from amphista_jax.output_lock import LOCK_FILE, OutputLockedError, file_lock, lock_beside, output_lock
+from amphista_jax.output_lock import (
+    LOCK_FILE,
+    OutputLockedError,
+    atomic_file,
+    file_lock,
+    lock_beside,
+    output_lock,
+    write_atomic,
+)
 
 
 def _hold(path, pid: int, host: str | None = None, command: str = "train") -> None:
@@ -75,3 +83,15 @@ def test_train_and_eval_refuse_an_output_another_run_is_writing(tmp_path, live_p
                  f"out_dir={evals}", "--set", "dataset.limit=1", "--set", "max_new_tokens=2"])
     assert code == BAD_INPUT_EXIT and "being written by eval" in capsys.readouterr().err
     assert sorted(p.name for p in evals.iterdir()) == [LOCK_FILE]
+
+
+def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
+    path = tmp_path / "summary.json"
+    write_atomic(path, "old\n")
+    with pytest.raises(RuntimeError), atomic_file(path) as tmp:  # a writer dying half-way
+        assert tmp.parent == path.parent and tmp.suffix == ".json" and tmp != path
+        tmp.write_text("half")
+        raise RuntimeError("killed")
+    assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    assert write_atomic(path, "new\n").read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]

@@ -139,7 +139,7 @@ class TrainConfig:
         settings = {k: v for k, v in self.method_settings.items() if k != DRAFT_VOCAB_SIZE}
         if self.draft_vocab_size:
             settings["draft_vocab"] = tuple(range(self.draft_vocab_size)) if draft_vocab is None else draft_vocab
-        return DRAFTERS[self.method](**settings)
+        return DRAFTERS[self.method].from_settings(settings)
 
 
 def check_target_shape(name: str, config: ModelConfig, model: str) -> None:

@@ -36,7 +36,7 @@ from amphista_jax.identity import target_identity
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params, param_dtype
 from amphista_jax.models.llama import Transformer, param_shapes
-from amphista_jax.output_lock import output_lock
+from amphista_jax.output_lock import atomic_file, output_lock, write_atomic
 from amphista_jax.plan import MemoryPlan, abstract, accelerator_capacity, compiled_plan, mesh_devices, plan_table
 from amphista_jax.sharding import (
     make_mesh,
@@ -262,7 +262,7 @@ def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
     save_draft(out_dir / "heads", cfg.method, drafter, state["params"], target_config,
                target_params=target_params)  # collective in orbax
     if jax.process_index() == 0:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_curve(out_dir)
     print(json.dumps({"heldout_before": before, "heldout_after": extra["eval"]}, indent=2))
     return summary
@@ -291,6 +291,7 @@ def plot_curve(run_dir: str | Path) -> Path:
         ax_acc.legend()
     fig.tight_layout()
     path = Path(run_dir) / "training_curve.png"
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return path

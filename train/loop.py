@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from amphista_jax.errors import OutputExistsError
+from amphista_jax.output_lock import write_atomic
 from amphista_jax.train.checkpoint import Checkpointer, saved_steps
 
 PREEMPTED_EXIT = 143
@@ -169,7 +170,7 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop metric rows past the restored step: they are recomputed (a crash between checkpoints)."""
     rows = read_metrics(run_dir)
     if jax.process_index() == 0 and any(r["step"] > step for r in rows):
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
+        write_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES, load_config, param_dtype
 from amphista_jax.models.shapes import known_target
+from amphista_jax.output_lock import write_atomic
 from amphista_jax.plan import MemoryPlan, accelerator_capacity, decode_plan, plan_table
 from amphista_jax.train.config import TrainConfig, check_batch_split, check_positions, check_target_shape
 from amphista_jax.train.heads import plan_training, train_job
@@ -165,5 +166,5 @@ def write_plans(results: list[tuple[list[MemoryPlan], dict]], out: Path) -> None
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"setup": setup, "plans": [dataclasses.asdict(p) | {"total": p.total, "fits": p.fits} for p in plans]}
             for plans, setup in results]
-    (out / "plan.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "plan.md").write_text(describe(results) + "\n")
+    write_atomic(out / "plan.json", json.dumps(rows, indent=2) + "\n")
+    write_atomic(out / "plan.md", describe(results) + "\n")

@@ -30,6 +30,7 @@ from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params, save_params
 from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.output_lock import write_atomic
 from amphista_jax.train.corpus import CorpusError, build_corpus, package_texts, package_version, train_tokenizer
 from amphista_jax.train.data import pack_documents, packed_dataset
 from amphista_jax.train.loop import LoopConfig, check_no_foreign_log, run_loop
@@ -286,8 +287,8 @@ def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase,
     tok.save_pretrained(out)
     gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
            "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    (out / "heldout_sample.txt").write_text("\n".join(heldout_texts)[: cfg.heldout_sample_chars])
+    write_atomic(out / "generation_config.json", json.dumps(gen, indent=2) + "\n")
+    write_atomic(out / "heldout_sample.txt", "\n".join(heldout_texts)[: cfg.heldout_sample_chars])
 
     # Evaluate what was shipped: the bf16 weights, computed in fp32.
     shipped = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
@@ -325,7 +326,7 @@ def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase,
         "config": dataclasses.asdict(cfg),
         "greedy_samples": samples,
     }
-    (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "training_summary.json", json.dumps(summary, indent=2) + "\n")
     print(f"held-out loss: {loss:.4f} nats/token over {len(heldout_windows)} windows"
           + (f"; {bpb['bits_per_byte']} bits/byte on {cfg.bpb_package}" if bpb else "") + f"; exported to {out}")
     return summary

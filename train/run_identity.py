@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from amphista_jax.identity import RunMismatchError, changes
+from amphista_jax.output_lock import write_atomic
 
 RUN_FILE = "run.json"
 BOOKKEEPING = frozenset({"out_dir", "mesh", "loop.checkpoint_every", "loop.keep_checkpoints", "loop.log_every"})
@@ -68,4 +69,4 @@ def check_same_run(out_dir: Path, current: Mapping[str, Any]) -> None:
 
 def write_identity(out_dir: Path, identity: Mapping[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / RUN_FILE).write_text(json.dumps(identity, indent=2, sort_keys=True) + "\n")
+    write_atomic(out_dir / RUN_FILE, json.dumps(identity, indent=2, sort_keys=True) + "\n")

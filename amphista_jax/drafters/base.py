@@ -14,8 +14,11 @@ tree before anything compiles.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Self
 
 import flax.linen as nn
 import jax
@@ -86,6 +89,38 @@ def head_projections(target: Target, num_heads: int, draft_vocab: DraftVocab = (
     return logical(jax.numpy.broadcast_to(lm_head, (num_heads,) + lm_head.shape).copy(), None, "embed", "vocab")
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a setting read from JSON/YAML `value` is of a drafter field's type `hint` (ints are floats too; a
+    list stands for a tuple; bool is not an int)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):
+        return not isinstance(value, bool) and isinstance(value, int | float if hint is float else int)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        if not isinstance(value, tuple | list):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args, strict=True))
+    return True  # a kind of field this check does not know: its drafter checks it
+
+
+def _type_name(hint: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_type_name(typing.get_args(hint)[0]).removeprefix('an ').removeprefix('a ')}s"
+    return names.get(hint, str(hint))
+
+
 class Drafter(abc.ABC):
     """A draft method: a frozen dataclass of its static settings (hashable: static under `jax.jit`).
 
@@ -119,6 +154,21 @@ class Drafter(abc.ABC):
         """The deepest draft token below the root this drafter can propose (heads: one depth each), or None
         when it drafts autoregressively to any depth."""
         return None
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> Self:
+        """`cls(**settings)` from settings read from a file (draft.json, a config, an eval spec): each is first
+        checked to be one of the method's fields and of its type (a `ValueError` naming the setting, the value and
+        the type it needs), so a string or a float where a count belongs stops here in one line, not inside a
+        trace; the method's `__post_init__` then checks the values."""
+        hints = typing.get_type_hints(cls)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(settings) - fields):
+            raise ValueError(f"{unknown} are not {cls.name} settings; known: {', '.join(sorted(fields))}")
+        for key, value in settings.items():
+            if not _fits(value, hints[key]):
+                raise ValueError(f"{cls.name} setting {key}={value!r} must be {_type_name(hints[key])}")
+        return cls(**settings)
 
     def rankable(self, vocab_size: int) -> int:
         """How many candidates a node's children can rank among: the target's vocabulary by default (a draft

@@ -19,6 +19,7 @@ from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import layer_params
+from amphista_jax.output_lock import write_atomic
 from amphista_jax.target import Target
 
 META_FILE = "draft.json"
@@ -63,7 +64,7 @@ def save_draft(path: str | Path, method: str, drafter: Drafter, params: Any, tar
     with ocp.StandardCheckpointer() as ckpt:  # every process takes part; orbax writes once
         ckpt.save(path / "params", params, force=True)
     if jax.process_index() == 0:
-        (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        write_atomic(path / META_FILE, json.dumps(meta, indent=2) + "\n")
     return path
 
 
@@ -98,7 +99,7 @@ def read_draft_meta(path: str | Path) -> DraftMeta:
     if not isinstance(settings, dict) or not isinstance(target, dict):
         raise DraftCheckpointError(f"{meta_file}: `settings` and `target` must be objects; re-save the heads")
     try:
-        drafter = DRAFTERS[method](**settings)
+        drafter = DRAFTERS[method].from_settings(settings)
     except (TypeError, ValueError) as e:
         raise DraftCheckpointError(f"the {method} settings in {meta_file} are invalid ({e}); re-save the heads") \
             from None

@@ -14,6 +14,7 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import init_params, split_layers
+from amphista_jax.output_lock import write_atomic
 from amphista_jax.timing import median_seconds
 
 __all__ = ["SIZES", "benchmark_parser", "load_target", "median_seconds", "model_config", "nbytes", "random_target",
@@ -72,5 +73,5 @@ def write_report(out_dir: str | Path, name: str, data: Any, table: str) -> None:
     print(table)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out / f"{name}.md").write_text(table + "\n")
+    write_atomic(out / f"{name}.json", json.dumps(data, indent=2) + "\n")
+    write_atomic(out / f"{name}.md", table + "\n")

@@ -35,6 +35,7 @@ from amphista_jax.drafters.base import DraftContext, Drafter, Proposal
 from amphista_jax.errors import UserError
 from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, model_config, random_target, write_report
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.output_lock import atomic_file
 from amphista_jax.target import Target
 from amphista_jax.tree_names import get_tree
 from amphista_jax.trees import TreeSpec, batched, tree_arrays
@@ -142,7 +143,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_title("Oracle drafter on a CPU target: speed-up by tree size")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 

@@ -1,0 +1,156 @@
+"""Speed-up against batch size: measured on this machine and predicted for accelerators, one table and one PNG.
+
+    python -m amphista_jax.evals.benchmarks.batch_speedup --measured runs/eval/B1 runs/eval/B4 runs/eval/B16
+        --predicted runs/roofline-vicuna/roofline.json runs/roofline-llama3/roofline.json [--tau 3]
+        [--accelerator H100-SXM] [--out docs]
+
+Measured: each `--measured` directory is one evaluation run (`amphista-jax eval`, its `summary.json`) at one batch
+size; every speed-up in it is a ratio measured in that run (AR first, the same prompts and settings for every
+method), so a column of the table compares methods measured together, and a row follows one method across runs.
+Predicted: each `--predicted` file is a roofline run (`roofline.py`, one target, several batch sizes), whose
+speed-up at acceptance length `--tau` is `tau * AR step / spec step` on `--accelerator`: a model prediction from
+the compiled steps' FLOPs and bytes, not a measurement. For both, "off from" is the smallest batch size at which
+the method is slower than AR (speculation should be switched off there: `tree-search --batch-sizes` stores that
+as `none`), or "-" when it wins at every batch size shown.
+Writes batch_speedup.json, .md and .png to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from amphista_jax.errors import UserError
+from amphista_jax.evals.benchmarks.common import write_report
+from amphista_jax.evals.report import _pyplot, _save
+
+Curves = dict[str, dict[int, float]]  # series label -> {batch size: speed-up}
+
+
+class BatchSpeedupError(UserError, ValueError):
+    """An input that is not an evaluation run or a roofline run of the kind this benchmark reads."""
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BatchSpeedupError(f"{path}: not a readable {what} ({e}); pass the directory `amphista-jax eval` "
+                                "wrote, or the JSON roofline.py wrote") from None
+
+
+def measured_curves(run_dirs: list[Path]) -> tuple[Curves, Curves, dict[str, Any]]:
+    """({label: {batch: speed-up}}, {label: {batch: tau}}, the runs' shared settings) from evaluation runs, one
+    batch size each; refuses runs on different targets, temperatures or token budgets, or two runs at one batch."""
+    speedup: Curves = {}
+    tau: Curves = {}
+    shared: dict[str, Any] | None = None
+    for run in run_dirs:
+        summary = _read_json(run / "summary.json", "evaluation summary")
+        cfg = summary["config"]
+        batch = int(cfg["batch_size"])
+        settings = {"model": summary["model"], "temperature": cfg["temperature"],
+                    "max_new_tokens": cfg["max_new_tokens"], "backend": summary["backend"]}
+        if shared is not None and settings != shared:
+            raise BatchSpeedupError(f"{run}: {settings} differs from the first run's {shared}: compare runs on one "
+                                    "target, temperature and token budget")
+        shared = settings
+        if any(batch in curve for curve in speedup.values()):
+            raise BatchSpeedupError(f"{run}: a second run at batch size {batch}: pass one run per batch size")
+        for label, metrics in summary["metrics"].items():
+            if label == "ar":
+                continue
+            speedup.setdefault(label, {})[batch] = metrics["overall"]["speedup"]
+            tau.setdefault(label, {})[batch] = metrics["overall"]["tau"]
+    return speedup, tau, shared or {}
+
+
+def predicted_curves(roofline_files: list[Path], accelerator: str, tau: float) -> Curves:
+    """{"<target> <method>@<tree>": {batch: predicted speed-up at `tau` on `accelerator`}} from roofline runs
+    (their smallest context)."""
+    curves: Curves = {}
+    for path in roofline_files:
+        report = _read_json(path, "roofline report")
+        rows = [r for r in report["rows"] if r["method"] != "ar"]
+        if not rows or accelerator not in rows[0]["speedup"] or str(tau) not in rows[0]["speedup"][accelerator]:
+            raise BatchSpeedupError(f"{path}: no speed-up at tau {tau} on {accelerator}: rerun roofline.py with "
+                                    f"--tau {tau:g} and --accelerators {accelerator}")
+        context = min(r["context"] for r in rows)
+        for r in rows:
+            if r["context"] == context:
+                label = f"{report['model']} {r['method']}@{r['tree']}"
+                curves.setdefault(label, {})[r["batch"]] = r["speedup"][accelerator][str(tau)]
+    return curves
+
+
+def off_from(curve: dict[int, float]) -> int | None:
+    """The smallest batch size at which the speed-up is below 1 (speculation loses), or None."""
+    return min((b for b, s in curve.items() if s < 1.0), default=None)
+
+
+def table(curves: Curves, taus: Curves | None = None) -> list[str]:
+    """Markdown rows: one series per row, one batch size per column (`speed-up (tau)` when taus are given)."""
+    batches = sorted({b for curve in curves.values() for b in curve})
+    lines = ["| method | " + " | ".join(f"batch {b}" for b in batches) + " | off from batch |",
+             "|---|" + "---|" * len(batches) + "---|"]
+    for label, curve in curves.items():
+        cells = [("-" if b not in curve else f"{curve[b]:.2f}x" + (f" ({taus[label][b]:.2f})" if taus else ""))
+                 for b in batches]
+        off = off_from(curve)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'-' if off is None else off} |")
+    return lines
+
+
+def plot(measured: Curves, machine: str, predicted: Curves, accelerator: str, tau: float, path: Path) -> Path:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, curves, title in ((axes[0], measured, f"measured, {machine}"),
+                              (axes[1], predicted, f"predicted, {accelerator}, tau {tau:g}")):
+        for label, curve in curves.items():
+            batches = sorted(curve)
+            ax.plot(batches, [curve[b] for b in batches], marker="o", label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speed-up over AR")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measured", nargs="+", type=Path, required=True, help="evaluation run directories")
+    parser.add_argument("--predicted", nargs="*", type=Path, default=[], help="roofline.json files")
+    parser.add_argument("--tau", type=float, default=3.0)
+    parser.add_argument("--accelerator", default="H100-SXM")
+    parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"))
+    args = parser.parse_args()
+    try:
+        speedup, taus, settings = measured_curves(args.measured)
+        predicted = predicted_curves(args.predicted, args.accelerator, args.tau)
+    except BatchSpeedupError as e:
+        raise SystemExit(f"error: {e}") from None
+    machine = f"{settings['model']} on {settings['backend']}, T={settings['temperature']:g}"
+    lines = [f"**Measured** speed-up over AR (tau in brackets) against batch size: {machine}, "
+             f"{settings['max_new_tokens']} new tokens; each column is one evaluation run ("
+             + ", ".join(str(p) for p in args.measured) + ").", "", *table(speedup, taus)]
+    if predicted:
+        lines += ["", f"**Predicted** (roofline, not measured) speed-up over AR at tau {args.tau:g} on "
+                  f"{args.accelerator} against batch size (" + ", ".join(str(p) for p in args.predicted) + ").",
+                  "", *table(predicted)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = plot(speedup, machine, predicted, args.accelerator, args.tau, args.out / "batch_speedup.png")
+    lines += ["", f"![speed-up against batch size]({png.name})"]
+    write_report(args.out, "batch_speedup", {
+        "measured": {"settings": settings, "runs": [str(p) for p in args.measured],
+                     "speedup": speedup, "tau": taus, "off_from": {k: off_from(v) for k, v in speedup.items()}},
+        "predicted": {"accelerator": args.accelerator, "tau": args.tau, "runs": [str(p) for p in args.predicted],
+                      "speedup": predicted, "off_from": {k: off_from(v) for k, v in predicted.items()}},
+    }, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
