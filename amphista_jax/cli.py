@@ -137,8 +137,8 @@ def _tree_search(args: argparse.Namespace) -> int:
     from amphista_jax.tree_names import searched_tree_path
     from amphista_jax.tree_search import output_paths, search
 
-    for name in ("max_nodes", "ranks", "runs"):
-        if getattr(args, name) < 1:
+    for name in ("max_nodes", "ranks", "runs", "depth"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.max_new_tokens < 2:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 2 (decode steps are timed)")
@@ -151,7 +151,8 @@ def _tree_search(args: argparse.Namespace) -> int:
     prompts = humaneval_prompts(*args.tasks)
     with file_lock(lock_beside(out), "tree-search"):
         results, policy = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
-                                 max_new_tokens=args.max_new_tokens, runs=args.runs, batch_sizes=args.batch_sizes)
+                                 max_new_tokens=args.max_new_tokens, runs=args.runs, batch_sizes=args.batch_sizes,
+                                 depth=args.depth)
     print(out.with_suffix(".report.md").read_text())
     print(f"wrote {out} and the tree per batch size ({policy.describe()}) beside it" + (
         "" if any(t is not None for _, t in policy.by_batch) else
@@ -329,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(keep it apart from the evaluation set)")
     ts.add_argument("--max-nodes", type=int, default=63, help="budget: draft nodes, root not counted")
     ts.add_argument("--ranks", type=int, default=10, help="ranks per depth in the calibration tree")
+    ts.add_argument("--depth", type=int, default=None, help="deepest draft node (default: the heads' depth, or 5 "
+                    "for a method that drafts to any depth: EAGLE, EAGLE-3)")
     ts.add_argument("--max-new-tokens", type=int, default=96)
     ts.add_argument("--runs", type=int, default=3, help="timed runs per tree (median)")
     ts.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 2, 4, 8, 16), metavar="B,B,...",

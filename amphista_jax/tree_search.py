@@ -43,6 +43,7 @@ class TreeSearchError(UserError, ValueError):
 
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 63)
+DEFAULT_DEPTH = 5  # calibration depth for drafters that draft to any depth (EAGLE-2's trees reach 6)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
@@ -252,11 +253,13 @@ def output_paths(out_path: Path) -> tuple[Path, ...]:
 
 def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str], out_path: Path, *, max_nodes: int = 63,
            ranks: int = 10, max_new_tokens: int = 96, runs: int = 3, sizes: Sequence[int] = DEFAULT_SIZES,
-           batch_sizes: Sequence[int] = (1,)) -> tuple[dict[int, SearchResult], TreePolicy]:
+           batch_sizes: Sequence[int] = (1,), depth: int | None = None) -> tuple[dict[int, SearchResult], TreePolicy]:
     """The whole search for trained heads: statistics on `prompts`, growth, timing on this device at each of
     `batch_sizes`; writes the tree picked at the smallest batch size to `out_path` (JSON paths), the tree policy
     per batch size (`<stem>.batch.json`, what `--tree auto` follows), `<stem>.report.{json,md}` and the plots
-    `<stem>.png` (trees at the smallest batch size) and `<stem>.batch.png` (speed-up against batch size)."""
+    `<stem>.png` (trees at the smallest batch size) and `<stem>.batch.png` (speed-up against batch size).
+    `depth`: the deepest draft node (default: the heads' depth; `DEFAULT_DEPTH` for a drafter that drafts to any
+    depth, such as EAGLE's, whose static trees are grown from the same statistics)."""
     import json
 
     from tqdm import tqdm
@@ -265,12 +268,14 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
 
     meta = read_draft_meta(heads_dir)
     drafter, method = meta.drafter, meta.method
-    if drafter.max_depth is None or TreeSpec not in drafter.tree_kinds:
-        raise TreeSearchError(f"tree search grows static trees for heads of a fixed depth; {method} drafts "
-                              f"{'any depth' if drafter.max_depth is None else 'dynamic trees only'}: use its "
-                              f"paper's tree ({drafter.paper_tree})")
+    if TreeSpec not in drafter.tree_kinds:
+        raise TreeSearchError(f"tree search grows static trees; {method} drafts dynamic trees only: use its paper's "
+                              f"tree ({drafter.paper_tree})")
+    depth = depth or drafter.max_depth or DEFAULT_DEPTH
+    if drafter.max_depth is not None and depth > drafter.max_depth:
+        raise TreeSearchError(f"--depth {depth}: the {method} heads draft {drafter.max_depth} tokens deep at most")
     batch_sizes = sorted(set(batch_sizes))
-    calib = efficient_tree(drafter.max_depth, ranks)
+    calib = efficient_tree(depth, ranks)
     probe = Generator.load(model_dir, heads_dir, calib)
     ids = [probe.encode(p) for p in prompts]
     with tqdm(total=len(ids), desc="acceptance statistics", unit="prompt") as bar:

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from amphista_jax.assets import shipped_heads_dir
+from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.drafters.io import read_draft_meta
 from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import (
@@ -150,3 +150,29 @@ def test_generator_and_eval_follow_the_policy_by_batch(tmp_path):
     assert resolve_method(str(heads), "auto", batch=1).tree == PRESETS["small-8"]
     at_two = resolve_method(f"m={heads}", "auto", batch=2)
     assert at_two.drafter is None and at_two.label == "m" and "none at batch 2" in at_two.tree_name
+
+
+def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path):
+    """EAGLE drafts to any depth: the search calibrates to `depth`, grows and times static trees no deeper, and
+    `auto` then decodes on the searched tree with AR's tokens. Heads of a fixed depth refuse a deeper search."""
+    from amphista_jax import Generator
+    from amphista_jax.demo import humaneval_prompts
+    from amphista_jax.tree_search import TreeSearchError, search
+
+    heads = tmp_path / "eagle"
+    shutil.copytree(shipped_heads_dir("eagle"), heads)
+    out = searched_tree_path(heads)
+    results, policy = search(default_model_dir(), heads, humaneval_prompts(100, 102), out, max_nodes=4, ranks=2,
+                             max_new_tokens=32, runs=1, sizes=(2, 4), batch_sizes=(1,), depth=2)
+    picked = TreeSpec(tuple(tuple(p) for p in json.loads(out.read_text())))
+    assert picked.depth <= 2 and 1 <= len(picked.choices) <= 4 and policy.by_batch[0][0] == 1
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert np.asarray(report["rates"]).shape == (2, 2) and report["calibration_tree_nodes"] == 4
+    gen = Generator.load(heads=heads)
+    at_one = gen.for_batch(1).tree  # the searched tree, or AR where none was predicted to win (timings decide)
+    assert (at_one is None) == (policy.at(1) is None) and (at_one is None or set(at_one.choices) == set(picked.choices))
+    prompt = humaneval_prompts(100, 101)[0]
+    assert gen.generate(prompt, max_new_tokens=12).token_ids == gen.autoregressive().generate(
+        prompt, max_new_tokens=12).token_ids
+    with pytest.raises(TreeSearchError, match="--depth 9: the medusa heads draft 4 tokens deep at most"):
+        search(default_model_dir(), shipped_heads_dir("medusa"), ["x"], tmp_path / "m.json", depth=9)
