@@ -133,7 +133,7 @@ def main() -> None:
         predicted = predicted_curves(args.predicted, args.accelerator, args.tau)
     except BatchSpeedupError as e:
         raise SystemExit(f"error: {e}") from None
-    machine = f"{settings['model']} on {settings['backend']}, T={settings['temperature']:g}"
+    machine = f"{Path(settings['model']).name} on {settings['backend']}, T={settings['temperature']:g}"
     lines = [f"**Measured** speed-up over AR (tau in brackets) against batch size: {machine}, "
              f"{settings['max_new_tokens']} new tokens; each column is one evaluation run ("
              + ", ".join(str(p) for p in args.measured) + ").", "", *table(speedup, taus)]
