@@ -31,8 +31,9 @@ import numpy as np
 
 from amphista_jax.decode import pad_prompts, scratch_slots
 from amphista_jax.errors import UserError
+from amphista_jax.figures import pyplot, save_figure
 from amphista_jax.generator import Generator
-from amphista_jax.output_lock import atomic_file, write_atomic
+from amphista_jax.output_lock import write_atomic
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tree_names import TreePolicy
 from amphista_jax.trees import TreeSpec, efficient_tree
@@ -194,20 +195,13 @@ def report_markdown(result: SearchResult, trees: Sequence[TreeSpec], header: str
 @contextlib.contextmanager
 def _speedup_figure(path: str | Path, title: str) -> Iterator[Any]:
     """Axes for a speed-up plot: the 1x line (AR), then the title, the legend and the PNG at `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     yield ax
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot(result: SearchResult, path: str | Path, title: str) -> None:

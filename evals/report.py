@@ -9,7 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.output_lock import atomic_file, write_atomic
+from amphista_jax.figures import pyplot, save_figure
+from amphista_jax.output_lock import write_atomic
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -69,7 +70,7 @@ def markdown(summary: dict[str, Any]) -> str:
 def plot_head_accuracy(summary: dict[str, Any], path: Path) -> Path | None:
     if not summary["head_accuracy"]:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, acc in summary["head_accuracy"].items():
         heads = sorted(int(k) for k in acc)
@@ -80,11 +81,11 @@ def plot_head_accuracy(summary: dict[str, Any], path: Path) -> Path | None:
            ylim=(0, 1))
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    return save_figure(fig, path)
 
 
 def plot_tau_by_category(summary: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     metrics = summary["metrics"]
     categories = list(dict.fromkeys(c for rows in metrics.values() for c in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * len(metrics) / 2), 4))
@@ -96,24 +97,7 @@ def plot_tau_by_category(summary: dict[str, Any], path: Path) -> Path:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories, rotation=30, ha="right")
     ax.set(ylabel="tau (tokens / decoding forward)", title="tau by category")
     ax.legend(fontsize=7)
-    return _save(plt, fig, path)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt, fig, path: Path) -> Path:
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_reports(out_dir: Path, summary: dict[str, Any]) -> None:

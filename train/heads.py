@@ -32,11 +32,12 @@ from amphista_jax.drafters.draft_vocab import DraftVocab
 from amphista_jax.drafters.io import META_FILE, save_draft
 from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.fetch import resolve_model
+from amphista_jax.figures import pyplot, save_figure
 from amphista_jax.identity import target_identity
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params, param_dtype
 from amphista_jax.models.llama import Transformer, param_shapes
-from amphista_jax.output_lock import atomic_file, output_lock, write_atomic
+from amphista_jax.output_lock import output_lock, write_atomic
 from amphista_jax.plan import MemoryPlan, abstract, accelerator_capacity, compiled_plan, mesh_devices, plan_table
 from amphista_jax.sharding import (
     make_mesh,
@@ -270,11 +271,7 @@ def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
 
 def plot_curve(run_dir: str | Path) -> Path:
     """`training_curve.png`: train loss and held-out per-head top-1 accuracy over steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = read_metrics(run_dir)
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     train = [r for r in rows if "loss" in r]
@@ -289,9 +286,4 @@ def plot_curve(run_dir: str | Path) -> Path:
     ax_acc.set(xlabel="step", ylabel="held-out top-1", title="per-head accuracy")
     if heads:
         ax_acc.legend()
-    fig.tight_layout()
-    path = Path(run_dir) / "training_curve.png"
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, Path(run_dir) / "training_curve.png")

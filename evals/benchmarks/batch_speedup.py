@@ -24,7 +24,7 @@ from typing import Any
 
 from amphista_jax.errors import UserError
 from amphista_jax.evals.benchmarks.common import write_report
-from amphista_jax.evals.report import _pyplot, _save
+from amphista_jax.figures import pyplot, save_figure
 
 Curves = dict[str, dict[int, float]]  # series label -> {batch size: speed-up}
 
@@ -104,7 +104,7 @@ def table(curves: Curves, taus: Curves | None = None) -> list[str]:
 
 
 def plot(measured: Curves, machine: str, predicted: Curves, accelerator: str, tau: float, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, curves, title in ((axes[0], measured, f"measured, {machine}"),
                               (axes[1], predicted, f"predicted, {accelerator}, tau {tau:g}")):
@@ -117,7 +117,7 @@ def plot(measured: Curves, machine: str, predicted: Curves, accelerator: str, ta
         ax.set_ylabel("speed-up over AR")
         ax.set_title(title)
         ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    return save_figure(fig, path)
 
 
 def main() -> None:

@@ -34,8 +34,8 @@ from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculativ
 from amphista_jax.drafters.base import DraftContext, Drafter, Proposal
 from amphista_jax.errors import UserError
 from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, model_config, random_target, write_report
+from amphista_jax.figures import pyplot, save_figure
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.output_lock import atomic_file
 from amphista_jax.target import Target
 from amphista_jax.tree_names import get_tree
 from amphista_jax.trees import TreeSpec, batched, tree_arrays
@@ -123,11 +123,7 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Speed-up over AR against tree size, one line per (model, p_right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     spec_rows = [r for r in rows if r["method"] == "oracle"]
     for (model, p_right), group in itertools.groupby(sorted(spec_rows, key=lambda r: (r["model"], r["p_right"],
@@ -142,10 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("speed-up over AR (measured)")
     ax.set_title("Oracle drafter on a CPU target: speed-up by tree size")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
