@@ -133,9 +133,10 @@ def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[
                          runs: int = 3, progress: Callable[[int], None] | None = None, batch: int = 1
                          ) -> tuple[float, list[float]]:
     """(AR seconds per step, [seconds per speculative step for each tree]) of `gen`'s target and drafter on this
-    device: the median over `runs` of (decode time - prefill time) / decode steps, `batch` copies of `prompt`, no
-    EOS stop so every run decodes `max_new_tokens` tokens. The prefill (with the drafter's own, the same for every
-    tree) is timed by the same programs with one new token."""
+    device: (decode time - prefill time) / decode steps, each time the fastest of `runs` (noise on a shared
+    machine only adds time), `batch` copies of `prompt`, no EOS stop so every run decodes `max_new_tokens` tokens.
+    The prefill (with the drafter's own, the same for every tree) is timed by the same programs with one new
+    token."""
     tokens, lengths = pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
     # one cache size for every program (AR, prefill-only and each tree), so only the step differs
     cache_size = tokens.shape[1] + max_new_tokens + max(scratch_slots(gen.drafter, t) for t in trees)
@@ -144,7 +145,7 @@ def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[
         settings = g.settings(n, SamplingConfig(), stop_at_eos=False)
         g.run(tokens, lengths, settings, cache_size=cache_size)  # compile + warm-up
         results = [g.run(tokens, lengths, settings, cache_size=cache_size) for _ in range(runs)]
-        return float(np.median([r[1] for r in results])), int(results[-1][0].steps)
+        return min(r[1] for r in results), int(results[-1][0].steps)
 
     def per_step(prefill_s: float, g: Generator) -> float:
         seconds, steps = timed(g, max_new_tokens)
@@ -311,7 +312,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
                            "trees": _tree_rows(r, trees)} for b, r in sorted(results.items())]}
     write_atomic(report_json, json.dumps(report, indent=1) + "\n")
     header = (f"# Tree search: {title}\n\nExpected tau from greedy acceptance statistics on {len(prompts)} calibration "
-              f"prompts; step times measured on this device (median of {runs}, {max_new_tokens} new tokens). "
+              f"prompts; step times measured on this device (fastest of {runs}, {max_new_tokens} new tokens). "
               "Predicted speed-up = expected tau x AR step / step: a model prediction; the measured speed-up decodes "
               "B calibration prompts with the picked tree and with AR.\n\n## Per batch size\n\n"
               f"{batch_markdown(results, measured, policy)}\n## Trees at batch {batch_sizes[0]}")

@@ -163,7 +163,7 @@ def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path):
     shutil.copytree(shipped_heads_dir("eagle"), heads)
     out = searched_tree_path(heads)
     results, policy = search(default_model_dir(), heads, humaneval_prompts(100, 102), out, max_nodes=4, ranks=2,
-                             max_new_tokens=32, runs=1, sizes=(2, 4), batch_sizes=(1,), depth=2)
+                             max_new_tokens=32, runs=3, sizes=(2, 4), batch_sizes=(1,), depth=2)
     picked = TreeSpec(tuple(tuple(p) for p in json.loads(out.read_text())))
     assert picked.depth <= 2 and 1 <= len(picked.choices) <= 4 and policy.by_batch[0][0] == 1
     report = json.loads(out.with_suffix(".report.json").read_text())
