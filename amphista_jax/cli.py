@@ -261,7 +261,7 @@ def _eval(args: argparse.Namespace) -> int:
             cfg = dataclasses.replace(cfg, methods=tuple(args.methods))
         except ValueError as e:
             raise UsageError(f"--methods: {e}") from None
-    summary = run_eval(cfg)
+    summary = run_eval(cfg, replace=args.replace)
     mismatches = (summary or {}).get("lossless", {}).get("mismatches", [])
     if mismatches:
         print(f"LOSSLESS CHECK FAILED: {len(mismatches)} prompt(s) differ from the AR baseline (listed in "
@@ -403,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the config's methods: `ar`, a heads directory, `<method>:untrained`, each "
                         "optionally `label=...` and `...@tree`")
     e.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    e.add_argument("--replace", action="store_true", help="discard an earlier eval run in out_dir (its results and "
+                   "reports; nothing else there) and start over; without it a rerun resumes, and one with other "
+                   "settings is refused")
     e.set_defaults(func=_eval)
 
     p = sub.add_parser("pretrain-target", help="train the embedded default target model (recipe)")

@@ -12,7 +12,8 @@ one: every report, summary, policy and run record goes through them.
 
 `staged_output(out, command)` makes a new output directory whole or not at all: it is written as a staging
 directory beside it (`.<name>.partial-<pid>`, locked the same way) and renamed into place only when the block ends
-without error; an error removes it, and a killed run's staging directory is named and removed by the next run.
+without error; an error removes it, and a killed run's staging directory is named and removed by the next run. With
+`replace`, an earlier output stays whole until the new one is complete.
 """
 
 from __future__ import annotations
@@ -119,10 +120,12 @@ def write_atomic(path: str | Path, text: str) -> Path:
 
 
 @contextlib.contextmanager
-def staged_output(out: str | Path, command: str) -> Iterator[Path]:
-    """Yield a staging directory for the new output directory `out` (absent or empty: the caller checks); rename
-    it to `out` when the block ends without error, remove it when it raises. A staging directory left by a killed
-    run is named and removed; one whose writer still runs is refused (`OutputLockedError`)."""
+def staged_output(out: str | Path, command: str, replace: bool = False) -> Iterator[Path]:
+    """Yield a staging directory for the output directory `out`; rename it to `out` when the block ends without
+    error, remove it when it raises. `out` is absent or empty (the caller checks), or with `replace` an earlier
+    output of the same kind: it stays whole until the new one is complete, then is swapped out and removed. A
+    staging directory left by a killed run is named and removed (one whose writer still runs is refused:
+    `OutputLockedError`); an old output a killed swap had moved aside is put back when `out` is missing."""
     out = Path(out).absolute()
     for stale in sorted(out.parent.glob(f".{out.name}.partial-*")):
         owner = _owner(stale / LOCK_FILE)
@@ -133,6 +136,12 @@ def staged_output(out: str | Path, command: str) -> Iterator[Path]:
         if running is False or not owner:
             print(f"note: {stale}: a partial output of a killed run; removing it", file=sys.stderr)
             shutil.rmtree(stale, ignore_errors=True)
+    for aside in sorted(out.parent.glob(f".{out.name}.replaced-*")):
+        if out.exists():
+            shutil.rmtree(aside, ignore_errors=True)  # the swap completed; its removal was cut short
+        else:
+            print(f"note: {out}: restoring the earlier output a killed run had moved aside", file=sys.stderr)
+            os.replace(aside, out)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         with file_lock(staging / LOCK_FILE, command):
@@ -140,6 +149,10 @@ def staged_output(out: str | Path, command: str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if out.is_dir():
+    aside = out.parent / f".{out.name}.replaced-{os.getpid()}"
+    if out.is_dir() and replace:
+        os.replace(out, aside)
+    elif out.is_dir():
         out.rmdir()  # empty: a non-empty one was refused before any work
     os.replace(staging, out)
+    shutil.rmtree(aside, ignore_errors=True)

@@ -7,11 +7,11 @@ each new shape is compiled ahead of time (timed apart as `compile_s`) and run on
 the timed runs. With `mesh: {data, fsdp, tensor}` the target and each method's heads are sharded over a mesh of
 the devices (`sharding.place_for_decoding`) and every program runs under `sharding.on_mesh`; the tokens are one
 device's. One JSON line per finished prompt goes to `results/<label>.process<i>.jsonl`
-(`amphista_jax.evals.results`); a rerun skips finished prompts. Several processes (`jax.distributed`, see
-`amphista_jax.evals.launch_local`) split the unfinished prompts; they share `out_dir` on one filesystem, and process 0
-merges every file into `summary.json`, `report.md` and the plots (`amphista_jax.evals.report`). With both, each
-process decodes its own prompts on a mesh of its own (local) devices: the mesh's sizes multiply to
-`jax.local_device_count()`.
+(`amphista_jax.evals.results`); a rerun says so and skips finished prompts (`--replace` starts over). Several
+processes (`jax.distributed`, see `amphista_jax.evals.launch_local`) split the unfinished prompts; they share
+`out_dir` on one filesystem, and process 0 merges every file into `summary.json`, `report.md` and the plots
+(`amphista_jax.evals.report`). With both, each process decodes its own prompts on a mesh of its own (local)
+devices: the mesh's sizes multiply to `jax.local_device_count()`.
 
 Every input is checked before the target is loaded: the config, the dataset, each method spec and, when
 resuming, that `run.json` records the same settings and the same content (sha256) of the target, the heads
@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +107,16 @@ RESULT_SETTINGS = ("model", "max_new_tokens", "temperature", "top_k", "top_p", "
                    "seed", "pad_multiple", "attention", "heldout", "heldout_batches")
 
 
+# What an eval run writes into its out_dir: what `--replace` removes (nothing else there is touched).
+EVAL_OUTPUTS = ("run.json", "results", "compile", "merged", "head_accuracy.json", "tree_stats.json", "summary.json",
+                "report.md", "head_accuracy.png", "tau_by_category.png")
+
+
 def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list[Method],
-                   dataset_path: Path | None = None) -> dict[str, Any]:
+                   dataset_path: Path | None = None, replace: bool = False) -> dict[str, Any]:
     """Compare with `run.json` of earlier runs into `out_dir` (resuming must not mix settings, nor results of
-    a target, heads or dataset that changed under the same path); returns what `write_run_file` records."""
+    a target, heads or dataset that changed under the same path; `replace` starts over instead); returns what
+    `write_run_file` records."""
     path = out_dir / "run.json"
     dataset = {"kind": cfg.dataset.kind, "path": cfg.dataset.path, "chat": cfg.dataset.use_chat}
     if dataset_path is not None:
@@ -120,6 +128,8 @@ def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list
     if not path.is_file() and out_dir.is_dir() and any(p.name != LOCK_FILE for p in out_dir.iterdir()):
         raise OutputExistsError(f"out_dir {out_dir} holds files but no run.json, so it is not an eval run: pick a "
                                 "new out_dir (eval writes report.md, summary.json, results/ ... into it)")
+    if replace:
+        return {"settings": settings, "methods": described}
     try:
         previous = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "methods": {}}
     except json.JSONDecodeError as e:
@@ -133,8 +143,8 @@ def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list
             changed |= changes(previous["methods"][label], now, f"method {label}")
     if changed:
         raise RunMismatchError(f"{out_dir} holds results made with other settings or inputs (before, now): "
-                               f"{_format_changes(changed)}; use a new out_dir (or delete this one) to evaluate "
-                               "with these")
+                               f"{_format_changes(changed)}; use a new out_dir, or pass --replace to discard those "
+                               "results and evaluate with these")
     return {"settings": settings, "methods": previous.get("methods", {}) | described}
 
 
@@ -313,9 +323,29 @@ def _read_lines(directory: Path, label: str) -> list[str]:
             for line in p.read_text().splitlines() if line.strip()]
 
 
-def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
-    """Run every method on every prompt (resuming), then merge on process 0. Returns the summary on
-    process 0 and None elsewhere."""
+def discard_run(out_dir: Path) -> None:
+    """Remove an earlier eval run's outputs (`EVAL_OUTPUTS`) from `out_dir`; other files there stay."""
+    for name in EVAL_OUTPUTS:
+        path = out_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _resume_note(out_dir: Path) -> str | None:
+    """The line that says an earlier run into `out_dir` is resumed (None: nothing to resume)."""
+    if not (out_dir / "run.json").is_file():
+        return None
+    done = sum(1 for p in (out_dir / "results").glob("*.jsonl") for line in p.read_text().splitlines() if line)
+    state = "finished" if (out_dir / "summary.json").is_file() else "did not finish (killed?)"
+    return (f"note: {out_dir} holds an eval run with these settings that {state}: resuming it ({done} prompt "
+            "result(s) kept, only the missing ones run); pass --replace to start over")
+
+
+def run_eval(cfg: EvalConfig, replace: bool = False) -> dict[str, Any] | None:
+    """Run every method on every prompt (resuming; `replace`: discarding an earlier run in `out_dir` instead),
+    then merge on process 0. Returns the summary on process 0 and None elsewhere."""
     maybe_initialize_distributed()
     model_dir = resolve_model(cfg.model)
     out_dir = Path(cfg.out_dir)
@@ -328,17 +358,18 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any] | None:
     check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)
     methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed, cfg.temperature, cfg.batch_size)
-    check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))
+    check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset), replace)
     if jax.process_index() == 0:
         print(report.summary())
     with output_lock(out_dir, "eval") if jax.process_index() == 0 else contextlib.nullcontext():
-        return _evaluate(cfg, model_dir, out_dir, mesh, prompts, methods)
+        return _evaluate(cfg, model_dir, out_dir, mesh, prompts, methods, replace)
 
 
 def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None, prompts: list[Prompt],
-              methods: list[Method]) -> dict[str, Any] | None:
+              methods: list[Method], replace: bool) -> dict[str, Any] | None:
     """`run_eval` under the output directory's lock."""
-    run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset))  # again, under the lock
+    # again, under the lock
+    run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset), replace)
     config = load_config(model_dir)
     # On a mesh each device reads only its slices of the target (no whole copy on the host).
     shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
@@ -348,9 +379,14 @@ def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None,
     if mesh is not None:  # the target is in place already: only the heads move
         methods = [dataclasses.replace(m, draft_params=place_for_decoding(mesh, config, params, m.drafter,
                                                                           m.draft_params)[1]) for m in methods]
+    if jax.process_index() == 0:
+        if replace:
+            discard_run(out_dir)
+        elif note := _resume_note(out_dir):
+            print(note, file=sys.stderr)
+    write_run_file(out_dir, run)  # a barrier first: every process finds the directory discarded
     results_dir = out_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    write_run_file(out_dir, run)
     base = Generator(config, params, tok, stop_token_ids(model_dir, tok, config), attention=cfg.attention, mesh=mesh)
     session = _Session(cfg, base, results_dir)
     for method in methods:

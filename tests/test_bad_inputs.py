@@ -428,6 +428,9 @@ def test_eval_heads_whose_draft_json_has_wrong_types(capsys, tmp_path, setting, 
 def test_eval_never_writes_into_a_users_directory(capsys, user_files, tmp_path):
     outcome = run_cli(capsys, EVAL + ["--methods", "ar", "--set", f"out_dir={user_files}"], watch=[user_files])
     assert_bad_input(outcome, "no run.json", "pick a new out_dir")
+    outcome = run_cli(capsys, EVAL + ["--methods", "ar", "--set", f"out_dir={user_files}", "--replace"],
+                      watch=[user_files])
+    assert_bad_input(outcome, "no run.json", "pick a new out_dir")  # --replace replaces eval runs only
     outcome = run_cli(capsys, EVAL + ["--methods", "ar", "--set", f"out_dir={user_files / 'report.json' / 'x'}"],
                       watch=[user_files])
     assert_bad_input(outcome, "is a file, not a directory")
@@ -443,12 +446,19 @@ def test_eval_resume_refuses_heads_or_data_changed_under_the_same_path(capsys, t
                    "--methods", "ar", f"m={heads}@chain-1"]
     assert main(argv) == 0
     assert main(argv) == 0  # the same inputs resume (nothing left to run)
-    capsys.readouterr()
+    assert "resuming it (2 prompt result(s) kept" in capsys.readouterr().err
     shutil.rmtree(heads)  # retrained under the same path
     assert main(["convert", "--heads", HEADS, "--out", str(heads), "--dtype", "bfloat16"]) == 0
-    assert_bad_input(run_cli(capsys, argv, watch=[out]), "method m heads_files", "use a new out_dir")
+    assert_bad_input(run_cli(capsys, argv, watch=[out]), "method m heads_files", "use a new out_dir", "--replace")
     data.write_text(json.dumps({"id": "a", "prompt": "import os\n"}) + "\n")
     assert_bad_input(run_cli(capsys, argv[:-1], watch=[out]), "dataset.sha256", "use a new out_dir")
+    (out / "notes.md").write_text("mine")
+    assert main(argv[:-1] + ["--replace"]) == 0  # starts over: only AR, on the new data
+    assert "resuming" not in capsys.readouterr().err and (out / "notes.md").read_text() == "mine"
+    assert json.loads((out / "summary.json").read_text())["methods"][0]["label"] == "ar"
+    assert [p.name for p in (out / "results").iterdir()] == ["ar.process0.jsonl"]
+    sha256 = hashlib.sha256(data.read_bytes()).hexdigest()
+    assert json.loads((out / "run.json").read_text())["settings"]["dataset"]["sha256"] == sha256
 
 
 # --- train and pretrain-target --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from amphista_jax.output_lock import (
     file_lock,
     lock_beside,
     output_lock,
+    staged_output,
     write_atomic,
 )
 
@@ -95,3 +96,31 @@ def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
     assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
     assert write_atomic(path, "new\n").read_text() == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_a_replaced_output_stays_whole_until_the_new_one_is_complete(tmp_path, dead_pid, capsys):
+    """`staged_output(replace=True)` (pretrain-target's export): a failing writer leaves the old output as it was;
+    a finished one swaps in whole; a swap killed between its renames is put back by the next run."""
+    out = tmp_path / "export"
+    with staged_output(out, "pretrain-target") as staging:
+        (staging / "model.safetensors").write_text("old")
+    with pytest.raises(RuntimeError), staged_output(out, "pretrain-target", replace=True) as staging:
+        (staging / "model.safetensors").write_text("half")
+        raise RuntimeError("killed")
+    assert (out / "model.safetensors").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "export"]
+    with staged_output(out, "pretrain-target", replace=True) as staging:
+        (staging / "model.safetensors").write_text("new")
+        assert (out / "model.safetensors").read_text() == "old"  # readable while the new one is written
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "export"]
+    out.rename(tmp_path / f".export.replaced-{dead_pid}")  # killed after moving the old output aside
+    _hold(tmp_path / f".export.partial-{dead_pid}" / LOCK_FILE, dead_pid, command="pretrain-target")
+    with staged_output(out, "pretrain-target", replace=True) as staging:
+        assert (out / "model.safetensors").read_text() == "new"
+        (staging / "model.safetensors").write_text("newer")
+    err = capsys.readouterr().err
+    assert "partial output of a killed run" in err and "restoring the earlier output" in err
+    assert (out / "model.safetensors").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "export"]

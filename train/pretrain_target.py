@@ -30,7 +30,7 @@ from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params, save_params
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.output_lock import write_atomic
+from amphista_jax.output_lock import staged_output, write_atomic
 from amphista_jax.train.corpus import CorpusError, build_corpus, package_texts, package_version, train_tokenizer
 from amphista_jax.train.data import pack_documents, packed_dataset
 from amphista_jax.train.loop import LoopConfig, check_no_foreign_log, run_loop
@@ -282,7 +282,17 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
 
 def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase, params: Any,
            heldout_windows: np.ndarray, heldout_texts: list[str], extra: dict[str, Any]) -> dict[str, Any]:
-    out = Path(cfg.export_dir)
+    """Write, evaluate and sample the export whole in a staging directory, then swap it for `export_dir` (an
+    earlier export of this run stays readable until then; a killed export leaves it as it was)."""
+    with staged_output(cfg.export_dir, "pretrain-target", replace=True) as staging:
+        summary = _export(cfg, mcfg, tok, params, heldout_windows, heldout_texts, extra, staging)
+    print(f"exported to {cfg.export_dir}")
+    return summary
+
+
+def _export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase, params: Any,
+            heldout_windows: np.ndarray, heldout_texts: list[str], extra: dict[str, Any], out: Path
+            ) -> dict[str, Any]:
     save_params(params, mcfg, out, dtype="bfloat16")
     tok.save_pretrained(out)
     gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
@@ -328,5 +338,5 @@ def export(cfg: PretrainConfig, mcfg: ModelConfig, tok: PreTrainedTokenizerBase,
     }
     write_atomic(out / "training_summary.json", json.dumps(summary, indent=2) + "\n")
     print(f"held-out loss: {loss:.4f} nats/token over {len(heldout_windows)} windows"
-          + (f"; {bpb['bits_per_byte']} bits/byte on {cfg.bpb_package}" if bpb else "") + f"; exported to {out}")
+          + (f"; {bpb['bits_per_byte']} bits/byte on {cfg.bpb_package}" if bpb else ""))
     return summary
