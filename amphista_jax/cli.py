@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -144,6 +145,8 @@ def _tree_search(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 2 (decode steps are timed)")
     _check_heads(args.heads)
     out = Path(args.out) if args.out else searched_tree_path(args.heads)
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a directory: give the searched tree's file, e.g. {out / 'tree.json'}")
     if (taken := [str(p) for p in output_paths(out) if p.exists()]) and not args.replace:
         raise UsageError(f"{', '.join(taken)} exist: pass --replace to search again and replace them, or --out "
                          "another file")
@@ -223,6 +226,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from amphista_jax.accelerators import get_accelerator
     from amphista_jax.config_io import load_config
+    from amphista_jax.output_lock import output_lock
     from amphista_jax.train.config import TrainConfig
     from amphista_jax.train.plan import check_plan_out, describe, plan_configs, plan_request, write_plans
 
@@ -233,10 +237,13 @@ def _plan(args: argparse.Namespace) -> int:
     accelerator = get_accelerator(args.accelerator) if args.accelerator else None
     requests = [plan_request(path, load_config(TrainConfig, path, args.set or []), accelerator)
                 for path in args.config]  # every config checked before the first compile
-    results = plan_configs(requests, args.decode_batch, args.tree)
-    print(describe(results))
-    if args.out:
-        write_plans(results, Path(args.out))
+    with output_lock(args.out, "plan") if args.out else contextlib.nullcontext():
+        if args.out:
+            check_plan_out(Path(args.out), args.replace)  # again, under the lock
+        results = plan_configs(requests, args.decode_batch, args.tree)
+        print(describe(results))
+        if args.out:
+            write_plans(results, Path(args.out))
     return 0 if all(p.fits is not False for plans, _ in results for p in plans) else 1
 
 

@@ -12,9 +12,10 @@ import orbax.checkpoint as ocp
 
 from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.hf import load_params, save_params
+from amphista_jax.models.hf import load_config, load_params, save_params
 from amphista_jax.output_lock import staged_output
 
+HALF = ("bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model", "chat_template.jinja")
 
@@ -39,7 +40,10 @@ def convert(out: str, model: str, heads: str | None = None, gguf: str | None = N
                                 "a new --out")
     if max_shard_mb < 0:
         raise UsageError(f"--max-shard-mb {max_shard_mb}: must be >= 0 (0 = one file)")
-    check_writable_dir(out_dir, "--out")
+    # a whole-model convert needs room for the model (at most 4 bytes a parameter); heads and GGUF are checked by
+    # their writes, which fail whole (staged) and in one line
+    need = 0 if gguf or heads or heads_from else load_config(model).num_params * (2 if dtype in HALF else 4)
+    check_writable_dir(out_dir, "--out", need)
     with staged_output(out_dir, "convert") as staging:  # a killed or failed convert leaves no partial --out
         return f"{_write(staging, model, heads, gguf, dtype, max_shard_mb, heads_from)} to {out_dir}"
 

@@ -34,7 +34,7 @@ class OutputExistsError(UserError, FileExistsError):
 
 
 # OSErrors that describe the machine rather than a bug: reported as one line.
-ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT})
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG})
 
 
 def check_writable_dir(path: str | Path, what: str, need_bytes: int = 0) -> None:

@@ -44,7 +44,7 @@ from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.errors import UserError
 from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.prompt_checks import check_prompts
+from amphista_jax.prompt_checks import check_draft_params, check_prompts
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.target import Target
 from amphista_jax.tree_names import AUTO, TreePolicy, get_tree, read_policy, resolve_tree
@@ -283,6 +283,8 @@ class Generator:
         on the host, seconds, compile seconds). `generate` pads and buckets first; evaluation calls this with its
         own padding. `rng`: a key, or the seed of one; `cache_size`: see `program`."""
         check_prompts(tokens, lengths, self.config.vocab_size)
+        if settings.drafter is not None:
+            check_draft_params(settings.drafter, self.draft_params, self.config, self.params)
         check_fits(lengths, settings.max_new_tokens, tokens.shape[1] + settings.max_new_tokens, self.config)
         compiled, compile_s = self.program(tokens, lengths, settings, cache_size)
         args = (self.params,) + (() if settings.drafter is None else (self.draft_params,))

@@ -1,6 +1,7 @@
-"""Host-side checks of the prompts the jitted decode functions take (`decode.generate`,
-`decode.speculative_generate`, `Generator.run`): inside `jax.jit` a bad length or token id is not an error but a
-garbage completion, so concrete prompts are checked before tracing and refused with a typed `PromptError`."""
+"""Host-side checks of what the jitted decode functions take (`decode.generate`, `decode.speculative_generate`,
+`Generator.run`): inside `jax.jit` a bad length or token id is not an error but a garbage completion, and another
+drafter's params fail deep inside the trace, so prompts are checked before tracing and refused with a typed
+`PromptError`, draft params against their drafter with a `DraftParamsError`."""
 
 from __future__ import annotations
 
@@ -44,6 +45,42 @@ def check_prompts(prompt: Any, prompt_lengths: Any, vocab_size: int) -> None:
                           "prompts with this model's own tokenizer")
 
 
+class DraftParamsError(UserError, ValueError):
+    """Draft params that are not the drafter's: another method's or another setting's heads."""
+
+
+@functools.lru_cache(maxsize=32)
+def _expected_leaves(drafter: Any, config: Any, target: Any) -> dict[str, tuple[int, ...]]:
+    """{path: shape} of `drafter.init`'s params for a target of `config` (its params' abstract shapes `target`)."""
+    from amphista_jax.target import Target
+
+    params = jax.tree.unflatten(target[0], [jax.ShapeDtypeStruct(s, d) for s, d in target[1]])
+    shapes = jax.eval_shape(lambda p: drafter.init(jax.random.key(0), Target(config, p)), params)
+    return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+
+
+def check_draft_params(drafter: Any, draft_params: Any, config: Any, params: Any) -> None:
+    """Raise `DraftParamsError` unless `draft_params` has the leaves and shapes `drafter.init` makes on this
+    target (dtypes may differ: heads are stored in bf16 or fp32)."""
+    leaves, treedef = jax.tree.flatten(params)
+    target = (treedef, tuple((tuple(np.shape(x)), x.dtype) for x in leaves))
+    expected = _expected_leaves(drafter, config, target)
+    given = {jax.tree_util.keystr(k): tuple(np.shape(v))
+             for k, v in jax.tree_util.tree_flatten_with_path(draft_params)[0]}
+    if given == expected:
+        return
+    name = type(drafter).__name__
+    missing, extra = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
+    if missing or extra:
+        what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        what += f" (+{len(missing) + len(extra) - 1} more)" if len(missing) + len(extra) > 1 else ""
+    else:
+        key = next(k for k in sorted(expected) if expected[k] != given[k])
+        what = f"{key} has shape {given[key]}, {name} makes {expected[key]}"
+    raise DraftParamsError(f"draft_params are not {name}'s params for this target ({what}): pass the params "
+                           "made for this drafter, e.g. both from drafters.io.load_draft(heads_dir, ...)")
+
+
 class HostChecked:
     """A jitted decode entry point that checks its prompts on the host first (`check_prompts`); `lower` (abstract
     shapes: how `plan` and `Generator` compile it) passes straight through."""
@@ -56,4 +93,6 @@ class HostChecked:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs).arguments
         check_prompts(bound["prompt"], bound["prompt_lengths"], bound["config"].vocab_size)
+        if "drafter" in bound:
+            check_draft_params(bound["drafter"], bound["draft_params"], bound["config"], bound["params"])
         return self.jitted(*args, **kwargs)

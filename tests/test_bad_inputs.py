@@ -193,6 +193,7 @@ def test_debug_shows_the_traceback(capsys, monkeypatch):
     (["tree-search", "--heads", HEADS, "--tasks", "9:3"], ["--tasks", "START < STOP"]),
     (["tree-search", "--heads", HEADS, "--tasks", "100:999", "--out", "/tmp/unused-tree.json"], ["100:999"]),
     (["tree-search", "--heads", HEADS, "--max-nodes", "0"], ["--max-nodes", ">= 1"]),
+    (["tree-search", "--heads", HEADS, "--out", str(ROOT / "configs"), "--replace"], ["is a directory", "tree.json"]),
     (["no-such-command"], ["invalid choice"]),
 ])
 def test_demo_and_tree_search_bad_arguments(capsys, argv, needles):
@@ -237,24 +238,29 @@ def test_convert_never_writes_into_a_users_directory(capsys, user_files, extra):
     assert_bad_input(outcome, "already exists", "pick a new --out")
 
 
-def test_convert_writes_its_output_whole_or_not_at_all(capsys, tmp_path, monkeypatch):
-    """A convert that fails after writing part of its output leaves neither --out nor its staging directory; a
-    killed run's staging directory is named and removed by the next run, which then writes --out whole; a staging
+def _file_size_limit(limit: int = 1 << 20) -> None:
+    """A child's file-size limit (`ulimit -f`): writing past it fails with EFBIG, as a full disk fails a write."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_convert_writes_its_output_whole_or_not_at_all(capsys, tmp_path):
+    """A convert the machine stops half-way (a real write failure: a 1 MiB file-size limit, met by safetensors
+    inside its own Rust writer) exits 3 in one line and leaves neither --out nor its staging directory; a killed
+    run's staging directory is named and removed by the next run, which then writes --out whole; a staging
     directory whose writer still runs is refused in one line."""
-    import amphista_jax.convert as convert_module
-    from amphista_jax.models.hf import save_params
+    import subprocess
+    import sys
 
     out = tmp_path / "new"
-
-    def fail_midway(params, config, path, **kw):
-        save_params(params, config, path, **kw)
-        raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
-
-    monkeypatch.setattr(convert_module, "save_params", fail_midway)
-    assert_bad_input(run_cli(capsys, ["convert", "--model", MODEL, "--out", str(out)]), "No space left on device",
+    proc = subprocess.run([sys.executable, "-m", "amphista_jax.cli", "convert", "--model", MODEL, "--out", str(out)],
+                          preexec_fn=_file_size_limit, capture_output=True, text=True, cwd=ROOT)
+    assert_bad_input(Outcome(proc.returncode, proc.stdout, proc.stderr), "File too large", "model.safetensors",
                      code=ENVIRONMENT_EXIT)
     assert sorted(tmp_path.iterdir()) == []  # no half-written --out, no staging left
-    monkeypatch.undo()
     killed = tmp_path / f".{out.name}.partial-999999999"
     (killed / "model.safetensors").parent.mkdir(parents=True)
     (killed / "model.safetensors").write_bytes(b"torn")
@@ -519,6 +525,8 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "mesh.data=3"], ["3 devices", "device count"]),
     (["--set", "part_lrs.nothere=0.1"], ["part_lrs ['nothere']", "parameter groups"]),
     (["--set", "method_settings.num_heads=-3"], ["num_heads=-3 must be >= 1"]),
+    (["--set", "method_settings.num_heads=0"], ["num_heads=0 must be >= 1"]),
+    (["--set", "method_settings.num_layers=-1"], ["num_layers=-1 >= 0"]),
     (["--set", "method_settings.loss_decay=0"], ["loss_decay=0 must be in (0, 1]"]),
     (["--set", "method_settings.num_heads='4'"], ["num_heads='4' must be an integer"]),
     (["--set", "method_settings.num_heads=2.5"], ["num_heads=2.5 must be an integer"]),
@@ -579,7 +587,6 @@ def test_train_never_adopts_a_run_without_run_json(capsys, trained, tmp_path):
 
 
 def test_train_stops_at_once_when_a_checkpoint_cannot_be_written(capsys, tmp_path, monkeypatch):
-    import errno
 
     from orbax.checkpoint._src.serialization import serialization
 
@@ -590,7 +597,8 @@ def test_train_stops_at_once_when_a_checkpoint_cannot_be_written(capsys, tmp_pat
     data, out = _code(tmp_path / "code"), tmp_path / "run"
     outcome = run_cli(capsys, _train(out, data, "--set", "loop.steps=50", "--set", "loop.checkpoint_every=1"),
                       watch=[data])
-    assert_bad_input(outcome, "saving a checkpoint", "No space left on device", "rerun the same command")
+    assert_bad_input(outcome, "saving a checkpoint", "No space left on device", "rerun the same command",
+                     code=ENVIRONMENT_EXIT)
     assert not (out / "heads").exists() and not (out / "metrics.jsonl").exists()
 
 
@@ -638,6 +646,11 @@ def test_plan_never_overwrites_earlier_plans_and_checks_out_before_compiling(cap
     assert_bad_input(run_cli(capsys, plan + ["--out", str(out)], watch=[out]), "plan.md", "--replace")
     assert_bad_input(run_cli(capsys, plan + ["--out", str(user_files / "report.json")], watch=[user_files]),
                      "is a file")
+    (out / "mine.txt").write_text("kept\n")
+    assert main(plan + ["--out", str(out), "--replace"]) == 0  # replaces the plans, and only them
+    assert (out / "plan.md").read_text() != "my notes\n" and json.loads((out / "plan.json").read_text())
+    assert (out / "mine.txt").read_text() == "kept\n" and sorted(p.name for p in out.iterdir()) == [
+        "mine.txt", "plan.json", "plan.md"]
 
 
 @pytest.mark.parametrize("damage, needles", [
@@ -659,6 +672,25 @@ def test_a_damaged_config_json_is_one_line(capsys, tmp_path, damage, needles):
 
 
 # --- a machine that refuses: exit 3 at every door that writes ----------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["convert", "--model", MODEL, "--out", "{tmp}/out"],
+    TRAIN + ["--set", "out_dir={tmp}/out", "--set", f"data.train={ROOT / 'pallas_kernels'}"],
+    PRETRAIN + ["run_dir={tmp}/out", "export_dir={tmp}/export"],
+    ["fetch", "mt-bench"],  # into AMPHISTA_HOME
+], ids=["convert", "train", "pretrain-target", "fetch"])
+def test_too_little_free_space_is_refused_before_any_work(capsys, tmp_path, argv, monkeypatch):
+    import shutil
+
+    import amphista_jax.errors as errors
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(errors.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 4096))
+    outcome = run_cli(capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert_bad_input(outcome, "0 MiB free but about", "free space", code=ENVIRONMENT_EXIT)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 UNWRITABLE = Path("/sys/amphista-jax-out")  # /sys refuses new files, root included
 
 
@@ -667,7 +699,10 @@ UNWRITABLE = Path("/sys/amphista-jax-out")  # /sys refuses new files, root inclu
     ["eval", "--config", "configs/eval/humaneval-code.yaml", "--set", f"out_dir={UNWRITABLE}"],
     ["convert", "--model", MODEL, "--out", str(UNWRITABLE)],
     ["plan", "--config", "configs/medusa/vicuna-7b.yaml", "--out", str(UNWRITABLE)],
-], ids=["train", "eval", "convert", "plan"])
+    ["tree-search", "--heads", HEADS, "--out", str(UNWRITABLE / "tree.json")],
+    PRETRAIN + [f"run_dir={UNWRITABLE}"],
+    ["fetch", "mt-bench"],  # into AMPHISTA_HOME
+], ids=["train", "eval", "convert", "plan", "tree-search", "pretrain-target", "fetch"])
 def test_an_unwritable_output_exits_3_before_any_work(capsys, argv, monkeypatch):
     try:
         (UNWRITABLE.parent / f".probe-{os.getpid()}").touch()
@@ -675,4 +710,5 @@ def test_an_unwritable_output_exits_3_before_any_work(capsys, argv, monkeypatch)
     except OSError:
         pass
     monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("AMPHISTA_HOME", str(UNWRITABLE))
     assert_bad_input(run_cli(capsys, argv), "cannot be written", "writable", code=ENVIRONMENT_EXIT)

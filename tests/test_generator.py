@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.generator import bucket
 from amphista_jax.prompt_checks import PromptError
 from amphista_jax.sampling import SamplingConfig
+from amphista_jax.target import Target
 from amphista_jax.trees import TreeError
 from tests.helpers import count_compiles
 
@@ -107,6 +109,26 @@ def test_a_method_name_without_trained_heads_gets_untrained_heads_that_decode_lo
     ar = gen.autoregressive().generate(PROMPTS[:2], max_new_tokens=12)
     assert out.token_ids == ar.token_ids
     np.testing.assert_array_equal(out.output.num_tokens, ar.output.num_tokens)
+
+
+@pytest.mark.parametrize("door", ["speculative_generate", "Generator.run"])
+def test_another_drafters_params_are_refused_on_the_host(hydra, door):
+    """Medusa's heads (or Hydra heads of another size) handed to a Hydra drafter: one typed line naming the first
+    leaf that differs, not an error from inside the trace."""
+    from amphista_jax.prompt_checks import DraftParamsError
+
+    medusa = Generator.load(heads="medusa").draft_params
+    two_heads = dataclasses.replace(hydra.drafter, num_heads=2).init(jax.random.key(0),
+                                                                     Target(hydra.config, hydra.params))
+    tokens, lengths = pad_prompts([hydra.encode(PROMPTS[0])], pad_id=hydra.pad_id)
+    for params, message in ((medusa, "missing ['head0']['in']"), (two_heads, "missing ['head2']")):
+        with pytest.raises(DraftParamsError, match=re.escape(f"are not Hydra's params for this target ({message}")):
+            if door == "speculative_generate":
+                speculative_generate(hydra.params, params, tokens, lengths, jax.random.key(0), config=hydra.config,
+                                     drafter=hydra.drafter, tree=hydra.tree, max_new_tokens=2, cache_size=128)
+            else:
+                dataclasses.replace(hydra, draft_params=params).run(tokens, lengths,
+                                                                    hydra.settings(2, SamplingConfig()))
 
 
 @pytest.mark.parametrize("prompt, lengths, message", [

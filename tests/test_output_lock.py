@@ -1,4 +1,4 @@
-"""One run per output: the lock file, stale locks, and the commands that take it (train, eval, distill)."""
+"""One run per output: the lock file, stale locks, every command that takes one, staged and atomic outputs."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.cli import main
 from amphista_jax.errors import BAD_INPUT_EXIT
 from amphista_jax.output_lock import (
@@ -21,6 +23,7 @@ from amphista_jax.output_lock import (
     staged_output,
     write_atomic,
 )
+from tests.helpers import ROOT
 
 
 def _hold(path, pid: int, host: str | None = None, command: str = "train") -> None:
@@ -71,19 +74,44 @@ def test_the_lock_is_exclusive_released_and_stale_locks_are_taken_over(tmp_path,
     assert lock_beside(tmp_path / "a.jsonl") == tmp_path / "a.jsonl.lock"
 
 
-def test_train_and_eval_refuse_an_output_another_run_is_writing(tmp_path, live_pid, capsys):
-    out = tmp_path / "run"
-    _hold(out / LOCK_FILE, live_pid)
-    code = main(["train", "--config", "configs/medusa/code.yaml", "--set", f"out_dir={out}", "--set", "loop.steps=1"])
+MODEL = str(default_model_dir())
+# Every command that writes: (its arguments, where its lock sits), under a temporary directory `t`.
+DOORS = {
+    "train": (lambda t: ["train", "--config", "configs/medusa/code.yaml", "--set", f"out_dir={t / 'out'}", "--set",
+                         "loop.steps=1"], lambda t: t / "out" / LOCK_FILE),
+    "eval": (lambda t: ["eval", "--config", "configs/eval/humaneval-code.yaml", "--methods", "ar", "--set",
+                        f"out_dir={t / 'out'}", "--set", "dataset.limit=1", "--set", "max_new_tokens=2"],
+             lambda t: t / "out" / LOCK_FILE),
+    "distill": (lambda t: ["distill", "--model", MODEL, "--prompts", str(t / "prompts.jsonl"), "--out",
+                           str(t / "out.jsonl"), "--max-new-tokens", "2", "--prompt-len", "16"],
+                lambda t: lock_beside(t / "out.jsonl")),
+    "tree-search": (lambda t: ["tree-search", "--heads", str(shipped_heads_dir("medusa")), "--out",
+                               str(t / "tree.json"), "--tasks", "100:101", "--max-nodes", "2"],
+                    lambda t: lock_beside(t / "tree.json")),
+    "fetch": (lambda t: ["fetch", "mt-bench"], lambda t: t / "home" / ".fetch-mt-bench.lock"),
+    "pretrain-target": (lambda t: ["pretrain-target", "--config", "configs/target/tiny-code.yaml", "steps=1",
+                                   f"run_dir={t / 'out'}", f"export_dir={t / 'out' / 'export'}"],
+                        lambda t: t / "out" / LOCK_FILE),
+    "plan": (lambda t: ["plan", "--config", "configs/medusa/vicuna-7b.yaml", "--out", str(t / "out")],
+             lambda t: t / "out" / LOCK_FILE),
+}
+
+
+@pytest.mark.parametrize("command", DOORS)
+def test_every_command_refuses_an_output_another_run_is_writing(command, tmp_path, live_pid, capsys, monkeypatch):
+    """The second run into an output another (live) run holds stops in one line naming the owner, before any
+    work, and writes nothing."""
+    argv, lock = DOORS[command]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": "a", "prompt": "def add(a, b):"}) + "\n")
+    _hold(lock(tmp_path), live_pid, command=command)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code = main(argv(tmp_path))
     err = capsys.readouterr().err
-    assert code == BAD_INPUT_EXIT and "being written by train" in err and "Traceback" not in err
-    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing else written
-    evals = tmp_path / "eval"
-    _hold(evals / LOCK_FILE, live_pid, command="eval")
-    code = main(["eval", "--config", "configs/eval/humaneval-code.yaml", "--methods", "ar", "--set",
-                 f"out_dir={evals}", "--set", "dataset.limit=1", "--set", "max_new_tokens=2"])
-    assert code == BAD_INPUT_EXIT and "being written by eval" in capsys.readouterr().err
-    assert sorted(p.name for p in evals.iterdir()) == [LOCK_FILE]
+    assert code == BAD_INPUT_EXIT and f"being written by {command} (pid {live_pid}" in err, err[-2000:]
+    assert "Traceback" not in err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing else written
 
 
 def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
@@ -124,3 +152,29 @@ def test_a_replaced_output_stays_whole_until_the_new_one_is_complete(tmp_path, d
     assert "partial output of a killed run" in err and "restoring the earlier output" in err
     assert (out / "model.safetensors").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == [
         "export"]
+
+
+def test_two_real_train_runs_into_one_out_dir(tmp_path):
+    """A real race: while one `amphista-jax train` process writes out_dir, a second process started into it stops in
+    one line naming the first, and the first finishes intact (every step logged once, its heads and summary)."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "amphista_jax.cli", "train", "--config", "configs/medusa/code.yaml", "--set",
+            "data.kind=text", "--set", f"data.train={ROOT / 'pallas_kernels'}", "--set", "data.max_len=32", "--set",
+            "data.batch_size=2", "--set", "method_settings.num_heads=2", "--set", "loop.steps=30", "--set",
+            "loop.log_every=1", "--set", f"out_dir={out}"]
+    first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / LOCK_FILE).is_file() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        log = first.communicate(timeout=600)[0]
+    finally:
+        first.kill()
+    assert first.returncode == 0, log[-2000:]
+    assert second.returncode == BAD_INPUT_EXIT and "Traceback" not in second.stderr, second.stderr[-2000:]
+    assert f"being written by train (pid {first.pid}" in second.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 31))  # each step once, by one run
+    assert json.loads((out / "summary.json").read_text())["steps"] == 30 and (out / "heads" / "draft.json").is_file()
+    assert not (out / LOCK_FILE).exists()

@@ -12,16 +12,16 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from amphista_jax.errors import UserError
+from amphista_jax.errors import MachineRefusal, UserError
 
 
 class CheckpointRestoreError(UserError, RuntimeError):
     """A checkpoint step that exists but cannot be restored."""
 
 
-class CheckpointSaveError(UserError, RuntimeError):
+class CheckpointSaveError(MachineRefusal):
     """A checkpoint that could not be written (disk full, read-only or vanished directory): training stops at
-    once rather than running on without a way to resume."""
+    once rather than running on without a way to resume, and the CLI exits as for any machine refusal."""
 
 
 def saved_steps(directory: str | Path) -> list[int]:

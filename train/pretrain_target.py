@@ -30,7 +30,7 @@ from amphista_jax.errors import OutputExistsError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params, save_params
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.output_lock import staged_output, write_atomic
+from amphista_jax.output_lock import output_lock, staged_output, write_atomic
 from amphista_jax.train.corpus import CorpusError, build_corpus, package_texts, package_version, train_tokenizer
 from amphista_jax.train.data import pack_documents, packed_dataset
 from amphista_jax.train.loop import LoopConfig, check_no_foreign_log, run_loop
@@ -229,8 +229,13 @@ def run(cfg: PretrainConfig) -> dict[str, Any]:
         package_version(cfg.bpb_package)
     first_stage, skip = _init_stage(cfg)
     _check_outputs(cfg)
+    with output_lock(cfg.run_dir, "pretrain-target"):  # one run per run_dir (and so per export of it)
+        return _train_and_export(cfg, first_stage, skip)
+
+
+def _train_and_export(cfg: PretrainConfig, first_stage: dict[str, Any] | None, skip: int) -> dict[str, Any]:
+    """`run` under `run_dir`'s lock."""
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(cfg.stdlib, cfg.packages, cfg.exclude_tests, cfg.heldout_fraction, cfg.max_source_mb,
                           cfg.max_files)
     train_texts, heldout_texts = corpus.train, corpus.heldout

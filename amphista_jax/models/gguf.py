@@ -17,12 +17,12 @@ from typing import Any
 
 import gguf
 import numpy as np
-from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig, RopeScaling
+from amphista_jax.models.hf import save_safetensors
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")  # GGUF `general.architecture`s, the same names as HF model types
 PERMUTED_ARCHITECTURES = ("llama", "mistral")  # llama.cpp permutes q/k rows for these, not for qwen2
@@ -65,7 +65,7 @@ def convert_gguf(path: str | Path, out: str | Path) -> ModelConfig:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(_hf_tensors(reader, config))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out / "model.safetensors")
     hf = config.to_hf_dict() | {"torch_dtype": "float32", "dtype": "float32"}
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     write_tokenizer(meta, out, config)

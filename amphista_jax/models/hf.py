@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -226,6 +228,18 @@ def _reader(slices: list[Any], transposed: bool, stacked: bool) -> Callable[[tup
     return read
 
 
+def save_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """`safetensors.numpy.save_file` whose failures of the machine (no space, read-only: its Rust error names the
+    OS error) are the OSErrors they are, so the CLI reports them as one line with its machine-refusal exit."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+
+
 def save_params(
     params: dict,
     config: ModelConfig,
@@ -270,12 +284,12 @@ def save_params(
     for stale in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
         stale.unlink(missing_ok=True)
     if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
+        save_safetensors(shards[0], path / SINGLE_FILE)
         return path
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        save_safetensors(shard, path / fname)
         weight_map |= {name: fname for name in shard}
     index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
