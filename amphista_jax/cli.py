@@ -237,13 +237,20 @@ def _plan(args: argparse.Namespace) -> int:
     accelerator = get_accelerator(args.accelerator) if args.accelerator else None
     requests = [plan_request(path, load_config(TrainConfig, path, args.set or []), accelerator)
                 for path in args.config]  # every config checked before the first compile
-    with output_lock(args.out, "plan") if args.out else contextlib.nullcontext():
-        if args.out:
-            check_plan_out(Path(args.out), args.replace)  # again, under the lock
-        results = plan_configs(requests, args.decode_batch, args.tree)
-        print(describe(results))
-        if args.out:
-            write_plans(results, Path(args.out))
+    made = bool(args.out) and not Path(args.out).exists()
+    try:
+        with output_lock(args.out, "plan") if args.out else contextlib.nullcontext():
+            if args.out:
+                check_plan_out(Path(args.out), args.replace)  # again, under the lock
+            results = plan_configs(requests, args.decode_batch, args.tree)
+            print(describe(results))
+            if args.out:
+                write_plans(results, Path(args.out))
+    except BaseException:
+        if made:  # the lock made --out: a failed plan leaves nothing behind
+            with contextlib.suppress(OSError):
+                Path(args.out).rmdir()
+        raise
     return 0 if all(p.fits is not False for plans, _ in results for p in plans) else 1
 
 
@@ -340,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--depth", type=int, default=None, help="deepest draft node (default: the heads' depth, or 5 "
                     "for a method that drafts to any depth: EAGLE, EAGLE-3)")
     ts.add_argument("--max-new-tokens", type=int, default=96)
-    ts.add_argument("--runs", type=int, default=3, help="timed runs per tree (median)")
+    ts.add_argument("--runs", type=int, default=3,
+                    help="timed runs per tree (step times: the fastest; measured speed-up: the median)")
     ts.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 2, 4, 8, 16), metavar="B,B,...",
                     help="price every tree at these batch sizes and store the best per batch size (none where AR is "
                     "predicted faster), which --tree auto follows; default 1,2,4,8,16")

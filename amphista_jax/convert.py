@@ -40,9 +40,11 @@ def convert(out: str, model: str, heads: str | None = None, gguf: str | None = N
                                 "a new --out")
     if max_shard_mb < 0:
         raise UsageError(f"--max-shard-mb {max_shard_mb}: must be >= 0 (0 = one file)")
-    # a whole-model convert needs room for the model (at most 4 bytes a parameter); heads and GGUF are checked by
-    # their writes, which fail whole (staged) and in one line
-    need = 0 if gguf or heads or heads_from else load_config(model).num_params * (2 if dtype in HALF else 4)
+    # a whole-model convert needs room for the model (as stored, or 2/4 bytes a parameter); heads and GGUF are
+    # checked by their writes, which fail whole (staged) and in one line
+    need = (0 if gguf or heads or heads_from else
+            sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if dtype == "checkpoint" else
+            load_config(model).num_params * (2 if dtype in HALF else 4))
     check_writable_dir(out_dir, "--out", need)
     with staged_output(out_dir, "convert") as staging:  # a killed or failed convert leaves no partial --out
         return f"{_write(staging, model, heads, gguf, dtype, max_shard_mb, heads_from)} to {out_dir}"

@@ -119,13 +119,20 @@ def write_atomic(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
+def _pid_of(path: Path) -> int | None:
+    """The writer's pid in a staging or set-aside name (`.<name>.<kind>-<pid>`)."""
+    tail = path.name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
 @contextlib.contextmanager
 def staged_output(out: str | Path, command: str, replace: bool = False) -> Iterator[Path]:
     """Yield a staging directory for the output directory `out`; rename it to `out` when the block ends without
     error, remove it when it raises. `out` is absent or empty (the caller checks), or with `replace` an earlier
-    output of the same kind: it stays whole until the new one is complete, then is swapped out and removed. A
-    staging directory left by a killed run is named and removed (one whose writer still runs is refused:
-    `OutputLockedError`); an old output a killed swap had moved aside is put back when `out` is missing."""
+    output of the same kind: it stays whole until the new one is complete, what in it the new one does not write
+    (a user's notes) is carried over, then it is swapped out and removed. A staging directory left by a killed run
+    is named and removed (one whose writer still runs is refused: `OutputLockedError`); an old output a killed
+    swap had moved aside is put back when `out` is missing."""
     out = Path(out).absolute()
     for stale in sorted(out.parent.glob(f".{out.name}.partial-*")):
         owner = _owner(stale / LOCK_FILE)
@@ -137,6 +144,8 @@ def staged_output(out: str | Path, command: str, replace: bool = False) -> Itera
             print(f"note: {stale}: a partial output of a killed run; removing it", file=sys.stderr)
             shutil.rmtree(stale, ignore_errors=True)
     for aside in sorted(out.parent.glob(f".{out.name}.replaced-*")):
+        if _running({"pid": _pid_of(aside), "host": socket.gethostname()}):
+            continue  # that run is swapping it this instant
         if out.exists():
             shutil.rmtree(aside, ignore_errors=True)  # the swap completed; its removal was cut short
         else:
@@ -149,10 +158,29 @@ def staged_output(out: str | Path, command: str, replace: bool = False) -> Itera
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    _swap_in(staging, out, replace)
+
+
+def _swap_in(staging: Path, out: Path, replace: bool) -> None:
+    """Rename the complete `staging` to `out` (see `staged_output`); on failure `out` is as it was."""
     aside = out.parent / f".{out.name}.replaced-{os.getpid()}"
-    if out.is_dir() and replace:
-        os.replace(out, aside)
-    elif out.is_dir():
-        out.rmdir()  # empty: a non-empty one was refused before any work
-    os.replace(staging, out)
+    carried: list[str] = []  # what the new output does not write, moved over from the old one
+    try:
+        if out.is_dir() and replace:
+            for entry in out.iterdir():
+                if not (staging / entry.name).exists():
+                    os.replace(entry, staging / entry.name)
+                    carried.append(entry.name)
+            os.replace(out, aside)
+        elif out.is_dir():
+            out.rmdir()  # empty: a non-empty one was refused before any work
+        os.replace(staging, out)
+    except BaseException:
+        if aside.is_dir() and not out.exists():
+            os.replace(aside, out)
+        for name in carried:
+            if (staging / name).exists():
+                os.replace(staging / name, out / name)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     shutil.rmtree(aside, ignore_errors=True)

@@ -107,9 +107,10 @@ RESULT_SETTINGS = ("model", "max_new_tokens", "temperature", "top_k", "top_p", "
                    "seed", "pad_multiple", "attention", "heldout", "heldout_batches")
 
 
-# What an eval run writes into its out_dir: what `--replace` removes (nothing else there is touched).
-EVAL_OUTPUTS = ("run.json", "results", "compile", "merged", "head_accuracy.json", "tree_stats.json", "summary.json",
-                "report.md", "head_accuracy.png", "tau_by_category.png")
+# What an eval run writes into its out_dir: what `--replace` removes (nothing else there is touched; run.json,
+# the mark of an eval run, last).
+EVAL_OUTPUTS = ("results", "compile", "merged", "head_accuracy.json", "tree_stats.json", "summary.json", "report.md",
+                "head_accuracy.png", "tau_by_category.png", "run.json")
 
 
 def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list[Method],
@@ -128,15 +129,15 @@ def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list
     if not path.is_file() and out_dir.is_dir() and any(p.name != LOCK_FILE for p in out_dir.iterdir()):
         raise OutputExistsError(f"out_dir {out_dir} holds files but no run.json, so it is not an eval run: pick a "
                                 "new out_dir (eval writes report.md, summary.json, results/ ... into it)")
-    if replace:
-        return {"settings": settings, "methods": described}
     try:
         previous = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "methods": {}}
     except json.JSONDecodeError as e:
         raise RunMismatchError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}): restore it, or use a new "
                                "out_dir") from None
-    if not isinstance(previous, dict) or not isinstance(previous.get("settings"), dict):
+    if not isinstance(previous, dict) or not isinstance(previous.get("settings"), dict):  # e.g. a train run's
         raise RunMismatchError(f"{path} is not an eval run record: restore it, or use a new out_dir")
+    if replace:  # an eval run's directory: its results are discarded (`discard_run`)
+        return {"settings": settings, "methods": described}
     changed = changes(previous.get("settings"), settings)
     for label, now in described.items():
         if label in previous.get("methods", {}):
@@ -379,6 +380,7 @@ def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None,
     if mesh is not None:  # the target is in place already: only the heads move
         methods = [dataclasses.replace(m, draft_params=place_for_decoding(mesh, config, params, m.drafter,
                                                                           m.draft_params)[1]) for m in methods]
+    _barrier("eval-checked")  # every process has read run.json before process 0 may discard it
     if jax.process_index() == 0:
         if replace:
             discard_run(out_dir)

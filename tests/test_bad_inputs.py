@@ -238,26 +238,20 @@ def test_convert_never_writes_into_a_users_directory(capsys, user_files, extra):
     assert_bad_input(outcome, "already exists", "pick a new --out")
 
 
-def _file_size_limit(limit: int = 1 << 20) -> None:
-    """A child's file-size limit (`ulimit -f`): writing past it fails with EFBIG, as a full disk fails a write."""
-    import resource
-    import signal
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the writer
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-
 def test_convert_writes_its_output_whole_or_not_at_all(capsys, tmp_path):
     """A convert the machine stops half-way (a real write failure: a 1 MiB file-size limit, met by safetensors
     inside its own Rust writer) exits 3 in one line and leaves neither --out nor its staging directory; a killed
     run's staging directory is named and removed by the next run, which then writes --out whole; a staging
     directory whose writer still runs is refused in one line."""
+    import shlex
     import subprocess
     import sys
 
     out = tmp_path / "new"
-    proc = subprocess.run([sys.executable, "-m", "amphista_jax.cli", "convert", "--model", MODEL, "--out", str(out)],
-                          preexec_fn=_file_size_limit, capture_output=True, text=True, cwd=ROOT)
+    # `ulimit -f 1024`: writing past 1 MiB fails with EFBIG (SIGXFSZ ignored, else the kernel kills the writer)
+    limited = f"trap '' XFSZ; ulimit -f 1024; exec {shlex.quote(sys.executable)} -m amphista_jax.cli convert " \
+              f"--model {shlex.quote(MODEL)} --out {shlex.quote(str(out))}"
+    proc = subprocess.run(["bash", "-c", limited], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert_bad_input(Outcome(proc.returncode, proc.stdout, proc.stderr), "File too large", "model.safetensors",
                      code=ENVIRONMENT_EXIT)
     assert sorted(tmp_path.iterdir()) == []  # no half-written --out, no staging left
@@ -437,6 +431,13 @@ def test_eval_never_writes_into_a_users_directory(capsys, user_files, tmp_path):
     outcome = run_cli(capsys, EVAL + ["--methods", "ar", "--set", f"out_dir={user_files}", "--replace"],
                       watch=[user_files])
     assert_bad_input(outcome, "no run.json", "pick a new out_dir")  # --replace replaces eval runs only
+    train_run = tmp_path / "train-run"  # a train out_dir has a run.json too, of another kind
+    (train_run / "checkpoints").mkdir(parents=True)
+    (train_run / "run.json").write_text(json.dumps({"config": {}, "target": {}, "data": {}}))
+    (train_run / "summary.json").write_text("{}")
+    outcome = run_cli(capsys, EVAL + ["--methods", "ar", "--set", f"out_dir={train_run}", "--replace"],
+                      watch=[train_run])
+    assert_bad_input(outcome, "not an eval run record", "new out_dir")
     outcome = run_cli(capsys, EVAL + ["--methods", "ar", "--set", f"out_dir={user_files / 'report.json' / 'x'}"],
                       watch=[user_files])
     assert_bad_input(outcome, "is a file, not a directory")
@@ -617,6 +618,7 @@ def test_pretrain_bad_overrides_fail_before_any_work(capsys, tmp_path):
         (["stdlib=false"], ["corpus would be empty"]),
         (["bpb_package=no-such-package-xyz"], ["no-such-package-xyz", "not installed"]),
         (["init_from=/no/such/export"], ["init_from /no/such/export", "export_dir"]),
+        ([f"export_dir={run_dir}"], ["holds run_dir", "run_dir/export"]),
         (["run_dir=/dev/null/target"], ["run_dir", "not a directory"]),
     ]:
         assert_bad_input(run_cli(capsys, base + extra), *needles)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -128,7 +129,8 @@ def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
 
 def test_a_replaced_output_stays_whole_until_the_new_one_is_complete(tmp_path, dead_pid, capsys):
     """`staged_output(replace=True)` (pretrain-target's export): a failing writer leaves the old output as it was;
-    a finished one swaps in whole; a swap killed between its renames is put back by the next run."""
+    a finished one swaps in whole, carrying over what it does not write; a swap killed between its renames is put
+    back by the next run."""
     out = tmp_path / "export"
     with staged_output(out, "pretrain-target") as staging:
         (staging / "model.safetensors").write_text("old")
@@ -137,10 +139,11 @@ def test_a_replaced_output_stays_whole_until_the_new_one_is_complete(tmp_path, d
         raise RuntimeError("killed")
     assert (out / "model.safetensors").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [
         "export"]
+    (out / "notes.md").write_text("mine")
     with staged_output(out, "pretrain-target", replace=True) as staging:
         (staging / "model.safetensors").write_text("new")
         assert (out / "model.safetensors").read_text() == "old"  # readable while the new one is written
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.md"]  # the user's file carried
     assert (out / "model.safetensors").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [
         "export"]
     out.rename(tmp_path / f".export.replaced-{dead_pid}")  # killed after moving the old output aside
@@ -155,8 +158,9 @@ def test_a_replaced_output_stays_whole_until_the_new_one_is_complete(tmp_path, d
 
 
 def test_two_real_train_runs_into_one_out_dir(tmp_path):
-    """A real race: while one `amphista-jax train` process writes out_dir, a second process started into it stops in
-    one line naming the first, and the first finishes intact (every step logged once, its heads and summary)."""
+    """A real race: while one `amphista-jax train` process holds out_dir (paused there, so the overlap does not
+    depend on the machine's speed), a second process started into it stops in one line naming the first, and the
+    first then finishes intact (every step logged once, its heads and summary, no lock left)."""
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "amphista_jax.cli", "train", "--config", "configs/medusa/code.yaml", "--set",
             "data.kind=text", "--set", f"data.train={ROOT / 'pallas_kernels'}", "--set", "data.max_len=32", "--set",
@@ -166,8 +170,12 @@ def test_two_real_train_runs_into_one_out_dir(tmp_path):
     try:
         deadline = time.time() + 300
         while not (out / LOCK_FILE).is_file() and first.poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-        second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)
+        try:
+            second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        finally:
+            first.send_signal(signal.SIGCONT)
         log = first.communicate(timeout=600)[0]
     finally:
         first.kill()

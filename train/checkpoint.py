@@ -31,14 +31,12 @@ def saved_steps(directory: str | Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
-def _reason(e: BaseException) -> str:
-    """The OS's words for an I/O failure (tensorstore reports `[os_error_code='28']` inside a long message),
-    else the first line of the message."""
-    code = e.errno if isinstance(e, OSError) else None
-    if code is None and (m := re.search(r"os_error_code='?(\d+)", str(e))):
-        code = int(m.group(1))
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return os.strerror(code) if code else text if len(text) <= 300 else text[:300] + "..."
+def _os_error_code(e: BaseException) -> int | None:
+    """The OS error behind an I/O failure (tensorstore reports `[os_error_code='28']` inside a long message)."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno
+    m = re.search(r"os_error_code='?(\d+)", str(e))
+    return int(m.group(1)) if m else None
 
 
 class _DropOrbaxTracebacks(logging.Filter):
@@ -51,15 +49,19 @@ class _DropOrbaxTracebacks(logging.Filter):
 
 @contextlib.contextmanager
 def _save_errors(directory: Path) -> Iterator[None]:
-    """Turn any failure of orbax's saving into one `CheckpointSaveError` naming the reason and the fix."""
+    """Turn a failure of orbax's saving that the machine caused (an OS error: no space, read-only, a vanished
+    directory) into one `CheckpointSaveError` naming the reason and the fix; anything else is a bug and raises
+    as it is."""
     try:
         yield
     except Exception as e:  # orbax and tensorstore raise ValueError/OSError/RuntimeError for I/O failures
+        if (code := _os_error_code(e)) is None:
+            raise
         steps = saved_steps(directory)
         rerun = f"to resume from step {steps[-1]}" if steps else "to start over (no checkpoint was complete)"
         raise CheckpointSaveError(
-            f"saving a checkpoint in {directory} failed, training stopped: {_reason(e)}. Free space or make the "
-            f"directory writable, then rerun the same command {rerun}") from e
+            f"saving a checkpoint in {directory} failed, training stopped: {os.strerror(code)}. Free space or make "
+            f"the directory writable, then rerun the same command {rerun}") from e
 
 
 class Checkpointer:

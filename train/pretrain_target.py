@@ -121,6 +121,10 @@ class PretrainConfig:
         if self.init_from and Path(self.init_from).resolve() == Path(self.export_dir).resolve():
             raise ValueError(f"export_dir {self.export_dir} is init_from: the export would overwrite the model this "
                              "stage starts from; pick another export_dir")
+        export, run = Path(self.export_dir).resolve(), Path(self.run_dir).resolve()
+        if export == run or export in run.parents:
+            raise ValueError(f"export_dir {self.export_dir} holds run_dir {self.run_dir}: an export replaces its "
+                             "directory whole; pick an export_dir inside or beside run_dir, e.g. run_dir/export")
 
 
 def token_nll(model: Transformer, params: Any, windows: jax.Array, ignore: tuple[int, ...] = ()
