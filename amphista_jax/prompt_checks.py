@@ -50,31 +50,35 @@ class DraftParamsError(UserError, ValueError):
 
 
 @functools.lru_cache(maxsize=32)
-def _expected_leaves(drafter: Any, config: Any, target: Any) -> dict[str, tuple[int, ...]] | None:
-    """{path: shape} of `drafter.init`'s params for a target of `config` (its params' abstract shapes `target`);
-    None for a drafter whose params `init` cannot make (a test's or benchmark's oracle reads given token rows)."""
+def _expected_leaves(drafter: Any, config: Any, target: Any) -> tuple[dict[str, tuple[int, ...]], ...] | None:
+    """({path: shape} of each param tree `drafter` decodes with, `Drafter.param_trees`) for a target of `config`
+    (its params' abstract shapes `target`); None for a drafter whose params it cannot describe (a test's or
+    benchmark's oracle reads given token rows)."""
     from amphista_jax.target import Target
 
     params = jax.tree.unflatten(target[0], [jax.ShapeDtypeStruct(s, d) for s, d in target[1]])
     try:
-        shapes = jax.eval_shape(lambda p: drafter.init(jax.random.key(0), Target(config, p)), params)
+        trees = drafter.param_trees(Target(config, params))
     except NotImplementedError:
         return None
-    return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    return tuple(_leaf_shapes(t) for t in trees)
+
+
+def _leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def check_draft_params(drafter: Any, draft_params: Any, config: Any, params: Any) -> None:
-    """Raise `DraftParamsError` unless `draft_params` has the leaves and shapes `drafter.init` makes on this
-    target (dtypes may differ: heads are stored in bf16 or fp32)."""
+    """Raise `DraftParamsError` unless `draft_params` has the leaves and shapes of a param tree the drafter decodes
+    with on this target (`Drafter.param_trees`; dtypes may differ: heads are stored in bf16 or fp32)."""
     leaves, treedef = jax.tree.flatten(params)
     target = (treedef, tuple((tuple(np.shape(x)), x.dtype) for x in leaves))
-    if (expected := _expected_leaves(drafter, config, target)) is None:
+    if (trees := _expected_leaves(drafter, config, target)) is None:
         return
-    given = {jax.tree_util.keystr(k): tuple(np.shape(v))
-             for k, v in jax.tree_util.tree_flatten_with_path(draft_params)[0]}
-    if given == expected:
+    given = _leaf_shapes(draft_params)
+    if given in trees:
         return
-    name = type(drafter).__name__
+    expected, name = trees[0], type(drafter).__name__
     missing, extra = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
     if missing or extra:
         what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"

@@ -207,6 +207,11 @@ class Drafter(abc.ABC):
     def init(self, rng: jax.Array, target: Target) -> Any:
         """Fresh draft params for `target` (untrained heads start here)."""
 
+    def param_trees(self, target: Target) -> tuple[Any, ...]:
+        """The abstract param trees (`jax.ShapeDtypeStruct` leaves) this drafter decodes with on `target` (whose
+        params may be abstract too): `init`'s by default; the host checks given params against them."""
+        return (jax.eval_shape(lambda t: self.init(jax.random.key(0), t), target),)
+
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> Any:
         """The method's own decoding state (zeroed caches) for `batch` rows of `cache_size` slots; none by default."""
         return ()

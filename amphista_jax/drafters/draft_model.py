@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ from amphista_jax.drafters.eagle import FeatureDrafting
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.models.llama import Output, PrefixKV, Transformer, target_model
+from amphista_jax.models.llama import Output, PrefixKV, Transformer, param_shapes, target_model
 from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.trees import Tree, TreeBudget, TreeError, TreeSpec
@@ -90,6 +91,10 @@ class DraftModel(LogicalInit):
 
     def _model(self, params: dict) -> Transformer:
         return target_model(self.config, params)
+
+    def param_trees(self, target: Target) -> tuple[Any, ...]:
+        """Decoding's (split) layout and the checkpoint's stacked one: `target_model` reads either."""
+        return param_shapes(self.config, split=True)[0], param_shapes(self.config)[0]
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         """Random weights of the draft architecture in decoding's layout (tests; real use loads a checkpoint:
