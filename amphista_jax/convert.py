@@ -8,14 +8,14 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.hf import load_config, load_params, save_params
+from amphista_jax.models.hf import DTYPES, load_config, load_params, save_params
 from amphista_jax.output_lock import staged_output
 
-HALF = ("bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model", "chat_template.jinja")
 
@@ -44,7 +44,7 @@ def convert(out: str, model: str, heads: str | None = None, gguf: str | None = N
     # checked by their writes, which fail whole (staged) and in one line
     need = (0 if gguf or heads or heads_from else
             sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) if dtype == "checkpoint" else
-            load_config(model).num_params * (2 if dtype in HALF else 4))
+            load_config(model).num_params * jnp.dtype(DTYPES.get(dtype, jnp.float32)).itemsize)
     check_writable_dir(out_dir, "--out", need)
     with staged_output(out_dir, "convert") as staging:  # a killed or failed convert leaves no partial --out
         return f"{_write(staging, model, heads, gguf, dtype, max_shard_mb, heads_from)} to {out_dir}"

@@ -209,7 +209,8 @@ class Drafter(abc.ABC):
 
     def param_trees(self, target: Target) -> tuple[Any, ...]:
         """The abstract param trees (`jax.ShapeDtypeStruct` leaves) this drafter decodes with on `target` (whose
-        params may be abstract too): `init`'s by default; the host checks given params against them."""
+        params may be abstract too): `init`'s by default; the host checks given params against them. `()`: none
+        to check against (an oracle whose params are given token rows)."""
         return (jax.eval_shape(lambda t: self.init(jax.random.key(0), t), target),)
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> Any:

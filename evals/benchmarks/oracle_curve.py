@@ -56,6 +56,9 @@ class OracleDrafter(Drafter):
     def init(self, rng: jax.Array, target: Target) -> jax.Array:
         raise NotImplementedError("the oracle's params are its reference rows")
 
+    def param_trees(self, target: Target) -> tuple[Any, ...]:
+        return ()  # given token rows: no param layout to check
+
     def loss(self, params: jax.Array, target: Target, batch: dict, target_out: Any) -> tuple[jax.Array, dict]:
         raise NotImplementedError("the oracle is not trained")
 
