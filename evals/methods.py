@@ -157,22 +157,32 @@ def _drafter(spec: str, source: str, heads: str | None, model: bool, overrides: 
     return name, _with_settings(spec, drafter, overrides), heads_identity(source)
 
 
-def _with_settings(spec: str, drafter: Drafter, overrides: str) -> Any:
-    """`drafter` with the spec's `key=value,...` settings (YAML values)."""
-    if not overrides:
-        return drafter
+def parse_settings(spec: str, overrides: str) -> dict[str, Any]:
+    """A spec's `key=value,...` settings (YAML values); `{}` for none."""
     settings = {}
-    for item in overrides.split(","):
+    for item in filter(None, overrides.split(",")):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise MethodSpecError(f"method spec {spec!r}: setting {item!r} must look like key=value (e.g. "
                                   "#full_tree_attention=false)")
         settings[key.strip()] = yaml.safe_load(value)
+    return settings
+
+
+def with_settings(spec: str, drafter: Drafter, settings: dict[str, Any]) -> Any:
+    """`drafter` with `settings` changed, each checked by the method's `from_settings`."""
+    if not settings:
+        return drafter
     try:
         return type(drafter).from_settings({f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)}
                                            | settings)
     except (TypeError, ValueError) as e:
         raise MethodSpecError(f"method spec {spec!r}: {e}") from None
+
+
+def _with_settings(spec: str, drafter: Drafter, overrides: str) -> Any:
+    """`drafter` with the spec's `key=value,...` settings (YAML values)."""
+    return with_settings(spec, drafter, parse_settings(spec, overrides))
 
 
 def _read_meta(spec: str, heads: Path) -> tuple[str, Drafter]:

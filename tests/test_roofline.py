@@ -37,7 +37,7 @@ def test_decode_steps_count_every_layer(layers):
     params = jax.eval_shape(split_layers, param_shapes(config, jnp.float32)[0])
     matmul_params = config.num_params - config.vocab_size * config.hidden_size  # a step gathers one embedding row
     ar = roofline.ar_cost(config, params, batch=1, context=64)
-    spec, nodes = roofline.spec_cost(config, params, "medusa", "chain-4", batch=1, context=64)
+    spec, nodes = roofline.spec_cost(config, params, roofline.VARIANTS["medusa"], "chain-4", batch=1, context=64)
     assert nodes == 5
     assert 0.95 * 4 * matmul_params <= ar["bytes"] < 2 * 4 * matmul_params
     assert 2 * matmul_params * 0.95 <= ar["flops"] < 2 * matmul_params * 1.5  # 2 flops per weight, + attention
@@ -56,3 +56,24 @@ def test_roofline_script_writes_its_table(tmp_path, monkeypatch, capsys):
         assert row["speedup"]["H100-SXM"]["3.0"] == pytest.approx(3.0 / ratio)
     assert "predictions** (not measurements)" in (tmp_path / "roofline.md").read_text()
     assert "Predicted AR tokens/s" in capsys.readouterr().out
+
+
+def test_a_draft_vocabulary_is_a_run_setting_and_cuts_the_drafts_bytes(tmp_path, monkeypatch, capsys):
+    """`eagle3@dynamic#draft_vocab_size=N` costs EAGLE-3 drafting over N ids: each drafted depth reads N x D of its
+    lm_head instead of V x D, so the step reads fewer bytes; the setting is kept in the row and its label."""
+    config = tiny_llama_config(num_layers=2, hidden_size=128, intermediate_size=512, vocab_size=4096)
+    params = jax.eval_shape(split_layers, param_shapes(config, jnp.float32)[0])
+    full, reduced = (roofline.run_drafter(r) for r in ("eagle3@chain-3", "eagle3@chain-3#draft_vocab_size=256"))
+    assert reduced[:3] == ("eagle3", "chain-3", "draft_vocab_size=256") and len(reduced[3].draft_vocab) == 256
+    cost_full = roofline.spec_cost(config, params, full[3], "chain-3", batch=1, context=64)[0]
+    cost_reduced = roofline.spec_cost(config, params, reduced[3], "chain-3", batch=1, context=64)[0]
+    # three drafted depths, each reading (4096 - 256) x 128 fewer fp32 weights, at the least
+    assert cost_full["bytes"] - cost_reduced["bytes"] > 3 * (4096 - 256) * 128 * 4 * 0.9
+    assert roofline.run_label({"method": "eagle3", "tree": "dynamic", "settings": "draft_vocab_size=256"}) == \
+        "eagle3@dynamic#draft_vocab_size=256"
+    for bad, why in (("eagle3", "method@tree"), ("nope@chain-3", "method@tree"),
+                     ("eagle3@chain-3#ttt_steps=x", "ttt_steps"), ("medusa@dynamic", "static tree")):
+        monkeypatch.setattr(sys, "argv", ["roofline", "--target", "tiny", "--runs", bad, "--out", str(tmp_path)])
+        with pytest.raises(SystemExit):
+            roofline.main()
+        assert why in capsys.readouterr().err

@@ -24,6 +24,7 @@ from typing import Any
 
 from amphista_jax.errors import UserError
 from amphista_jax.evals.benchmarks.common import write_report
+from amphista_jax.evals.benchmarks.roofline import run_label
 from amphista_jax.figures import pyplot, save_figure
 
 Curves = dict[str, dict[int, float]]  # series label -> {batch size: speed-up}
@@ -80,7 +81,7 @@ def predicted_curves(roofline_files: list[Path], accelerator: str, tau: float) -
         context = min(r["context"] for r in rows)
         for r in rows:
             if r["context"] == context:
-                label = f"{report['model']} {r['method']}@{r['tree']}"
+                label = f"{report['model']} {run_label(r)}"
                 curves.setdefault(label, {})[r["batch"]] = r["speedup"][accelerator][str(tau)]
     return curves
 

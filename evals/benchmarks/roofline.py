@@ -1,7 +1,8 @@
 """Roofline predictions of the decoding steps on named accelerators, from abstract shapes only (no weights).
 
     python -m amphista_jax.evals.benchmarks.roofline [--target vicuna-7b] [--model DIR] [--batch 1 4]
-        [--context 512 2048] [--dtype bfloat16] [--runs medusa@mc_sim_7b_63 eagle@dynamic ...]
+        [--context 512 2048] [--dtype bfloat16] [--runs medusa@mc_sim_7b_63 eagle@dynamic ...
+        eagle3@dynamic#draft_vocab_size=32000]
         [--accelerators H100-SXM H200 TPU-v5e TPU-v5p] [--tau 2 3 4] [--out runs/benchmarks]
 
 For each (batch, context) the real AR step (`decode.ar_step`, the loop body of `generate`) and the real
@@ -14,6 +15,8 @@ has no other loop (rejection sampling's walk, at temperature > 0, is one). A ste
 `max(flops / peak bf16 FLOP/s, bytes / HBM bandwidth)` (the roofline: no launch or loop overhead, perfect
 overlap), from the vendors' data sheets below. From those: predicted AR tokens/s, the spec-step / AR-step
 cost ratio, and the predicted speed-up `tau * AR step / spec step` at the given acceptance lengths `--tau`.
+A run is `method@tree`, optionally with the method's settings as in an eval spec (`#key=value,...`);
+`draft_vocab_size=N` drafts over N ids (a draft vocabulary of that size: its shapes are what a cost needs).
 
 Every figure is a model prediction, not a measurement. Compiled on CPU, the cost analysis reflects XLA:CPU's
 fusion decisions: its byte count includes intermediates and layout copies a GPU kernel may avoid, so
@@ -35,12 +38,14 @@ from tqdm import tqdm
 
 from amphista_jax.accelerators import ACCELERATORS, Accelerator
 from amphista_jax.decode import SpecSettings, ar_init, ar_step, scratch_slots, spec_init, spec_step
-from amphista_jax.drafters import VARIANTS
+from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
+from amphista_jax.evals.methods import parse_settings, with_settings
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes, target_model
 from amphista_jax.models.shapes import KNOWN_TARGETS
 from amphista_jax.target import Target
+from amphista_jax.train.config import DRAFT_VOCAB_SIZE
 from amphista_jax.tree_names import get_tree
 
 MAX_NEW_TOKENS = 128
@@ -69,11 +74,23 @@ def ar_cost(config: ModelConfig, params: Any, batch: int, context: int) -> dict[
     return compiled_cost(functools.partial(ar_step, model), params, state)
 
 
-def spec_cost(config: ModelConfig, params: Any, method: str, tree_name: str, batch: int,
+def run_drafter(run: str) -> tuple[str, str, str, Drafter]:
+    """(method, tree, settings, drafter) of a run `method@tree[#key=value,...]`."""
+    head, _, overrides = run.partition("#")
+    method, _, tree = head.partition("@")
+    if method not in VARIANTS or not tree:
+        raise ValueError(f"run {run!r} must be method@tree[#key=value,...] with a method of {', '.join(VARIANTS)}")
+    settings = parse_settings(run, overrides)
+    if size := settings.pop(DRAFT_VOCAB_SIZE, 0):
+        settings["draft_vocab"] = tuple(range(size))
+    return method, tree, overrides, with_settings(run, VARIANTS[method], settings)
+
+
+def spec_cost(config: ModelConfig, params: Any, drafter: Drafter, tree_name: str, batch: int,
               context: int) -> tuple[dict[str, float], int]:
     """(cost of one `spec_step` with `context` committed tokens per row, the tree's node budget); `params` in the
     `split_layers` layout."""
-    drafter, tree = VARIANTS[method], get_tree(tree_name)
+    tree = get_tree(tree_name)
     draft = jax.eval_shape(lambda p: drafter.decode_params(drafter.init(jax.random.key(0), Target(config, p))),
                            params)
     settings = SpecSettings(config, drafter, tree, MAX_NEW_TOKENS)
@@ -83,6 +100,14 @@ def spec_cost(config: ModelConfig, params: Any, method: str, tree_name: str, bat
     state = jax.eval_shape(lambda p, d, t, n: spec_init(p, d, t, n, jax.random.key(0), cache_size, settings),
                            params, draft, prompt, lengths)
     return compiled_cost(functools.partial(spec_step, settings=settings), params, draft, state), tree.num_nodes
+
+
+def run_label(row: dict[str, Any]) -> str:
+    """A row's run as it was asked for: `method@tree` and its settings, if any
+    (`eagle3@dynamic#draft_vocab_size=32000`); `ar` for the AR step."""
+    if row["method"] == "ar":
+        return "ar"
+    return f"{row['method']}@{row['tree']}" + (f"#{row['settings']}" if row.get("settings") else "")
 
 
 def predict(cost: dict[str, float], accelerators: list[Accelerator]) -> dict[str, dict[str, Any]]:
@@ -109,7 +134,12 @@ def main() -> None:
     params = param_shapes(config, jnp.float32, split=True)[0]
     scale = jnp.dtype(args.dtype).itemsize / 4
     accelerators = [ACCELERATORS[a] for a in args.accelerators]
-    runs = [r.partition("@")[::2] for r in args.runs]
+    try:
+        runs = [run_drafter(r) for r in args.runs]
+        for _, tree, _, drafter in runs:
+            drafter.check_tree(get_tree(tree))
+    except ValueError as e:
+        parser.error(str(e))
     rows = []
     for batch, context in tqdm(list(itertools.product(args.batch, args.context)), desc="roofline"):
         ar = ar_cost(config, params, batch, context)
@@ -117,11 +147,12 @@ def main() -> None:
         ar_pred = predict(ar, accelerators)
         rows.append({"batch": batch, "context": context, "method": "ar", "tree": "-", "nodes": 1, **ar,
                      "predicted": ar_pred})
-        for method, tree in tqdm(runs, desc=f"batch {batch}, context {context}", leave=False):
-            cost, nodes = spec_cost(config, params, method, tree, batch, context)
+        for method, tree, settings, drafter in tqdm(runs, desc=f"batch {batch}, context {context}", leave=False):
+            cost, nodes = spec_cost(config, params, drafter, tree, batch, context)
             cost["bytes"] *= scale
             pred = predict(cost, accelerators)
-            rows.append({"batch": batch, "context": context, "method": method, "tree": tree, "nodes": nodes, **cost,
+            rows.append({"batch": batch, "context": context, "method": method, "tree": tree, "settings": settings,
+                         "nodes": nodes, **cost,
                          "predicted": pred,
                          "step_ratio": {a: pred[a]["ms"] / ar_pred[a]["ms"] for a in pred},
                          "speedup": {a: {str(t): t * ar_pred[a]["ms"] / pred[a]["ms"] for t in args.tau}
@@ -133,13 +164,13 @@ def main() -> None:
              f"{args.dtype}), from XLA's cost analysis of the compiled steps ({jax.default_backend()} backend); "
              f"time = max(flops / peak, bytes / bandwidth); ratio = step / AR step on that accelerator; "
              f"speed-up at tau {taus} on {accelerators[0].name}.", "",
-             f"| batch | context | method | tree | nodes | GFLOP | GB accessed |{head} speed-up @ tau {taus} |",
-             "|---|---|---|---|---|---|---|" + "---|---|" * len(accelerators) + "---|"]
+             f"| batch | context | run | nodes | GFLOP | GB accessed |{head} speed-up @ tau {taus} |",
+             "|---|---|---|---|---|---|" + "---|---|" * len(accelerators) + "---|"]
     for r in rows:
         cells = "".join(f" {r['predicted'][a.name]['ms']:.3f} ({r['predicted'][a.name]['bound']}) | "
                         f"{r.get('step_ratio', {}).get(a.name, 1.0):.2f} |" for a in accelerators)
         speed = " / ".join(f"{x:.2f}x" for x in r["speedup"][accelerators[0].name].values()) if "speedup" in r else "-"
-        lines.append(f"| {r['batch']} | {r['context']} | {r['method']} | {r['tree']} | {r['nodes']} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {run_label(r)} | {r['nodes']} | "
                      f"{r['flops'] / 1e9:.2f} | {r['bytes'] / 1e9:.3f} |{cells} {speed} |")
     ar_rows = [r for r in rows if r["method"] == "ar"]
     lines += ["", "Predicted AR tokens/s: " + "; ".join(
