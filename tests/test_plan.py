@@ -132,6 +132,19 @@ def test_plan_refuses_what_it_cannot_plan(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and message in err, (extra, err)
 
 
+def test_plan_takes_the_model_names_train_takes(tmp_path, monkeypatch):
+    """`model: tiny` is the embedded model and a registry name (`smollm2`) its fetched directory, as for `train`:
+    the plan reads that directory's config.json (here a fetched directory stood in by a copy of the tiny one)."""
+    req = plan_request("tiny", TrainConfig(data=DATA, method="medusa", model="tiny"))
+    assert req.source == f"{MODEL}/config.json" and req.target == CONFIG
+    fetched = tmp_path / "smollm2"
+    fetched.mkdir()
+    (fetched / "config.json").write_text((default_model_dir() / "config.json").read_text())
+    monkeypatch.setattr("amphista_jax.fetch.fetch", lambda name: fetched if name == "smollm2" else None)
+    req = plan_request("smollm2", TrainConfig(data=DATA, method="medusa", model="smollm2"))
+    assert req.source == f"{fetched}/config.json" and req.target == CONFIG
+
+
 def _pod_configs() -> list[str]:
     """The shipped configs with a pod (a named target shape): every one must plan and fit."""
     paths = sorted((ROOT / "configs").glob("*/*.yaml"))

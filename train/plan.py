@@ -20,6 +20,7 @@ from tqdm import tqdm
 from amphista_jax.accelerators import Accelerator, get_accelerator
 from amphista_jax.decode import scratch_slots
 from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
+from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES, load_config, param_dtype
 from amphista_jax.models.shapes import known_target
@@ -53,11 +54,8 @@ def plan_request(name: str, cfg: TrainConfig, accelerator: Accelerator | None = 
     """Everything about `cfg` that can be checked without compiling: the target's shape (`model`'s config.json
     when present, checked against `target_shape`; else `target_shape`), its dtype, the batch split."""
     accelerator = accelerator or (get_accelerator(cfg.accelerator) if cfg.accelerator else None)
-    local = not cfg.model or (Path(cfg.model) / "config.json").is_file()
-    if local:
-        from amphista_jax.assets import default_model_dir
-
-        model = cfg.model or str(default_model_dir())
+    model = resolve_model(cfg.model)  # the embedded model, a registry name (fetched on first use) or a path
+    if (Path(model) / "config.json").is_file():
         target, source, dtype = load_config(model), f"{model}/config.json", param_dtype(model, cfg.dtype)
         if cfg.target_shape:
             check_target_shape(cfg.target_shape, target, model)

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from amphista_jax.assets import default_model_dir
+from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import init_params, split_layers
@@ -61,9 +61,9 @@ def benchmark_parser(doc: str, runs: int | None = None) -> argparse.ArgumentPars
 
 
 def load_target(model: str | None, layout: str = "split") -> tuple[str, dict, ModelConfig]:
-    """(directory, fp32 params in `layout` (`hf.LAYOUTS`; decoding's by default), config) of `--model`, or of the
-    embedded target when it is not given."""
-    model = model or str(default_model_dir())
+    """(directory, fp32 params in `layout` (`hf.LAYOUTS`; decoding's by default), config) of `--model` (a path or a
+    registry name, `smollm2`, fetched on first use), or of the embedded target when it is not given."""
+    model = resolve_model(model)
     params, config = load_params(model, dtype="float32", layout=layout)
     return model, params, config
 

@@ -41,6 +41,7 @@ from amphista_jax.decode import SpecSettings, ar_init, ar_step, scratch_slots, s
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.evals.methods import parse_settings, with_settings
+from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes, target_model
 from amphista_jax.models.shapes import KNOWN_TARGETS
@@ -127,7 +128,8 @@ def main() -> None:
                         choices=list(ACCELERATORS))
     parser.add_argument("--tau", type=float, nargs="+", default=[2.0, 3.0, 4.0])
     args = parser.parse_args()
-    config = ModelConfig.from_json(f"{args.model}/config.json") if args.model else KNOWN_TARGETS[args.target]()
+    config = (ModelConfig.from_json(f"{resolve_model(args.model)}/config.json") if args.model
+              else KNOWN_TARGETS[args.target]())
     # XLA:CPU runs bf16 matrix products through fp32 converts, and its cost analysis counts them (a bf16 AR step
     # of Vicuna-7B "accesses" 83 GB for 13.5 GB of weights). So the steps are compiled in fp32, whose op structure
     # is the accelerators', and the bytes scaled to --dtype's size (weights, caches and activations alike).
