@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from amphista_jax.assets import shipped_heads
+from amphista_jax.assets import REAL_TARGET, shipped_heads
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.errors import (
     BAD_INPUT_EXIT,
@@ -20,13 +20,14 @@ from amphista_jax.errors import (
     UserError,
     check_writable_dir,
 )
+from amphista_jax.fetch import DEFAULT_MODEL_ENV, default_model, resolve_data, resolve_model
 from amphista_jax.fetch import NAMES as FETCH_NAMES
-from amphista_jax.fetch import resolve_data, resolve_model
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.verify import AcceptanceRule
 
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")
-MODEL_HELP = "HF checkpoint directory, or a fetched model (smollm2); default: the embedded code-llama (tiny)"
+MODEL_HELP = ("HF checkpoint directory, or a fetched model (smollm2, fetched on first use), or `tiny` (the embedded "
+              f"2.1M code-llama); default: ${DEFAULT_MODEL_ENV} if set, else smollm2")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -164,20 +165,19 @@ def _tree_search(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from amphista_jax.assets import shipped_heads_dir
-    from amphista_jax.demo import format_result, humaneval_prompt, run_demo
+    from amphista_jax.demo import demo_heads, demo_prompt, demo_target, format_result, humaneval_prompt, run_demo
 
     if args.runs < 1:
         raise UsageError(f"--runs {args.runs}: the demo needs at least one timed run per decoder")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    if args.heads or args.method in shipped_heads():
-        heads = args.heads or shipped_heads_dir(args.method)
-        _check_heads(str(heads))
-    else:  # the other choices are methods with nothing to train: they draft by name
-        heads = args.method
-    prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.task)
-    result = run_demo(args.model, heads, prompt, args.tree, args.max_new_tokens, args.runs)
+    if args.heads:
+        _check_heads(args.heads)
+    task = humaneval_prompt(args.task) if args.task is not None else None  # checked before anything is fetched
+    model = demo_target(args.model)
+    heads = demo_heads(model, args.method, args.heads, _untrainable())
+    prompt, chat = demo_prompt(model, args.prompt, task)
+    result = run_demo(model, heads, prompt, args.tree, args.max_new_tokens, args.runs, chat=chat)
     print(format_result(result))
     return 0 if result.identical else 1
 
@@ -284,15 +284,20 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _untrainable() -> list[str]:
+    """The methods with nothing to train (no heads): they draft by name."""
+    return sorted(name for name, cls in DRAFTERS.items() if not cls.trainable)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="amphista-jax", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks of bad-input errors "
                         "(also AMPHISTA_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    untrainable = sorted(name for name, cls in DRAFTERS.items() if not cls.trainable)  # methods without heads
+    untrainable = _untrainable()
 
     g = sub.add_parser("generate", help="generate a completion with the target model (AR baseline)")
-    g.add_argument("--model", default=None, help=MODEL_HELP)
+    g.add_argument("--model", default=default_model(), help=MODEL_HELP)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -320,15 +325,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "the device count); the tokens are one device's")
     g.set_defaults(func=_generate)
 
-    m = sub.add_parser("demo", help="speculative decoding with the shipped heads vs AR on a HumanEval prompt")
-    m.add_argument("--model", default=None, help=MODEL_HELP)
-    m.add_argument("--method", default="hydra", choices=shipped_heads() + untrainable,
-                   help="which shipped heads (or a method with nothing to train) to use (default: hydra, the highest "
-                   "tau on the one-node CPU trees in docs/results)")
+    m = sub.add_parser("demo", help="speculative decoding vs AR on one prompt, in one run (default: a question to "
+                       "the real target, SmolLM2-135M-Instruct, through its chat template)")
+    m.add_argument("--model", default=None, help=MODEL_HELP + " (when that cannot be fetched: tiny, said so)")
+    m.add_argument("--method", default=None,
+                   choices=sorted({*shipped_heads(), *shipped_heads(REAL_TARGET)}) + untrainable,
+                   help="heads shipped for the target, or a method with nothing to train (default: the fastest on "
+                   "this CPU in docs/results: prompt_lookup on smollm2, hydra on tiny)")
     m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
     source = m.add_mutually_exclusive_group()
-    source.add_argument("--task", default="HumanEval/0", help="HumanEval task id whose prompt to complete")
-    source.add_argument("--prompt", default=None, help="complete this text instead of a HumanEval prompt")
+    source.add_argument("--task", default=None, help="complete the prompt of this HumanEval task id as text (default "
+                        "on a model without a chat template: HumanEval/0)")
+    source.add_argument("--prompt", default=None, help="this text instead (through the chat template of a chat model)")
     m.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
                    "preset name, a JSON file of top-k paths, or `dynamic` / `dynamic-TxDxK` (EAGLE-2's tree)")
     m.add_argument("--max-new-tokens", type=int, default=128)
@@ -337,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ts = sub.add_parser("tree-search", help="grow draft trees from acceptance statistics and time them on this "
                         "device; write the fastest (used by --tree auto)")
-    ts.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
+    ts.add_argument("--model", default=default_model(), help=MODEL_HELP)
     ts.add_argument("--heads", required=True, help="draft-head checkpoint directory")
     ts.add_argument("--tasks", type=_task_range, default=(100, 164),
                     help="HumanEval task range START:STOP of the calibration prompts "
@@ -440,7 +448,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with `BAD_INPUT_EXIT` / `ENVIRONMENT_EXIT`; `--debug` or `AMPHISTA_DEBUG=1` shows the traceback."""
     args = build_parser().parse_args(argv)
     try:
-        if hasattr(args, "model"):  # the embedded model, a fetched name (`smollm2`, fetched on first use) or a path
+        # the embedded model, a fetched name (`smollm2`, fetched on first use) or a path; the demo resolves its own
+        # default (`demo.demo_target`: the embedded model when the default cannot be fetched)
+        if hasattr(args, "model") and not (args.command == "demo" and args.model is None):
             args.model = resolve_model(args.model)
         return args.func(args)
     except UserError as e:

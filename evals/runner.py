@@ -42,7 +42,7 @@ from amphista_jax.evals.methods import Method, load_methods, resolve_methods
 from amphista_jax.evals.metrics import breakdown, lossless_mismatches, tree_statistics
 from amphista_jax.evals.report import write_reports
 from amphista_jax.evals.results import ResultWriter, process_file, read_results, safe_label
-from amphista_jax.fetch import resolve_model
+from amphista_jax.fetch import default_model, resolve_model
 from amphista_jax.generator import Generator
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
 from amphista_jax.models.attention import AttentionBackend
@@ -66,7 +66,7 @@ class EvalConfig:
     dataset: DatasetConfig = DatasetConfig()
     methods: tuple[str, ...] = ("ar",)  # specs, see amphista_jax.evals.methods; the AR baseline is always run first
     out_dir: str = "runs/eval/default"
-    model: str = ""  # HF checkpoint directory; "" = the embedded default
+    model: str = ""  # HF checkpoint directory, a fetched name (smollm2) or tiny; "" = `fetch.default_model()`
     tree: str = "mc_sim_7b_63"  # default tree of every draft method (a spec's `@tree` overrides it)
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -348,7 +348,7 @@ def run_eval(cfg: EvalConfig, replace: bool = False) -> dict[str, Any] | None:
     """Run every method on every prompt (resuming; `replace`: discarding an earlier run in `out_dir` instead),
     then merge on process 0. Returns the summary on process 0 and None elsewhere."""
     maybe_initialize_distributed()
-    model_dir = resolve_model(cfg.model)
+    model_dir = resolve_model(cfg.model or default_model())
     out_dir = Path(cfg.out_dir)
     # Bad input is found here, before any model is loaded.
     config = load_config(model_dir)

@@ -6,6 +6,9 @@ import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The tests' default model is the embedded one (fast, nothing to fetch); users' is the real target
+# (`fetch.default_model`), which tests/test_demo.py checks with this variable removed.
+os.environ["AMPHISTA_MODEL"] = "tiny"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

