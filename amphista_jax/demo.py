@@ -206,8 +206,8 @@ def format_result(r: DemoResult) -> str:
     ]
     if r.loops:
         lines.append("note: this completion ends in a loop (a small target's greedy failure mode); a loop is easy to "
-                     "draft, so this run's tau and speed-up overstate typical text (docs/results measures 20 HumanEval "
-                     "prompts).")
+                     "draft, so this run's tau and speed-up overstate typical text (docs/results/ measures whole "
+                     "prompt sets).")
     if r.speedup > 1:
         lines.append(f"speculative decoding was {r.speedup:.2f}x faster on {device}: each step committed "
                      f"{r.tau:.2f} tokens at {r.step_cost:.2f}x the cost of an autoregressive step.")

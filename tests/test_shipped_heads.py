@@ -89,7 +89,7 @@ def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, 
 def test_shipped_draft_model_decodes_losslessly(target):
     """The embedded target's shipped sibling (`configs/target/code-draft.yaml`) drafts chains for it: greedy
     output equals AR's (batch 3) and more than two tokens are committed per target forward (3.06 on the
-    evaluation's 20 prompts, docs/results)."""
+    evaluation's 20 prompts, docs/results/code-llama)."""
     params, config, tok = target
     drafter, draft_params = DraftModel.from_pretrained(draft_model_dir(), config, MODEL)
     prompts = [encode_prompt(tok, humaneval_prompt(f"HumanEval/{i}")) for i in (2, 4, 7)]
