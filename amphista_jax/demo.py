@@ -25,7 +25,6 @@ import numpy as np
 
 from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, default_model_dir, shipped_heads, shipped_heads_dir
 from amphista_jax.errors import UsageError
-from amphista_jax.evals.datasets import CODE_EDIT_REQUEST
 from amphista_jax.fetch import EMBEDDED, FetchError, default_model, fetched_dir, resolve_model
 from amphista_jax.generator import Generator, print_notes
 from amphista_jax.tokenizer import colour_drafts, load_tokenizer
@@ -34,6 +33,9 @@ from amphista_jax.tokenizer import colour_drafts, load_tokenizer
 # type hints) for this task's solution, where prompt lookup, the fastest method on this CPU in the results, helps
 # most (1.62x there; 1.20x on HumanEval, ~1.0x on MT-Bench)
 DEMO_TASK = "HumanEval/0"
+# The code-editing request (evals' `code_edit` data set: a HumanEval solution to rewrite; an answer that repeats it)
+CODE_EDIT_REQUEST = "Rewrite this Python function with type hints on every argument and the return value. " \
+                    "Answer with the code only.\n\n```python\n{code}```"
 # The default method per target whose heads are shipped (`assets`): the fastest on this CPU in the results
 DEFAULT_METHOD = {DEFAULT_MODEL: "hydra", REAL_TARGET: "prompt_lookup"}
 
