@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from amphista_jax.compiled_programs import release_if_crowded
 from amphista_jax.decode import pad_prompts
 from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
@@ -393,6 +394,7 @@ def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None,
     session = _Session(cfg, base, results_dir)
     for method in methods:
         run_method(session, method, prompts)
+        release_if_crowded()  # nine methods x a dozen length buckets: past the memory-mapping limit otherwise
     _barrier("eval-generated")
     if jax.process_index() != 0:
         return None

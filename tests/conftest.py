@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -13,29 +12,18 @@ os.environ["AMPHISTA_MODEL"] = "tiny"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from amphista_jax.compiled_programs import release_if_crowded  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-def _memory_maps() -> tuple[int, int]:
-    """(memory mappings of this process, the kernel's per-process limit); (0, 0) where /proc has neither."""
-    try:
-        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
-            return sum(1 for _ in maps), int(limit.read())
-    except OSError:
-        return 0, 0
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Every XLA:CPU executable holds a few memory mappings until its cache entry goes, and one xdist worker
-    running half the suite compiles enough of them to pass the kernel's per-process limit (vm.max_map_count,
-    65530), where LLVM's JIT segfaults mid-compile. After a test module, once past a third of the limit (the
-    largest module adds ~23k), drop JAX's compiled programs; below it they stay cached for later modules."""
+    """One xdist worker running half the suite compiles enough programs to pass the kernel's memory-mapping limit
+    (`amphista_jax.compiled_programs`); after a test module, once past a third of it (the largest module adds
+    ~23k mappings), drop JAX's compiled programs; below it they stay cached for later modules."""
     yield
-    used, limit = _memory_maps()
-    if used > limit // 3:
-        jax.clear_caches()
-        gc.collect()
+    release_if_crowded()
 
 
 # name -> (transformers config class, model class, config kwargs)
