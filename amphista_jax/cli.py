@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
     source = m.add_mutually_exclusive_group()
     source.add_argument("--task", default=None, help="complete the prompt of this HumanEval task id as text (default "
-                        "on a model without a chat template: HumanEval/0)")
+                        "on the embedded code model, or one without a chat template: HumanEval/0)")
     source.add_argument("--prompt", default=None, help="this text instead (through the chat template of a chat model)")
     m.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
                    "preset name, a JSON file of top-k paths, or `dynamic` / `dynamic-TxDxK` (EAGLE-2's tree)")
