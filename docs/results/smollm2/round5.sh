@@ -40,6 +40,9 @@ amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batc
   "prompt-lookup=prompt_lookup@chain-4" "eagle-2-10=$EG@dynamic-10x4x4" "eagle-3-10=$E3@dynamic-10x4x4" "amphista-8=$AM@small-8" > runs/eval-b$B.log 2>&1
 date
 done
-# (ran: the batch 2 and 8 runs were skipped for time. The MT-Bench run died in its last method, eagle-3-10, with
+# (ran: batch 8 alone, at the end, after the resumed MT-Bench run below; batch 2 not run (time). Then:
+# python -m amphista_jax.evals.benchmarks.batch_speedup --measured runs/eval/mt-bench-smollm2-r3-t0 \
+#   runs/eval/mt-bench-smollm2-b4 runs/eval/mt-bench-smollm2-b8 runs/eval/mt-bench-smollm2-b16 \
+#   --predicted docs/roofline-batch-vicuna-7b.json docs/roofline-batch-llama-3-8b.json --out docs The MT-Bench run died in its last method, eagle-3-10, with
 # "LLVM compilation error: Cannot allocate memory" (the process's memory mappings past vm.max_map_count; fixed in
 # evals/runner.py after it); the same command resumed it: 1 of eagle-3-10's 24 prompts had been kept, 23 ran.)
