@@ -46,3 +46,6 @@ done
 #   --predicted docs/roofline-batch-vicuna-7b.json docs/roofline-batch-llama-3-8b.json --out docs The MT-Bench run died in its last method, eagle-3-10, with
 # "LLVM compilation error: Cannot allocate memory" (the process's memory mappings past vm.max_map_count; fixed in
 # evals/runner.py after it); the same command resumed it: 1 of eagle-3-10's 24 prompts had been kept, 23 ran.)
+# Started in the session's last minutes, cut off when it ended (checkpoints every 100 steps in
+# runs/smollm2/gumiho/checkpoints, gitignored, on that machine only); the same command resumes from the last one:
+amphista-jax train --config configs/gumiho/smollm2.yaml > runs/smollm2/gumiho.log 2>&1
