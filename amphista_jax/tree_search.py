@@ -129,40 +129,66 @@ def collect_rates(gen: Generator, prompts: Sequence[Sequence[int]], max_new_toke
     return np.asarray(tries), np.asarray(hits)
 
 
-def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[TreeSpec], max_new_tokens: int,
-                         runs: int = 3, progress: Callable[[int], None] | None = None, batch: int = 1
-                         ) -> tuple[float, list[float]]:
-    """(AR seconds per step, [seconds per speculative step for each tree]) of `gen`'s target and drafter on this
-    device: (decode time - prefill time) / decode steps, each time the fastest of `runs` (noise on a shared
-    machine only adds time), `batch` copies of `prompt`, no EOS stop so every run decodes `max_new_tokens` tokens.
-    The prefill (with the drafter's own, the same for every tree) is timed by the same programs with one new
-    token."""
-    tokens, lengths = pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
-    # one cache size for every program (AR, prefill-only and each tree), so only the step differs
-    cache_size = tokens.shape[1] + max_new_tokens + max(scratch_slots(gen.drafter, t) for t in trees)
+@dataclasses.dataclass(frozen=True)
+class StepClock:
+    """Times whole decode loops of `batch` copies of one prompt, every program in one cache size (so only the step
+    differs between them), no EOS stop so every run decodes `max_new_tokens` tokens; each time the fastest of
+    `runs` after a compile and warm-up run (noise on a shared machine only adds time)."""
 
-    def timed(g: Generator, n: int) -> tuple[float, int]:
-        settings = g.settings(n, SamplingConfig(), stop_at_eos=False)
-        g.run(tokens, lengths, settings, cache_size=cache_size)  # compile + warm-up
-        results = [g.run(tokens, lengths, settings, cache_size=cache_size) for _ in range(runs)]
+    tokens: np.ndarray  # [B, T]
+    lengths: np.ndarray  # [B]
+    cache_size: int
+    max_new_tokens: int
+    runs: int
+
+    @classmethod
+    def for_trees(cls, gens: Sequence[Generator], prompt: Sequence[int], trees: Sequence[TreeSpec],
+                  max_new_tokens: int, runs: int, batch: int = 1) -> StepClock:
+        """A clock whose cache holds the scratch slots of any of `trees` under any of `gens`' drafters."""
+        tokens, lengths = pad_prompts([prompt] * batch, pad_id=gens[0].pad_id, multiple=64)
+        scratch = max((scratch_slots(g.drafter, t) for g in gens if g.drafter is not None for t in trees), default=0)
+        return cls(tokens, lengths, tokens.shape[1] + max_new_tokens + scratch, max_new_tokens, runs)
+
+    def decode(self, gen: Generator, new_tokens: int) -> tuple[float, int]:
+        """(fastest seconds, decode steps) of `gen` writing `new_tokens` tokens."""
+        settings = gen.settings(new_tokens, SamplingConfig(), stop_at_eos=False)
+        gen.run(self.tokens, self.lengths, settings, cache_size=self.cache_size)  # compile + warm-up
+        results = [gen.run(self.tokens, self.lengths, settings, cache_size=self.cache_size) for _ in range(self.runs)]
         return min(r[1] for r in results), int(results[-1][0].steps)
 
-    def per_step(prefill_s: float, g: Generator) -> float:
-        seconds, steps = timed(g, max_new_tokens)
+    def step_seconds(self, gen: Generator, prefill_s: float) -> float:
+        """Seconds per decode step of `gen`: (decode time - `prefill_s`) / steps."""
+        seconds, steps = self.decode(gen, self.max_new_tokens)
         if steps < 1 or seconds <= prefill_s:
             raise TreeSearchError(f"timing noise: a whole decode ({seconds * 1e3:.2f} ms, {steps} steps) took no "
                                   f"longer than its prefill ({prefill_s * 1e3:.2f} ms); raise --max-new-tokens")
         return (seconds - prefill_s) / steps
 
-    ar = gen.autoregressive()
-    ar_step = per_step(timed(ar, 1)[0], ar)
-    spec_prefill = timed(gen.with_tree(trees[0]), 1)[0]
-    steps = []
-    for tree in trees:
-        steps.append(per_step(spec_prefill, gen.with_tree(tree)))
-        if progress:
-            progress(1)
-    return ar_step, steps
+    def ar_step_seconds(self, gen: Generator) -> float:
+        """Seconds per step of `gen`'s target decoding autoregressively."""
+        ar = gen.autoregressive()
+        return self.step_seconds(ar, self.decode(ar, 1)[0])
+
+    def spec_step_seconds(self, gen: Generator, trees: Sequence[TreeSpec],
+                          progress: Callable[[int], None] | None = None) -> list[float]:
+        """Seconds per speculative step of `gen`'s drafter on each of `trees`. The prefill (with the drafter's own,
+        the same for every tree) is timed by the same programs with one new token."""
+        prefill = self.decode(gen.with_tree(trees[0]), 1)[0]
+        steps = []
+        for tree in trees:
+            steps.append(self.step_seconds(gen.with_tree(tree), prefill))
+            if progress:
+                progress(1)
+        return steps
+
+
+def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[TreeSpec], max_new_tokens: int,
+                         runs: int = 3, progress: Callable[[int], None] | None = None, batch: int = 1
+                         ) -> tuple[float, list[float]]:
+    """(AR seconds per step, [seconds per speculative step for each tree]) of `gen`'s target and drafter on this
+    device, `batch` copies of `prompt` (`StepClock`)."""
+    clock = StepClock.for_trees([gen], prompt, trees, max_new_tokens, runs, batch)
+    return clock.ar_step_seconds(gen), clock.spec_step_seconds(gen, trees, progress)
 
 
 def measure_speedup(gen: Generator, prompts: Sequence[Sequence[int]], batch: int, max_new_tokens: int,

@@ -48,6 +48,11 @@ def target_sample(params: dict) -> list[float]:
     return [float(x) for x in np.asarray(jax.jit(pick)(params))]
 
 
+def cast_floating(params: Any, dtype: str | jax.numpy.dtype) -> Any:
+    """`params` with every floating leaf cast to `dtype` (integer leaves, e.g. draft-vocabulary ids, kept)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params)
+
+
 def save_draft(path: str | Path, method: str, drafter: Drafter, params: Any, target_config: ModelConfig,
                dtype: str | None = None, target_params: dict | None = None) -> Path:
     """Write `draft.json` and the params (floating leaves cast to `dtype` when given, e.g. "bfloat16" for
@@ -55,8 +60,7 @@ def save_draft(path: str | Path, method: str, drafter: Drafter, params: Any, tar
     records `target_sample` so that loading refuses another target of the same shape."""
     path = Path(path).absolute()
     if dtype is not None:
-        params = jax.tree.map(lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x,
-                              params)
+        params = cast_floating(params, dtype)
     path.mkdir(parents=True, exist_ok=True)
     meta = {"method": method, "settings": dataclasses.asdict(drafter), "target": target_fingerprint(target_config)}
     if target_params is not None:
