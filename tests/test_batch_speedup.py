@@ -69,3 +69,25 @@ def test_main_writes_the_table_json_and_plot(tmp_path, monkeypatch):
     assert "| eagle | 1.20x (1.50) | 0.90x (1.50) | 4 |" in table
     assert "| vicuna-7b eagle3@chain-3 | 2.50x | 0.80x | 64 |" in table
     assert (out / "batch_speedup.png").stat().st_size > 0
+
+
+def test_speed_ups_from_measured_steps(tmp_path, monkeypatch):
+    """A step-time run (e.g. a GPU's) gives tau / (step / AR step) per batch; skipped pairs and Pallas rows are left
+    out; main adds the table and the JSON section."""
+    rows = [{"batch": b, "attention": "xla", "method": "eagle3", "tree": "chain-3", "step_vs_ar": r}
+            for b, r in ((1, 1.5), (16, 4.0))]
+    rows += [{"batch": 1, "attention": "pallas", "method": "eagle3", "tree": "chain-3", "step_vs_ar": 9.0},
+             {"batch": 1, "attention": "xla", "method": "medusa", "tree": "dynamic", "skipped": "static trees only"}]
+    steps = tmp_path / "step_time.json"
+    steps.write_text(json.dumps({"model": "llama-3-8b", "device": "NVIDIA H200", "rows": rows}))
+    curves, devices = batch_speedup.step_curves([steps], 3.0)
+    assert curves == {"llama-3-8b eagle3@chain-3": {1: 2.0, 16: 0.75}} and devices == ["NVIDIA H200"]
+    with pytest.raises(BatchSpeedupError, match="not a step-time report"):
+        batch_speedup.step_curves([_roofline(tmp_path / "r.json", {1: 2.5})], 3.0)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["batch_speedup", "--measured", str(_eval_run(tmp_path, 1, {"eagle": 1.2})),
+                                      "--steps", str(steps), "--out", str(out)])
+    batch_speedup.main()
+    data = json.loads((out / "batch_speedup.json").read_text())
+    assert data["from_steps"]["off_from"] == {"llama-3-8b eagle3@chain-3": 16}
+    assert "| llama-3-8b eagle3@chain-3 | 2.00x | 0.75x | 16 |" in (out / "batch_speedup.md").read_text()

@@ -1,8 +1,8 @@
 """Speed-up against batch size: measured on this machine and predicted for accelerators, one table and one PNG.
 
     python -m amphista_jax.evals.benchmarks.batch_speedup --measured runs/eval/B1 runs/eval/B4 runs/eval/B16
-        --predicted runs/roofline-vicuna/roofline.json runs/roofline-llama3/roofline.json [--tau 3]
-        [--accelerator H100-SXM] [--out docs]
+        --predicted runs/roofline-vicuna/roofline.json runs/roofline-llama3/roofline.json
+        [--steps docs/gpu/step_time-llama-3-8b-h200.json] [--tau 3] [--accelerator H100-SXM] [--out docs]
 
 Measured: each `--measured` directory is one evaluation run (`amphista-jax eval`, its `summary.json`) at one batch
 size; every speed-up in it is a ratio measured in that run (AR first, the same prompts and settings for every
@@ -11,7 +11,9 @@ Predicted: each `--predicted` file is a roofline run (`roofline.py`, one target,
 speed-up at acceptance length `--tau` is `tau * AR step / spec step` on `--accelerator`: a model prediction from
 the compiled steps' FLOPs and bytes, not a measurement. For both, "off from" is the smallest batch size at which
 the method is slower than AR (speculation should be switched off there: `tree-search --batch-sizes` stores that
-as `none`), or "-" when it wins at every batch size shown.
+as `none`), or "-" when it wins at every batch size shown. Measured steps: each `--steps` file is a step-time run
+(`step_time.py`, e.g. a known shape with random weights on a GPU), whose measured step / AR step ratio gives the
+speed-up `tau / ratio` at the same `--tau`: measured step costs, an assumed acceptance length.
 Writes batch_speedup.json, .md and .png to `--out`.
 """
 
@@ -86,6 +88,23 @@ def predicted_curves(roofline_files: list[Path], accelerator: str, tau: float) -
     return curves
 
 
+def step_curves(step_files: list[Path], tau: float) -> tuple[Curves, list[str]]:
+    """({"<model> <method>@<tree>": {batch: tau / measured step ratio}}, the devices they ran on) from step-time
+    runs (XLA attention rows; pairs a method could not draft are absent)."""
+    curves: Curves = {}
+    devices = []
+    for path in step_files:
+        report = _read_json(path, "step-time report")
+        if "rows" not in report or "device" not in report:
+            raise BatchSpeedupError(f"{path}: not a step-time report: pass the step_time.json step_time.py wrote")
+        devices.append(report["device"])
+        for r in report["rows"]:
+            if "step_vs_ar" in r and r["attention"] == "xla":
+                label = f"{report['model']} {r['method']}@{r['tree']}"
+                curves.setdefault(label, {})[r["batch"]] = tau / r["step_vs_ar"]
+    return curves, devices
+
+
 def off_from(curve: dict[int, float]) -> int | None:
     """The smallest batch size at which the speed-up is below 1 (speculation loses), or None."""
     return min((b for b, s in curve.items() if s < 1.0), default=None)
@@ -104,14 +123,19 @@ def table(curves: Curves, taus: Curves | None = None) -> list[str]:
     return lines
 
 
-def plot(measured: Curves, machine: str, predicted: Curves, accelerator: str, tau: float, path: Path) -> Path:
+def plot(measured: Curves, machine: str, predicted: Curves, accelerator: str, tau: float, path: Path,
+         stepped: Curves | None = None) -> Path:
+    """Measured speed-ups on the left; predicted ones on the right, with those from measured steps (dotted)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, curves, title in ((axes[0], measured, f"measured, {machine}"),
-                              (axes[1], predicted, f"predicted, {accelerator}, tau {tau:g}")):
-        for label, curve in curves.items():
-            batches = sorted(curve)
-            ax.plot(batches, [curve[b] for b in batches], marker="o", label=label)
+    series = [(axes[0], label, curve, "o", "-") for label, curve in measured.items()]
+    series += [(axes[1], label, curve, "o", "-") for label, curve in predicted.items()]
+    series += [(axes[1], f"{label} (measured steps)", curve, "s", ":") for label, curve in (stepped or {}).items()]
+    for ax, label, curve, marker, style in series:
+        batches = sorted(curve)
+        ax.plot(batches, [curve[b] for b in batches], marker=marker, linestyle=style, label=label)
+    for ax, title in ((axes[0], f"measured, {machine}"), (axes[1], f"predicted, {accelerator}, tau {tau:g}"
+                                                      + ("; dotted: from measured steps" if stepped else ""))):
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
@@ -125,6 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measured", nargs="+", type=Path, required=True, help="evaluation run directories")
     parser.add_argument("--predicted", nargs="*", type=Path, default=[], help="roofline.json files")
+    parser.add_argument("--steps", nargs="*", type=Path, default=[], help="step_time.json files")
     parser.add_argument("--tau", type=float, default=3.0)
     parser.add_argument("--accelerator", default="H100-SXM")
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"))
@@ -132,6 +157,7 @@ def main() -> None:
     try:
         speedup, taus, settings = measured_curves(args.measured)
         predicted = predicted_curves(args.predicted, args.accelerator, args.tau)
+        stepped, devices = step_curves(args.steps, args.tau)
     except BatchSpeedupError as e:
         raise SystemExit(f"error: {e}") from None
     machine = f"{Path(settings['model']).name} on {settings['backend']}, T={settings['temperature']:g}"
@@ -142,14 +168,21 @@ def main() -> None:
         lines += ["", f"**Predicted** (roofline, not measured) speed-up over AR at tau {args.tau:g} on "
                   f"{args.accelerator} against batch size (" + ", ".join(str(p) for p in args.predicted) + ").",
                   "", *table(predicted)]
+    if stepped:
+        lines += ["", f"**From measured steps** on {', '.join(sorted(set(devices)))}: speed-up over AR at an assumed "
+                  f"tau {args.tau:g} = tau / (measured step / AR step) ("
+                  + ", ".join(str(p) for p in args.steps) + ").",
+                  "", *table(stepped)]
     args.out.mkdir(parents=True, exist_ok=True)
-    png = plot(speedup, machine, predicted, args.accelerator, args.tau, args.out / "batch_speedup.png")
+    png = plot(speedup, machine, predicted, args.accelerator, args.tau, args.out / "batch_speedup.png", stepped)
     lines += ["", f"![speed-up against batch size]({png.name})"]
     write_report(args.out, "batch_speedup", {
         "measured": {"settings": settings, "runs": [str(p) for p in args.measured],
                      "speedup": speedup, "tau": taus, "off_from": {k: off_from(v) for k, v in speedup.items()}},
         "predicted": {"accelerator": args.accelerator, "tau": args.tau, "runs": [str(p) for p in args.predicted],
                       "speedup": predicted, "off_from": {k: off_from(v) for k, v in predicted.items()}},
+        "from_steps": {"devices": devices, "tau": args.tau, "runs": [str(p) for p in args.steps],
+                       "speedup": stepped, "off_from": {k: off_from(v) for k, v in stepped.items()}},
     }, "\n".join(lines))
 
 
