@@ -61,12 +61,13 @@ def random_target(name: str, dtype: str, layout: str) -> tuple[dict, ModelConfig
 def method_generator(method: str, config: ModelConfig, params: dict, tokenizer: Any, dtype: str,
                      shipped: list[str]) -> tuple[Generator, str]:
     """(a Generator of `method`'s drafter with its draft params in `dtype`, which heads they are)."""
-    drafter, heads = VARIANTS[method], "untrained"
-    draft_params = drafter.init(jax.random.key(0), Target(config, params))
     name = SHIPPED_NAME.get(method, method)
     if name in shipped:
         _, drafter, draft_params = load_draft(shipped_heads_dir(name), config, params)
         heads = f"shipped {name}"
+    else:
+        drafter, heads = VARIANTS[method], "untrained"
+        draft_params = drafter.init(jax.random.key(0), Target(config, params))
     return Generator(config, params, tokenizer, (), drafter, cast_floating(draft_params, dtype)), heads
 
 
