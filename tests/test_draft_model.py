@@ -17,7 +17,7 @@ from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.base import PrefillContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
 from amphista_jax.models.hf import save_params
-from amphista_jax.models.llama import Output, Transformer, init_params
+from amphista_jax.models.llama import Output, Transformer, init_params, layer_params
 from amphista_jax.target import Target
 from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import PRESETS
@@ -44,14 +44,18 @@ def test_greedy_draft_model_equals_ar(target, tree):
     assert_greedy_lossless(target, drafter, drafter.init(jax.random.key(1), target), tree, trained=False)
 
 
-@pytest.mark.parametrize("tree", ["chain-4", pytest.param("mc_sim_7b_63", marks=pytest.mark.slow)])
-def test_the_target_as_its_own_draft_model_is_accepted_whole(target, tree):
+@pytest.mark.parametrize(("tree", "made"), [("chain-4", False), ("chain-4", True),
+                                            pytest.param("mc_sim_7b_63", False, marks=pytest.mark.slow)])
+def test_the_target_as_its_own_draft_model_is_accepted_whole(target, tree, made):
     """Drafting with the target's weights is right at every node iff the draft cache holds exactly the committed
-    text and the root: greedy decoding then accepts depth + 1 tokens every step."""
+    text and the root: greedy decoding then accepts depth + 1 tokens every step. `made`: the draft model made from
+    all of the target's layers (`layers`, no `config`) is the target itself."""
     tokens, lengths = pad_prompts(PROMPTS)
     ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=41, cache_size=64)
-    spec = speculative_generate(target.params, target.params, tokens, lengths, jax.random.key(0), config=CONFIG,
-                                drafter=DraftModel(CONFIG), tree=PRESETS[tree], max_new_tokens=41, cache_size=160)
+    drafter = DraftModel(layers=CONFIG.num_layers) if made else DraftModel(CONFIG)
+    params = drafter.init(jax.random.key(5), target) if made else target.params
+    spec = speculative_generate(target.params, params, tokens, lengths, jax.random.key(0), config=CONFIG,
+                                drafter=drafter, tree=PRESETS[tree], max_new_tokens=41, cache_size=160)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
     assert int(spec.steps) == 40 // (PRESETS[tree].depth + 1), int(spec.steps)  # the prefill makes token 1
 
@@ -202,3 +206,49 @@ def test_eval_spec_names_a_model_directory(target, tmp_path):
     assert resolve_method(path, "auto").drafter.temperature == 0.0
     with pytest.raises(MethodSpecError, match="dynamic tree"):
         resolve_method(f"{path}@dynamic-8x3x2#temperature=1.0", "auto")
+
+
+# A draft model made from the target's first layers (`layers`, trained by `amphista-jax train`).
+MADE = DraftModel(layers=1, draft_vocab=tuple(range(0, CONFIG.vocab_size, 2)))
+
+
+def test_a_made_draft_model_starts_as_the_targets_first_layers(target):
+    """Its own fp32 copies of the target's embedding, first layer, final norm and projection; more layers than the
+    target has: one line naming the fix."""
+    params = MADE.init(jax.random.key(0), target)
+    assert set(params) == {"embed", "layer_0", "final_norm", "lm_head"}  # CONFIG's projection is untied
+    want = {k: target.params[k] for k in ("embed", "final_norm", "lm_head")} | {
+        "layer_0": layer_params(target.params, 0)}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), want, params)
+    with pytest.raises(DraftModelError, match="layers=3 but the target has 2 layers: set layers to at most 2"):
+        DraftModel(layers=3).init(jax.random.key(0), target)
+    with pytest.raises(ValueError, match="layers=0 must be an integer >= 1"):
+        DraftModel(layers=0)
+
+
+@pytest.mark.parametrize("tree", ["chain-4", "dynamic", pytest.param("small-8", marks=pytest.mark.slow)])
+def test_greedy_made_draft_model_over_a_draft_vocabulary_equals_ar(target, tree):
+    tree = dynamic_tree(8, 3, 3) if tree == "dynamic" else PRESETS[tree]
+    assert_greedy_lossless(target, MADE, MADE.init(jax.random.key(1), target), tree, trained=False)
+
+
+def test_made_draft_model_distils_the_target_and_round_trips(target, tmp_path):
+    """Its loss is the CE against the target's next-token distribution over its draft vocabulary (its CE on the
+    tokens reported beside it), a few steps lower it (on a target with a peaked distribution: a random one's is
+    nearly uniform, the floor of that CE), and `draft.json` + params load back as they were saved."""
+    from amphista_jax.drafters.io import load_draft, save_draft
+    from tests.helpers import assert_trains
+
+    params = MADE.init(jax.random.key(0), target)
+    tokens = jax.random.randint(jax.random.key(6), (2, 16), 0, CONFIG.vocab_size)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}
+    out = Transformer(CONFIG).apply({"params": target.params}, tokens, jnp.broadcast_to(jnp.arange(16), (2, 16)))
+    loss, metrics = MADE.loss(params, target, batch, out)
+    np.testing.assert_allclose(float(loss), float(metrics["head0/distill"]), rtol=1e-6)
+    assert float(metrics["head0/loss"]) > 0
+    peaked = {"lm_head": {"kernel": target.params["lm_head"]["kernel"] * 20}}
+    assert_trains(MADE, Target(CONFIG, target.params | peaked))
+    save_draft(tmp_path / "heads", "draft_model", MADE, params, CONFIG)
+    method, loaded, restored = load_draft(tmp_path / "heads", CONFIG, target.params)
+    assert (method, loaded) == ("draft_model", MADE)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored)

@@ -17,6 +17,14 @@ Drafts are deterministic top-k (`q = None`) by default; with `temperature > 0` (
 independent draw from its parent's draft distribution at that temperature and the proposal carries those
 distributions as `q`, the classic speculative-sampling draft. Both are lossless under greedy and rejection
 sampling alike.
+
+Trained here (`config` None, `amphista-jax train` with `method: draft_model`): a target with no smaller sibling
+on hand (SmolLM2-135M is its family's smallest) gets one made from itself, as self-speculative drafters do
+(Draft & Verify, LayerSkip): the target's embedding, its first `layers` decoder layers, its final norm and
+vocabulary projection, then trained as a whole on the heads' data, distilled from the target's next-token
+distribution (the target frozen; its hidden states may come from the heads' store). With a `draft_vocab` it
+scores only those tokens' rows of its projection, which cuts each drafted depth's read of a large vocabulary as
+for the heads (`draft_vocab.py`).
 """
 
 from __future__ import annotations
@@ -25,9 +33,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from amphista_jax import config_io
 from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
@@ -39,11 +49,20 @@ from amphista_jax.drafters.base import (
     head_losses,
 )
 from amphista_jax.drafters.causal_layers import run_and_commit
+from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
 from amphista_jax.drafters.eagle import FeatureDrafting
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.models.llama import Output, PrefixKV, Transformer, param_shapes, target_model
+from amphista_jax.models.llama import (
+    Output,
+    PrefixKV,
+    Transformer,
+    layer_params,
+    output_projection,
+    param_shapes,
+    target_model,
+)
 from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.trees import Tree, TreeBudget, TreeError, TreeSpec
@@ -59,14 +78,33 @@ class DraftModel(LogicalInit):
     name = "draft_model"
     tree_kinds = (TreeSpec, TreeBudget)
     paper_tree = "chain-4"  # what `--tree auto` means for a draft model (no tree is searched for one)
-    config: ModelConfig  # the draft model's own architecture
+    # the draft model's own architecture (a loaded checkpoint); None: the target's, cut to its first `layers`
+    config: ModelConfig | None = None
     # 0: top-k drafts (`q = None`); > 0 (static trees): independent draws from its distribution at this
     # temperature, passed to verification as `q` (classic speculative sampling draws at the target's temperature)
     temperature: float = 0.0
+    layers: int = 2  # without `config`: how many of the target's decoder layers it starts from
+    draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise ValueError(f"{self.temperature=} must be >= 0 (0 = top-k drafts)")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"layers={self.layers!r} must be an integer >= 1")
+        if isinstance(self.config, dict):  # read back from draft.json
+            object.__setattr__(self, "config", config_io.from_dict(ModelConfig, self.config, "draft_model config"))
+        normalise_field(self)
+
+    def arch(self, target: ModelConfig) -> ModelConfig:
+        """The draft model's architecture: its own `config`, else the target's first `layers` layers (a
+        `DraftModelError` naming the fix when the target has fewer)."""
+        if self.config is not None:
+            return self.config
+        if self.layers > target.num_layers:
+            raise DraftModelError(f"draft_model layers={self.layers} but the target has {target.num_layers} "
+                                  f"layers: set layers to at most {target.num_layers} (a few, to draft cheaply)")
+        return dataclasses.replace(target, num_layers=self.layers,
+                                   sliding_windows=target.sliding_windows[: self.layers])
 
     def sampling_at(self, temperature: float, tree: Tree) -> DraftModel:
         """The drafter for decoding at `temperature` on `tree`: classic speculative sampling (drafts drawn at the
@@ -89,31 +127,45 @@ class DraftModel(LogicalInit):
         params, config = load_params(path, dtype=dtype, layout="split")  # decoding's layout (`split_layers`)
         return cls(config), params
 
-    def _model(self, params: dict) -> Transformer:
-        return target_model(self.config, params)
+    def _model(self, params: dict, target: ModelConfig) -> Transformer:
+        return target_model(self.arch(target), params)
 
     def param_trees(self, target: Target) -> tuple[Any, ...]:
         """Decoding's (split) layout and the checkpoint's stacked one: `target_model` reads either."""
-        return param_shapes(self.config, split=True)[0], param_shapes(self.config)[0]
+        arch = self.arch(target.config)
+        return param_shapes(arch, split=True)[0], param_shapes(arch)[0]
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
-        """Random weights of the draft architecture in decoding's layout (tests; real use loads a checkpoint:
-        `from_pretrained`)."""
-        check_vocabularies(self.config, target.config, "the draft model")
+        """Its weights in decoding's layout: with its own `config`, random (tests; real use loads a checkpoint:
+        `from_pretrained`); else the target's embedding, first `layers` layers, final norm and projection."""
+        arch = self.arch(target.config)
+        check_vocabularies(arch, target.config, "the draft model")
+        check_fits(self.draft_vocab, target.config.vocab_size)
         tokens = jnp.zeros((1, 1), jnp.int32)
-        return Transformer(self.config, split=True).init(rng, tokens, tokens)["params"]
+        boxed = Transformer(arch, split=True).init(rng, tokens, tokens)["params"]
+        if self.config is not None:
+            return boxed
+        own = {k: layer_params(target.params, int(k.removeprefix("layer_"))) if k.startswith("layer_")
+               else target.params[k] for k in boxed}
+
+        def copy(box: Any, weight: jax.Array) -> Any:
+            weight = jnp.array(weight, jnp.float32, copy=True)  # own fp32 buffers: trained, donated
+            return box.replace_boxed(weight) if isinstance(box, nn.Partitioned) else weight
+
+        return jax.tree.map(copy, boxed, own, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
-        c = self.config
+        c = self.arch(target_config)
         # One slot more than the target's: this cache runs one token ahead (the root).
         return {"base": jnp.zeros((batch, c.hidden_size), jnp.float32),
                 "caches": (KVCache.zeros(c.num_layers, batch, cache_size + 1, c.num_kv_heads, c.head_dim),)}
 
-    def _advance(self, params: dict, tokens: jax.Array, count: jax.Array, state: dict) -> dict:
+    def _advance(self, params: dict, target: Target, tokens: jax.Array, count: jax.Array, state: dict) -> dict:
         """Run the model over `tokens [B, T]` at its cache's next slots, commit `count [B]` of them, and keep its
         output at the last one (the next root's: its children's draft distribution)."""
         def run(positions: jax.Array, caches: tuple[KVCache, ...]) -> tuple[jax.Array, tuple[KVCache, ...]]:
-            out = self._model(params).apply({"params": params}, tokens, positions, caches[0], return_logits=False)
+            out = self._model(params, target.config).apply({"params": params}, tokens, positions, caches[0],
+                                                           return_logits=False)
             return out.hidden.astype(jnp.float32), (out.cache,)
 
         base, caches = run_and_commit(run, state["caches"], tokens.shape[1], count)
@@ -123,11 +175,11 @@ class DraftModel(LogicalInit):
         b = prompt.prompt.shape[0]
         tokens = jnp.concatenate([prompt.prompt, jnp.zeros((b, 1), prompt.prompt.dtype)], axis=1)  # [B, T + 1]
         tokens = tokens.at[jnp.arange(b), prompt.lengths].set(prompt.root)  # the prompt, then the root
-        return self._advance(params, tokens, prompt.lengths + 1, state)
+        return self._advance(params, target, tokens, prompt.lengths + 1, state)
 
     def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,
                state: dict) -> tuple[dict, jax.Array]:
-        state = self._advance(params, accepted_tokens(proposal, verdict), verdict.n_accepted, state)
+        state = self._advance(params, target, accepted_tokens(proposal, verdict), verdict.n_accepted, state)
         return state, accepted_hidden(verdict, verify_out)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
@@ -145,23 +197,31 @@ class DraftModel(LogicalInit):
                   prefix: PrefixKV | None) -> tuple[jax.Array, KVCache, None]:
         """`FeatureDrafting`'s expansion: nodes `tokens [B, M]` through the model (their parents reach them through
         the scratch keys/values) -> (final-norm hidden states `[B, M, D]`, the cache with theirs written, None)."""
-        out = self._model(params).apply({"params": params}, tokens, positions, cache, new_mask, return_logits=False,
-                                  prefix=prefix)
+        out = self._model(params, target.config).apply({"params": params}, tokens, positions, cache, new_mask,
+                                                       return_logits=False, prefix=prefix)
         return out.hidden.astype(jnp.float32), out.cache, None
 
     def logprobs(self, params: dict, target: Target, hidden: jax.Array) -> jax.Array:
-        """Draft log-probabilities `[..., V]` of the model's final-norm hidden states `[..., D]`."""
-        logits = self._model(params).apply({"params": params}, hidden, method=Transformer.logits)
-        return jax.nn.log_softmax(logits, axis=-1)
+        """Draft log-probabilities `[..., V_d]` of the model's final-norm hidden states `[..., D]`."""
+        return jax.nn.log_softmax(self._logits(params, hidden), axis=-1)
 
-    def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
+    def _logits(self, params: dict, hidden: jax.Array) -> jax.Array:
+        """`[..., V_d]` its own vocabulary projection of `hidden [..., D]`, at the draft vocabulary's columns."""
+        return hidden @ project_columns(output_projection(params).astype(jnp.float32), self.draft_vocab)
+
+    def loss(self, params: dict, target: Target, batch: dict, target_out: Output | None) -> tuple[jax.Array, dict]:
         """Its depth-1 drafts scored like a head's (`head0/...`: at position t, the token t + 2, read from its own
-        output at t + 1, the root): its next-token CE on `batch`. For held-out accuracy; a draft model is
-        pre-trained on its own (`amphista-jax pretrain-target` with the target's tokenizer)."""
+        output at t + 1, the root): the CE against the target's next-token distribution at t + 1 (distillation,
+        over the draft vocabulary; `head0/distill`), its CE on `batch`'s tokens reported beside it; without
+        `target_out` (scoring a checkpoint's drafts alone), that CE."""
         tokens = batch["tokens"]
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        logits = self._model(params).apply({"params": params}, tokens, positions).logits  # [B, T, V]: token t + 1
-        return head_losses(jnp.roll(logits, -1, axis=1)[:, :, None], batch, [1.0])
+        hidden = self._model(params, target.config).apply({"params": params}, tokens, positions,
+                                                          return_logits=False).hidden  # [B, T, D]: token t + 1
+        logits = self._logits(params, jnp.roll(hidden, -1, axis=1))[:, :, None]  # [B, T, 1, V_d]: token t + 2
+        teacher = None if target_out is None else target_out.logits
+        return head_losses(logits, batch, [float(teacher is None)], teacher, 1.0, teacher_name="distill",
+                           draft_vocab=self.draft_vocab)
 
 
 def _has_tokenizer(path: str | Path) -> bool:
