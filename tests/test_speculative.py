@@ -289,9 +289,11 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     pytest.param(DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32)), PRESETS["small-8"],
                  marks=pytest.mark.slow),
     (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32), temperature=1.0), PRESETS["small-8"]),
+    # made from the target's first layer, its draws over 9 of the 16 tokens (q zero on the other 7)
+    (DraftModel(layers=1, draft_vocab=(0, 2, 3, 5, 7, 8, 11, 13, 15), temperature=1.0), PRESETS["small-8"]),
     (BiTA(), PRESETS["small-8"])],
     ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "eagle-3", "gumiho", "sar", "draft-model",
-         "draft-model-iid-q", "bita"])
+         "draft-model-iid-q", "made-draft-model-draft-vocab-iid-q", "bita"])
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""

@@ -74,6 +74,13 @@ def to_target(indices: jax.Array, draft_vocab: DraftVocab) -> jax.Array:
     return _ids(draft_vocab)[indices] if draft_vocab else indices
 
 
+def to_vocab(probs: jax.Array, draft_vocab: DraftVocab, vocab_size: int) -> jax.Array:
+    """A distribution over the draft vocabulary `[..., V_d]` as one over the target's `[..., V]` (zero outside)."""
+    if not draft_vocab:
+        return probs
+    return jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., _ids(draft_vocab)].set(probs)
+
+
 def to_draft(labels: jax.Array, draft_vocab: DraftVocab) -> tuple[jax.Array, jax.Array]:
     """Target ids `labels [...]` -> (draft indices, `inside` bool mask) of the same shape; a label outside the
     draft vocabulary gets index 0 and `inside` False (callers mask it)."""

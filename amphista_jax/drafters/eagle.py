@@ -58,7 +58,7 @@ from amphista_jax.drafters.base import (
     head_losses,
 )
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
-from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids, to_target
+from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids, to_target, to_vocab
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, logical_dense, run_stack
 from amphista_jax.target import Target
@@ -271,7 +271,7 @@ class FeatureDrafting:
         distribution (EAGLE; `q = None`), or, with `temperature > 0`, independent draws from that distribution at
         `temperature` (one per child rank; siblings may repeat), which the proposal passes on as each child's `q`
         for lossless rejection sampling."""
-        b, n = self.ctx.root.shape[0], spec.num_nodes
+        b, n, vocab = self.ctx.root.shape[0], spec.num_nodes, self.drafter.draft_vocab
         levels = tree_levels(spec)
         sees = _static_scratch_visibility(spec)  # [depth, M_d, S]
         tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(self.ctx.root)
@@ -282,11 +282,12 @@ class FeatureDrafting:
         for depth, level in enumerate(levels, start=1):
             logprobs, k = self.logprobs(features), int(level.rank.max()) + 1  # [B, M, V_d]
             if temperature > 0:
-                dist = jax.nn.log_softmax(logprobs / temperature, axis=-1)
+                dist = jax.nn.log_softmax(logprobs / temperature, axis=-1)  # [B, M, V_d]
                 draws = jax.random.categorical(jax.random.fold_in(rng, depth), dist, shape=(k,) + dist.shape[:-1])
-                top = jnp.moveaxis(draws, 0, -1).astype(jnp.int32)  # [B, M, k] i.i.d. per parent
-                q = (jnp.zeros((b, n) + dist.shape[-1:], jnp.float32) if q is None else q).at[:, level.nodes].set(
-                    jnp.exp(dist)[:, level.parent_slot])
+                top = to_target(jnp.moveaxis(draws, 0, -1).astype(jnp.int32), vocab)  # [B, M, k] i.i.d. per parent
+                probs = to_vocab(jnp.exp(dist), vocab, self.target.config.vocab_size)  # [B, M, V]
+                q = (jnp.zeros((b, n) + probs.shape[-1:], jnp.float32) if q is None else q).at[:, level.nodes].set(
+                    probs[:, level.parent_slot])
             else:
                 top = self.top_k(logprobs, k)[1]  # [B, M, k]
             children = top[:, level.parent_slot, level.rank]  # [B, C]
