@@ -383,7 +383,9 @@ def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None,
         return str(shipped_heads_dir(shipped, target)), None, [f"using the {name} heads shipped for {target}"]
     if name in VARIANTS:
         drafter = VARIANTS[name]
-        untrained = f"no trained heads for this model: using untrained {name} heads (expect tau ~1)"
+        untrained = (f"no trained heads for this model: using untrained {name} heads (expect tau ~1)"
+                     if name != "draft_model" else "no trained draft model for this model: drafting with its first "
+                     f"{drafter.layers} layers, untrained")
         return None, drafter, [untrained] if drafter.trainable else []
     raise GeneratorError(f"heads {name!r} is neither a draft-head directory nor a method ({', '.join(VARIANTS)})")
 

@@ -11,7 +11,14 @@ from flax import struct
 
 from amphista_jax.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, PrefixKV, Transformer, input_embeddings, output_projection
+from amphista_jax.models.llama import (
+    Output,
+    PrefixKV,
+    Transformer,
+    input_embeddings,
+    layer_params,
+    output_projection,
+)
 
 
 @struct.dataclass
@@ -29,6 +36,12 @@ class Target:
     def lm_head(self) -> jax.Array:
         """The fp32 `[D, V]` vocabulary projection (tied embeddings: the embedding transposed)."""
         return output_projection(self.params).astype(jnp.float32)
+
+    def first_layers(self, n: int) -> dict:
+        """The params of a model of the target's first `n` layers, in `split_layers`' layout: its embedding, layers
+        `0 .. n - 1`, final norm and projection (a draft model made from the target)."""
+        return {k: v for k, v in self.params.items() if k in ("embed", "final_norm", "lm_head")} | {
+            f"layer_{i}": layer_params(self.params, i) for i in range(n)}
 
 
 @struct.dataclass

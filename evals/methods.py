@@ -7,9 +7,9 @@ A spec is `[label=]source[@tree][#key=value,...]`:
 * `<method>:untrained`: that method's freshly initialised heads (engine overhead; tau near 1).
 * `<method>` alone for a method with nothing to train (`prompt_lookup`): the method itself.
 * a Hugging Face model directory (`config.json`, no `draft.json`): that model as a draft model
-  (`drafters/draft_model.py`; it must share the target's vocabulary). `@tree` defaults to chain-4; at a
-  temperature > 0 on a static tree its drafts are drawn at that temperature (classic speculative sampling),
-  `#temperature=0` keeps top-k drafts.
+  (`drafters/draft_model.py`; it must share the target's vocabulary). `@tree` defaults to chain-4. At a
+  temperature > 0 on a static tree a draft model's drafts (this one's, or a trained `draft_model`'s) are drawn at
+  that temperature (classic speculative sampling); `#temperature=0` keeps top-k drafts.
 
 `@tree` overrides the run's tree (a preset name, a JSON file of paths or a dynamic budget). `#key=value,...`
 overrides decoding settings of the method that leave its parameters as they are (e.g. Gumiho's
@@ -122,14 +122,14 @@ def resolve_method(spec: str, default_tree: str, target: Target | None = None, s
             print(f"note: {note}", file=sys.stderr)
             return Method(label or name + (f"@{tree_name}" if tree_name else ""), spec, name,
                           tree_name=f"{tree_name or default_tree}: none at batch {batch}")
-        if model:  # drafts sampled at the run's temperature on static trees (`#temperature=0`: top-k drafts)
-            drafter = _with_settings(spec, drafter.sampling_at(temperature, tree), overrides)
+        # a draft model samples its drafts at the run's temperature on static trees (`#temperature=0`: top-k)
+        drafter = _with_settings(spec, drafter.sampling_at(temperature, tree), overrides)
         drafter.check_tree(tree)
     except (UserError, ValueError) as e:
         raise MethodSpecError(f"method spec {spec!r}: {e}") from None
     if note:
         print(f"note: {note}", file=sys.stderr)
-    if model and drafter.temperature > 0 and not isinstance(tree, TreeSpec):
+    if isinstance(drafter, DraftModel) and drafter.temperature > 0 and not isinstance(tree, TreeSpec):
         raise MethodSpecError(f"method spec {spec!r}: a dynamic tree keeps the top drafts, not samples: drop "
                               "#temperature or use a static tree")
     suffix = f"@{tree_name}" if tree_name else ""

@@ -17,7 +17,7 @@ from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.base import PrefillContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
 from amphista_jax.models.hf import save_params
-from amphista_jax.models.llama import Output, Transformer, init_params, layer_params
+from amphista_jax.models.llama import Output, Transformer, init_params, layer_params, split_layers, target_model
 from amphista_jax.target import Target
 from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import PRESETS
@@ -252,3 +252,21 @@ def test_made_draft_model_distils_the_target_and_round_trips(target, tmp_path):
     method, loaded, restored = load_draft(tmp_path / "heads", CONFIG, target.params)
     assert (method, loaded) == ("draft_model", MADE)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored)
+
+
+def test_the_whole_target_made_into_a_draft_model_distils_to_its_entropy():
+    """Made from every layer of a tied-embedding target held in the split layout, the draft model is that target:
+    its distillation CE for token t + 2 (its output at t + 1 against the target's logits there) is the target's
+    own entropy at t + 1."""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=True)
+    params = split_layers(init_params(config, jax.random.key(4)))
+    target = Target(config, params)
+    drafter = DraftModel(layers=config.num_layers)
+    heads = drafter.init(jax.random.key(0), target)
+    assert set(heads) == {"embed", "final_norm", "layer_0", "layer_1"}  # tied: no projection of its own
+    tokens = jax.random.randint(jax.random.key(7), (2, 16), 0, config.vocab_size)
+    out = target_model(config, params).apply({"params": params}, tokens, jnp.broadcast_to(jnp.arange(16), (2, 16)))
+    _, metrics = drafter.loss(heads, target, {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}, out)
+    logp = jax.nn.log_softmax(out.logits[:, 1:15])
+    entropy = -(jnp.exp(logp) * logp).sum(-1).mean()
+    np.testing.assert_allclose(float(metrics["head0/distill"]), float(entropy), rtol=1e-5)

@@ -1,7 +1,8 @@
 """A small model of the target's family as the drafter: classic draft-model speculative decoding on our engine.
 
 Any Llama-family Hugging Face checkpoint that shares the target's tokenizer drafts for it (`from_pretrained`):
-its own embedding, decoder layers, norm and `lm_head`, with its own KV cache. It reads nothing of the target.
+its own embedding, decoder layers, norm and `lm_head`, with its own KV cache. It reads nothing of the target
+(one made from the target copies the target's weights once, at `init`).
 
 Cache convention (one ahead of the target's): the root — the target's own next token, certain to be committed
 — is committed in the draft model's cache already, so it holds the committed text and the root, and its output
@@ -58,7 +59,6 @@ from amphista_jax.models.llama import (
     Output,
     PrefixKV,
     Transformer,
-    layer_params,
     output_projection,
     param_shapes,
     target_model,
@@ -77,7 +77,7 @@ class DraftModelError(UserError, ValueError):
 class DraftModel(LogicalInit):
     name = "draft_model"
     tree_kinds = (TreeSpec, TreeBudget)
-    paper_tree = "chain-4"  # what `--tree auto` means for a draft model (no tree is searched for one)
+    paper_tree = "chain-4"  # what `--tree auto` means for a draft model where no tree was searched for it
     # the draft model's own architecture (a loaded checkpoint); None: the target's, cut to its first `layers`
     config: ModelConfig | None = None
     # 0: top-k drafts (`q = None`); > 0 (static trees): independent draws from its distribution at this
@@ -93,6 +93,9 @@ class DraftModel(LogicalInit):
             raise ValueError(f"layers={self.layers!r} must be an integer >= 1")
         if isinstance(self.config, dict):  # read back from draft.json
             object.__setattr__(self, "config", config_io.from_dict(ModelConfig, self.config, "draft_model config"))
+        if not isinstance(self.config, ModelConfig | None):
+            raise ValueError(f"draft_model config={self.config!r} must be a model's config (omit it to make the "
+                             "draft model from the target's first `layers` layers)")
         normalise_field(self)
 
     def arch(self, target: ModelConfig) -> ModelConfig:
@@ -142,17 +145,20 @@ class DraftModel(LogicalInit):
         check_vocabularies(arch, target.config, "the draft model")
         check_fits(self.draft_vocab, target.config.vocab_size)
         tokens = jnp.zeros((1, 1), jnp.int32)
-        boxed = Transformer(arch, split=True).init(rng, tokens, tokens)["params"]
+
+        def random(rng: jax.Array) -> dict:
+            return Transformer(arch, split=True).init(rng, tokens, tokens)["params"]
+
         if self.config is not None:
-            return boxed
-        own = {k: layer_params(target.params, int(k.removeprefix("layer_"))) if k.startswith("layer_")
-               else target.params[k] for k in boxed}
+            return random(rng)
 
         def copy(box: Any, weight: jax.Array) -> Any:
             weight = jnp.array(weight, jnp.float32, copy=True)  # own fp32 buffers: trained, donated
             return box.replace_boxed(weight) if isinstance(box, nn.Partitioned) else weight
 
-        return jax.tree.map(copy, boxed, own, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+        # the boxes (logical axes) of the architecture, filled with the target's weights
+        return jax.tree.map(copy, jax.eval_shape(random, rng), target.first_layers(self.layers),
+                            is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
     def init_state(self, target_config: ModelConfig, batch: int, cache_size: int) -> dict:
         c = self.arch(target_config)
