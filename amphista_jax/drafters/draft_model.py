@@ -213,7 +213,7 @@ class DraftModel(LogicalInit):
 
     def _logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """`[..., V_d]` its own vocabulary projection of `hidden [..., D]`, at the draft vocabulary's columns."""
-        return hidden @ project_columns(output_projection(params).astype(jnp.float32), self.draft_vocab)
+        return hidden @ project_columns(output_projection(params), self.draft_vocab).astype(jnp.float32)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output | None) -> tuple[jax.Array, dict]:
         """Its depth-1 drafts scored like a head's (`head0/...`: at position t, the token t + 2, read from its own
