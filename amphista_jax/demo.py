@@ -23,9 +23,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, default_model_dir, shipped_heads, shipped_heads_dir
+from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, shipped_heads, shipped_heads_dir, shipped_target
 from amphista_jax.errors import UsageError
-from amphista_jax.fetch import EMBEDDED, FetchError, default_model, fetched_dir, resolve_model
+from amphista_jax.fetch import EMBEDDED, FetchError, default_model, resolve_model
 from amphista_jax.generator import Generator, print_notes
 from amphista_jax.tokenizer import colour_drafts, load_tokenizer
 
@@ -52,15 +52,6 @@ def demo_target(model: str | None) -> str:
         print(f"note: {name} could not be fetched ({e}); the demo runs on the embedded {EMBEDDED} model instead",
               file=sys.stderr)
         return resolve_model(EMBEDDED)
-
-
-def shipped_target(model_dir: str | Path) -> str | None:
-    """The name heads are shipped under for `model_dir` (the embedded model, the fetched real target), else None."""
-    here = Path(model_dir).resolve()
-    if here == default_model_dir().resolve():
-        return DEFAULT_MODEL
-    fetched = fetched_dir(REAL_TARGET)
-    return REAL_TARGET if fetched is not None and here == fetched.resolve() else None
 
 
 def demo_heads(model_dir: str | Path, method: str | None, heads: str | None, untrainable: Sequence[str]) -> str:

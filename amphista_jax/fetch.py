@@ -109,14 +109,20 @@ def _marker(entry: Pinned) -> dict[str, str]:
     return {"package": entry.package, "version": entry.version, "sha256": entry.sha256}
 
 
-def fetched_dir(name: str) -> Path | None:
-    """Where `name` is, when a complete fetch of its pinned release is there; else None."""
-    entry = REGISTRY[name]
-    out = amphista_home() / entry.output
+def fetched_as(directory: str | Path) -> str | None:
+    """The registry name `directory` is a complete fetch of (by the marker a fetch writes last), wherever it lies
+    (another AMPHISTA_HOME, a copy); else None."""
     try:
-        return out if json.loads((out / MARKER).read_text()) == _marker(entry) else None
+        marker = json.loads((Path(directory) / MARKER).read_text())
     except (OSError, ValueError):
         return None
+    return next((name for name, entry in REGISTRY.items() if marker == _marker(entry)), None)
+
+
+def fetched_dir(name: str) -> Path | None:
+    """Where `name` is, when a complete fetch of its pinned release is there; else None."""
+    out = amphista_home() / REGISTRY[name].output
+    return out if fetched_as(out) == name else None
 
 
 def fetch(name: str, from_wheel: str | Path | None = None) -> Path:

@@ -367,17 +367,14 @@ class Generator:
 
 def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None, Drafter | None, list[str]]:
     """(heads directory, untrained drafter, notes) of `Generator.load`'s `heads`."""
-    from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, default_model_dir, shipped_heads, shipped_heads_dir
-    from amphista_jax.fetch import fetched_dir
+    from amphista_jax.assets import shipped_heads, shipped_heads_dir, shipped_target
 
     if heads is None:
         return None, None, []
     name = str(heads)
     if isinstance(heads, Path) or (name not in VARIANTS and Path(heads).is_dir()):  # a method name wins over ./name
         return str(heads), None, []
-    real = fetched_dir(REAL_TARGET)
-    target = {default_model_dir().resolve(): DEFAULT_MODEL, real and real.resolve(): REAL_TARGET}.get(
-        Path(model_dir).resolve())
+    target = shipped_target(model_dir)
     shipped = name.replace("++", "-plus")
     if target and shipped in shipped_heads(target):
         return str(shipped_heads_dir(shipped, target)), None, [f"using the {name} heads shipped for {target}"]

@@ -5,6 +5,7 @@ fetched the demo says so in one line and runs on the embedded model."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -13,17 +14,21 @@ from amphista_jax import demo
 from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.cli import main
 from amphista_jax.errors import UsageError
-from amphista_jax.fetch import IndexUnreachableError, default_model
+from amphista_jax.fetch import MARKER, REGISTRY, IndexUnreachableError, default_model
 
 UNTRAINABLE = ["prompt_lookup"]
 
 
 @pytest.fixture
 def fetched(tmp_path, monkeypatch):
-    """A directory standing in for the fetched real target (the embedded model's files: a chat template, fast)."""
+    """A directory standing in for the fetched real target (the embedded model's files: a chat template, fast), marked
+    as a complete fetch of it the way `fetch` marks one, outside AMPHISTA_HOME (shipped heads follow the fetch's
+    marker, not where it lies)."""
     path = tmp_path / "models" / "smollm2"
     shutil.copytree(default_model_dir(), path)
-    monkeypatch.setattr(demo, "fetched_dir", lambda name: path if name == "smollm2" else None)
+    entry = REGISTRY["smollm2"]
+    (path / MARKER).write_text(json.dumps({"package": entry.package, "version": entry.version, "sha256": entry.sha256}))
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "elsewhere"))
     return path
 
 
@@ -57,7 +62,7 @@ def test_prompt_and_method_follow_the_target(fetched):
     assert demo.demo_heads(fetched, None, None, UNTRAINABLE) == "prompt_lookup"
     assert demo.demo_heads(fetched, "medusa", None, UNTRAINABLE) == str(shipped_heads_dir("medusa", "smollm2"))
     assert demo.demo_heads(embedded, None, None, UNTRAINABLE) == str(shipped_heads_dir("hydra"))
-    with pytest.raises(UsageError, match="no hydra heads are shipped .*shipped: eagle, medusa.*--heads DIR"):
+    with pytest.raises(UsageError, match="no hydra heads are shipped .*shipped: eagle, eagle3, medusa.*--heads DIR"):
         demo.demo_heads(fetched, "hydra", None, UNTRAINABLE)
 
 

@@ -76,15 +76,16 @@ def test_greedy_tokens_match_transformers_generate(smollm2):
         assert n == NEW_TOKENS  # both prompts ask for more than 64 tokens, so no EOS cuts the comparison short
 
 
-@pytest.mark.parametrize("tree", ["small-8", "mc_sim_7b_63"])  # a small tree, the papers' tree
-def test_shipped_heads_decode_the_real_target_losslessly(smollm2, tree):
-    """The Medusa heads shipped for SmolLM2 (a 4096-token draft vocabulary, the target's shared lm_head), batch 3 of
-    ragged chat prompts: the same tokens as autoregressive greedy decoding, with drafts accepted."""
+@pytest.mark.parametrize(("method", "tree"), [("medusa", "small-8"), ("medusa", "mc_sim_7b_63"), ("eagle3", "auto")])
+def test_shipped_heads_decode_the_real_target_losslessly(smollm2, method, tree):
+    """Heads shipped for SmolLM2 (Medusa: a 4096-token draft vocabulary, the target's shared lm_head, on a small tree
+    and the papers' tree; EAGLE-3 on the tree searched for it on CPU), batch 3 of ragged chat prompts: the same tokens
+    as autoregressive greedy decoding, with drafts accepted."""
     from amphista_jax import Generator
     from amphista_jax.assets import shipped_heads_dir
 
     path, _, prompts = smollm2
-    gen = Generator.load(path, shipped_heads_dir("medusa", "smollm2"), tree)
+    gen = Generator.load(path, shipped_heads_dir(method, "smollm2"), tree)
     batch = prompts + [prompts[0][:9]]
     out = gen.generate(batch, max_new_tokens=24)
     assert out.token_ids == gen.autoregressive().generate(batch, max_new_tokens=24).token_ids
@@ -93,9 +94,11 @@ def test_shipped_heads_decode_the_real_target_losslessly(smollm2, tree):
 
 def test_eagle3_features_are_transformers_hidden_states_and_decode_losslessly(smollm2):
     """EAGLE-3's captured features on the real target are the inputs of layers 2, 15 and 27 of its 30, exactly
-    `transformers`' `hidden_states[i]` (an independent forward); EAGLE-3 heads (untrained: a pipeline check, not a
-    speed claim) decode a ragged batch of 3 on EAGLE-2's dynamic tree with the same tokens as AR greedy decoding."""
+    `transformers`' `hidden_states[i]` (an independent forward); the EAGLE-3 heads shipped for it (`Generator.load`
+    resolves the method name to them) decode a ragged batch of 3 on EAGLE-2's dynamic tree with the same tokens as AR
+    greedy decoding, with drafts accepted."""
     from amphista_jax import Generator
+    from amphista_jax.assets import shipped_heads_dir
     from amphista_jax.drafters import Eagle3
 
     path, model, prompts = smollm2
@@ -111,9 +114,11 @@ def test_eagle3_features_are_transformers_hidden_states_and_decode_losslessly(sm
     got = np.asarray(out.captured[0])
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
     gen = Generator.load(path, "eagle3", "dynamic-8x3x3")
+    assert gen.heads_dir == str(shipped_heads_dir("eagle3", "smollm2"))
     batch = prompts + [prompts[0][:9]]
-    assert gen.generate(batch, max_new_tokens=24).token_ids == gen.autoregressive().generate(
-        batch, max_new_tokens=24).token_ids
+    out = gen.generate(batch, max_new_tokens=24)
+    assert out.token_ids == gen.autoregressive().generate(batch, max_new_tokens=24).token_ids
+    assert max(out.tau) > 1.0
 
 
 @pytest.mark.slow
