@@ -2,7 +2,8 @@
 
 A spec is `[label=]source[@tree][#key=value,...]`:
 
-* `ar`: the autoregressive baseline (always run, and first).
+* `ar`: the autoregressive baseline (always run, and first); a second, labelled `ar` spec (`ar-end=ar` last) times AR
+  again at that point of the run: its speed-up against the first is the run's timing noise.
 * a draft-head checkpoint directory (`amphista-jax train` writes `<out_dir>/heads`): any registered method.
 * `<method>:untrained`: that method's freshly initialised heads (engine overhead; tau near 1).
 * `<method>` alone for a method with nothing to train (`prompt_lookup`): the method itself.
@@ -221,12 +222,14 @@ def load_methods(methods: list[Method], target: Target, seed: int = 0) -> list[M
 
 def resolve_methods(specs: tuple[str, ...], default_tree: str, target: Target | None = None, seed: int = 0,
                     temperature: float = 0.0, batch: int = 1) -> list[Method]:
-    """The AR baseline first (added when missing), then each spec in order, for a run at `temperature`; labels
-    must be unique. Without `target` the heads are checked but not loaded (see `load_methods`)."""
-    ar_specs = [s for s in specs if split_label(s)[1] == AR]
-    specs = tuple(s for s in specs if split_label(s)[1] != AR)
-    methods = [resolve_method(ar_specs[0] if ar_specs else AR, default_tree, None, seed)]
-    methods += [resolve_method(s, default_tree, None, seed, temperature, batch) for s in specs]
+    """The AR baseline first (the first `ar` spec, added when missing), then each other spec in order, for a run at
+    `temperature`; labels must be unique. A later `ar` spec stays where it is: AR timed again at that point of the run,
+    whose speed-up against the first is the run's timing noise. Without `target` the heads are checked but not loaded
+    (see `load_methods`)."""
+    first = next((k for k, s in enumerate(specs) if split_label(s)[1] == AR), None)
+    rest = [s for k, s in enumerate(specs) if k != first]
+    methods = [resolve_method(AR if first is None else specs[first], default_tree, None, seed)]
+    methods += [resolve_method(s, default_tree, None, seed, temperature, batch) for s in rest]
     labels = [m.label for m in methods]
     if dupes := sorted({x for x in labels if labels.count(x) > 1}):
         raise MethodSpecError(f"method labels {dupes} are used twice: name them, e.g. `medusa-a=runs/a/heads`")

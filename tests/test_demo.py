@@ -14,7 +14,7 @@ from amphista_jax import demo
 from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.cli import main
 from amphista_jax.errors import UsageError
-from amphista_jax.fetch import MARKER, REGISTRY, IndexUnreachableError, default_model
+from amphista_jax.fetch import MARKER, REGISTRY, IndexUnreachableError, _marker, default_model
 
 UNTRAINABLE = ["prompt_lookup"]
 
@@ -26,8 +26,7 @@ def fetched(tmp_path, monkeypatch):
     marker, not where it lies)."""
     path = tmp_path / "models" / "smollm2"
     shutil.copytree(default_model_dir(), path)
-    entry = REGISTRY["smollm2"]
-    (path / MARKER).write_text(json.dumps({"package": entry.package, "version": entry.version, "sha256": entry.sha256}))
+    (path / MARKER).write_text(json.dumps(_marker(REGISTRY["smollm2"])))
     monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "elsewhere"))
     return path
 

@@ -196,6 +196,11 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
                                                     trees.items()), "x"]  # AR first
     assert [m.tree_name for m in methods] == ["-", *(t or "small-8" for t in trees.values()), "chain-4"]
     assert resolve_methods(("medusa:untrained",), "small-8", target)[0].label == "ar"  # AR is always run
+    # the first `ar` spec runs first; a later one stays in place: AR timed again there (the run's timing noise)
+    again = resolve_methods(("medusa:untrained", "ar", "ar-end=ar"), "small-8", target)
+    assert [(m.label, m.method) for m in again] == [("ar", "ar"), ("medusa-untrained", "medusa"), ("ar-end", "ar")]
+    with pytest.raises(MethodSpecError, match=r"\['ar'\] are used twice"):
+        resolve_methods(("ar", "ar"), "small-8", target)
     with pytest.raises(MethodSpecError, match="unknown method 'medusae'"):
         resolve_methods(("medusae:untrained",), "small-8", target)
     with pytest.raises(MethodSpecError, match="neither `ar`"):
