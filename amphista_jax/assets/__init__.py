@@ -33,7 +33,7 @@ def shipped_target(model_dir: str | Path) -> str | None:
     from amphista_jax.fetch import fetched_as
 
     here = Path(model_dir).resolve()
-    if here == (Path(__file__).parent / DEFAULT_MODEL).resolve():
+    if here == default_model_dir().resolve():
         return DEFAULT_MODEL
     return REAL_TARGET if fetched_as(here) == REAL_TARGET else None
 
