@@ -23,9 +23,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, shipped_heads, shipped_heads_dir, shipped_target
+from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, shipped_heads, shipped_heads_dir
 from amphista_jax.errors import UsageError
-from amphista_jax.fetch import EMBEDDED, FetchError, default_model, resolve_model
+from amphista_jax.fetch import EMBEDDED, FetchError, default_model, resolve_model, shipped_target
 from amphista_jax.generator import Generator, print_notes
 from amphista_jax.tokenizer import colour_drafts, load_tokenizer
 

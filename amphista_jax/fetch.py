@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, default_model_dir
 from amphista_jax.errors import UsageError, UserError, check_writable_dir
 from amphista_jax.output_lock import file_lock
 
@@ -117,6 +118,15 @@ def fetched_as(directory: str | Path) -> str | None:
     except (OSError, ValueError):
         return None
     return next((name for name, entry in REGISTRY.items() if marker == _marker(entry)), None)
+
+
+def shipped_target(model_dir: str | Path) -> str | None:
+    """The name heads are shipped under for `model_dir`: the embedded model, or a complete fetch of the real target
+    wherever it lies; else None."""
+    here = Path(model_dir).resolve()
+    if here == default_model_dir().resolve():
+        return DEFAULT_MODEL
+    return REAL_TARGET if fetched_as(here) == REAL_TARGET else None
 
 
 def fetched_dir(name: str) -> Path | None:
@@ -242,8 +252,6 @@ def resolve_model(name_or_path: str | None) -> str:
     """A target's directory: the embedded model for None, "" or `tiny`; a registry model name (`smollm2`) -> its
     fetched directory (fetched on first use); a path -> itself."""
     if not name_or_path or name_or_path == EMBEDDED:
-        from amphista_jax.assets import default_model_dir
-
         return str(default_model_dir())
     return str(fetch(name_or_path)) if name_or_path in MODELS else name_or_path
 

@@ -42,7 +42,7 @@ from amphista_jax.decode import (
 )
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.errors import UserError
-from amphista_jax.fetch import resolve_model
+from amphista_jax.fetch import resolve_model, shipped_target
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.prompt_checks import check_draft_params, check_prompts
 from amphista_jax.sampling import SamplingConfig
@@ -367,7 +367,7 @@ class Generator:
 
 def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None, Drafter | None, list[str]]:
     """(heads directory, untrained drafter, notes) of `Generator.load`'s `heads`."""
-    from amphista_jax.assets import shipped_heads, shipped_heads_dir, shipped_target
+    from amphista_jax.assets import shipped_heads, shipped_heads_dir
 
     if heads is None:
         return None, None, []

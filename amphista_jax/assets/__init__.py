@@ -27,17 +27,6 @@ def draft_model_dir() -> Path:
     return path
 
 
-def shipped_target(model_dir: str | Path) -> str | None:
-    """The name heads are shipped under for `model_dir`: the embedded model, or a complete fetch of the real target
-    wherever it lies; else None."""
-    from amphista_jax.fetch import fetched_as
-
-    here = Path(model_dir).resolve()
-    if here == default_model_dir().resolve():
-        return DEFAULT_MODEL
-    return REAL_TARGET if fetched_as(here) == REAL_TARGET else None
-
-
 def _heads_root(target: str) -> Path:
     return Path(__file__).parent / f"{target}-heads"
 
