@@ -17,6 +17,19 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def timing_noise(summary: dict[str, Any]) -> str | None:
+    """What AR timed again in the run (a later `ar` spec, e.g. `ar-end=ar`) read against the first AR: the run's
+    timing noise, within which no speed-up tells a method from AR; None when AR was timed once."""
+    again = {m["label"]: summary["metrics"][m["label"]]["overall"]["speedup"] for m in summary["methods"]
+             if m["method"] == "ar" and m["label"] != "ar"}
+    if not again:
+        return None
+    spread = max(abs(s - 1.0) for s in again.values())
+    reads = ", ".join(f"`{label}` {s:.2f}x" for label, s in again.items())
+    return (f"Timing noise: AR timed again in this run read {reads}; a speed-up within {spread:.0%} of 1.00x "
+            "does not tell a method from AR here.")
+
+
 def markdown(summary: dict[str, Any]) -> str:
     cfg = summary["config"]
     ds = cfg["dataset"]
@@ -39,6 +52,8 @@ def markdown(summary: dict[str, Any]) -> str:
             name = f"**{cat}**" if cat == "overall" else cat
             lines.append(f"| {label} | {trees[label]} | {name} | {r['prompts']} | {_fmt(r['tau'], '.2f')} | "
                          f"{_fmt(r['tokens_per_s'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')} |")
+    if (noise := timing_noise(summary)) is not None:
+        lines += ["", noise]
     lossless = summary["lossless"]
     lines += ["", "## Lossless check (token ids vs AR)", ""]
     if not lossless["checked"]:
