@@ -12,13 +12,19 @@ from amphista_jax.evals.benchmarks import batch_speedup
 from amphista_jax.evals.benchmarks.batch_speedup import BatchSpeedupError, measured_curves, off_from, predicted_curves
 
 
-def _eval_run(root, batch: int, speedups: dict[str, float], temperature: float = 0.0):
+def _eval_run(root, batch: int, speedups: dict[str, float], temperature: float = 0.0,
+              trees: dict[str, tuple[str, str, int]] | None = None):
+    """An evaluation run's summary at `batch`; `trees`: label -> (method, tree name, tree nodes with the root), for
+    labels other than a method on small-8."""
     run = root / f"b{batch}-t{temperature}"
     run.mkdir(parents=True)
     metrics = {"ar": {"overall": {"speedup": 1.0, "tau": 1.0}}} | {
         label: {"overall": {"speedup": s, "tau": 1.5}} for label, s in speedups.items()}
+    methods = [{"label": "ar", "method": "ar", "tree": "-", "tree_nodes": 0}] + [
+        dict(zip(("method", "tree", "tree_nodes"), (trees or {}).get(label, ("medusa", "small-8", 9)), strict=True),
+             label=label) for label in speedups]
     (run / "summary.json").write_text(json.dumps({
-        "model": "smollm2", "backend": "cpu", "metrics": metrics,
+        "model": "smollm2", "backend": "cpu", "metrics": metrics, "methods": methods,
         "config": {"batch_size": batch, "temperature": temperature, "max_new_tokens": 64}}))
     return run
 
@@ -36,9 +42,10 @@ def test_curves_and_where_speculation_switches_off(tmp_path):
     runs = [_eval_run(tmp_path, 1, {"eagle": 1.2, "lookup": 1.1}),
             _eval_run(tmp_path, 4, {"eagle": 0.9, "lookup": 1.05}),
             _eval_run(tmp_path, 16, {"eagle": 1.1, "lookup": 1.01})]
-    speedup, tau, settings = measured_curves(runs)
+    measured = measured_curves(runs)
+    speedup = measured.speedup
     assert speedup == {"eagle": {1: 1.2, 4: 0.9, 16: 1.1}, "lookup": {1: 1.1, 4: 1.05, 16: 1.01}}
-    assert tau["eagle"][4] == 1.5 and settings["model"] == "smollm2"
+    assert measured.tau["eagle"][4] == 1.5 and measured.settings["model"] == "smollm2"
     assert off_from(speedup["eagle"]) == 4 and off_from(speedup["lookup"]) is None  # the first batch it loses at
     predicted = predicted_curves([_roofline(tmp_path / "r.json", {1: 2.5, 16: 1.4, 64: 0.8})], "H100-SXM", 3.0)
     assert predicted == {"vicuna-7b eagle3@chain-3": {1: 2.5, 16: 1.4, 64: 0.8}}  # the smallest context only
@@ -69,6 +76,23 @@ def test_main_writes_the_table_json_and_plot(tmp_path, monkeypatch):
     assert "| eagle | 1.20x (1.50) | 0.90x (1.50) | 4 |" in table
     assert "| vicuna-7b eagle3@chain-3 | 2.50x | 0.80x | 64 |" in table
     assert (out / "batch_speedup.png").stat().st_size > 0
+
+
+def test_auto_picks_and_ar_timed_again(tmp_path, monkeypatch):
+    """`auto` shows the tree tree search picked at each batch size (AR where none); AR timed again is the runs' noise:
+    shown, never "off"."""
+    auto = {1: ("eagle3", "auto", 5), 4: ("eagle3", "auto: none at batch 4", 0)}
+    runs = [_eval_run(tmp_path, b, {"e3-auto": s, "ar-end": n}, trees={"e3-auto": auto[b], "ar-end": ("ar", "-", 0)})
+            for b, s, n in ((1, 1.07, 1.02), (4, 0.99, 0.97))]
+    measured = measured_curves(runs)
+    assert measured.picks == {"e3-auto": {1: "4 nodes", 4: "AR"}} and measured.noise == ("ar-end",)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["batch_speedup", "--measured", *map(str, runs), "--out", str(out)])
+    batch_speedup.main()
+    table = (out / "batch_speedup.md").read_text()
+    assert "| e3-auto | 1.07x (1.50, 4 nodes) | 0.99x (1.50, AR) | 4 |" in table
+    assert "| ar-end (AR timed again: the noise) | 1.02x (1.50) | 0.97x (1.50) | n/a |" in table
+    assert json.loads((out / "batch_speedup.json").read_text())["measured"]["off_from"] == {"e3-auto": 4}
 
 
 def test_speed_ups_from_measured_steps(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ Writes batch_speedup.json, .md and .png to `--out`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,24 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
                                 "wrote, or the JSON roofline.py wrote") from None
 
 
-def measured_curves(run_dirs: list[Path]) -> tuple[Curves, Curves, dict[str, Any]]:
-    """({label: {batch: speed-up}}, {label: {batch: tau}}, the runs' shared settings) from evaluation runs, one
-    batch size each; refuses runs on different targets, temperatures or token budgets, or two runs at one batch."""
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What evaluation runs (one batch size each) measured, per method label and batch size."""
+
+    speedup: Curves
+    tau: Curves
+    picks: dict[str, dict[int, str]]  # `auto` methods: the tree tree search picked there ("AR": none)
+    noise: tuple[str, ...]  # labels of AR timed again (a later `ar` spec): the runs' timing noise, not a method
+    settings: dict[str, Any]
+
+
+def measured_curves(run_dirs: list[Path]) -> Measured:
+    """The curves of evaluation runs, one batch size each; refuses runs on different targets, temperatures or
+    token budgets, or two runs at one batch."""
     speedup: Curves = {}
     tau: Curves = {}
+    picks: dict[str, dict[int, str]] = {}
+    noise: list[str] = []
     shared: dict[str, Any] | None = None
     for run in run_dirs:
         summary = _read_json(run / "summary.json", "evaluation summary")
@@ -62,12 +76,19 @@ def measured_curves(run_dirs: list[Path]) -> tuple[Curves, Curves, dict[str, Any
         shared = settings
         if any(batch in curve for curve in speedup.values()):
             raise BatchSpeedupError(f"{run}: a second run at batch size {batch}: pass one run per batch size")
-        for label, metrics in summary["metrics"].items():
+        for method in summary["methods"]:
+            label = method["label"]
             if label == "ar":
                 continue
-            speedup.setdefault(label, {})[batch] = metrics["overall"]["speedup"]
-            tau.setdefault(label, {})[batch] = metrics["overall"]["tau"]
-    return speedup, tau, shared or {}
+            if method["method"] == "ar" and label not in noise:
+                noise.append(label)
+            if method["tree"].startswith("auto"):
+                nodes = method["tree_nodes"] - 1  # the root is the last committed token, not a draft
+                picks.setdefault(label, {})[batch] = f"{nodes} nodes" if nodes > 0 else "AR"
+            overall = summary["metrics"][label]["overall"]
+            speedup.setdefault(label, {})[batch] = overall["speedup"]
+            tau.setdefault(label, {})[batch] = overall["tau"]
+    return Measured(speedup, tau, picks, tuple(noise), shared or {})
 
 
 def predicted_curves(roofline_files: list[Path], accelerator: str, tau: float) -> Curves:
@@ -110,16 +131,26 @@ def off_from(curve: dict[int, float]) -> int | None:
     return min((b for b, s in curve.items() if s < 1.0), default=None)
 
 
-def table(curves: Curves, taus: Curves | None = None) -> list[str]:
-    """Markdown rows: one series per row, one batch size per column (`speed-up (tau)` when taus are given)."""
+def _cell(speedup: float | None, notes: list[str]) -> str:
+    if speedup is None:
+        return "-"
+    return f"{speedup:.2f}x" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def table(curves: Curves, taus: Curves | None = None, picks: dict[str, dict[int, str]] | None = None,
+          noise: tuple[str, ...] = ()) -> list[str]:
+    """Markdown rows: one series per row, one batch size per column (`speed-up (tau)` when taus are given, with
+    the tree `auto` picked where `picks` has one); `noise` rows (AR timed again) have no "off from"."""
     batches = sorted({b for curve in curves.values() for b in curve})
+    picks = picks or {}
     lines = ["| method | " + " | ".join(f"batch {b}" for b in batches) + " | off from batch |",
              "|---|" + "---|" * len(batches) + "---|"]
     for label, curve in curves.items():
-        cells = [("-" if b not in curve else f"{curve[b]:.2f}x" + (f" ({taus[label][b]:.2f})" if taus else ""))
-                 for b in batches]
-        off = off_from(curve)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'-' if off is None else off} |")
+        cells = [_cell(curve.get(b), ([f"{taus[label][b]:.2f}"] if taus and b in curve else [])
+                       + ([picks[label][b]] if b in picks.get(label, {}) else [])) for b in batches]
+        off = "n/a" if label in noise else (off_from(curve) or "-")
+        name = f"{label} (AR timed again: the noise)" if label in noise else label
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {off} |")
     return lines
 
 
@@ -155,15 +186,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"))
     args = parser.parse_args()
     try:
-        speedup, taus, settings = measured_curves(args.measured)
+        measured = measured_curves(args.measured)
         predicted = predicted_curves(args.predicted, args.accelerator, args.tau)
         stepped, devices = step_curves(args.steps, args.tau)
     except BatchSpeedupError as e:
         raise SystemExit(f"error: {e}") from None
+    speedup, settings = measured.speedup, measured.settings
     machine = f"{Path(settings['model']).name} on {settings['backend']}, T={settings['temperature']:g}"
-    lines = [f"**Measured** speed-up over AR (tau in brackets) against batch size: {machine}, "
-             f"{settings['max_new_tokens']} new tokens; each column is one evaluation run ("
-             + ", ".join(str(p) for p in args.measured) + ").", "", *table(speedup, taus)]
+    lines = [f"**Measured** speed-up over AR against batch size: {machine}, {settings['max_new_tokens']} new "
+             "tokens; each column is one evaluation run (" + ", ".join(str(p) for p in args.measured) + "). In "
+             "brackets: tau and, for `auto`, the tree tree search picked at that batch size (AR: none, no "
+             "speculation).", "", *table(speedup, measured.tau, measured.picks, measured.noise)]
     if predicted:
         lines += ["", f"**Predicted** (roofline, not measured) speed-up over AR at tau {args.tau:g} on "
                   f"{args.accelerator} against batch size (" + ", ".join(str(p) for p in args.predicted) + ").",
@@ -178,7 +211,9 @@ def main() -> None:
     lines += ["", f"![speed-up against batch size]({png.name})"]
     write_report(args.out, "batch_speedup", {
         "measured": {"settings": settings, "runs": [str(p) for p in args.measured],
-                     "speedup": speedup, "tau": taus, "off_from": {k: off_from(v) for k, v in speedup.items()}},
+                     "speedup": speedup, "tau": measured.tau, "auto_picks": measured.picks,
+                     "ar_timed_again": measured.noise,
+                     "off_from": {k: off_from(v) for k, v in speedup.items() if k not in measured.noise}},
         "predicted": {"accelerator": args.accelerator, "tau": args.tau, "runs": [str(p) for p in args.predicted],
                       "speedup": predicted, "off_from": {k: off_from(v) for k, v in predicted.items()}},
         "from_steps": {"devices": devices, "tau": args.tau, "runs": [str(p) for p in args.steps],
