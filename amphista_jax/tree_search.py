@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from amphista_jax.compiled_programs import release_if_crowded
 from amphista_jax.decode import pad_prompts, scratch_slots
 from amphista_jax.errors import UserError
 from amphista_jax.figures import pyplot, save_figure
@@ -177,6 +178,7 @@ class StepClock:
         steps = []
         for tree in trees:
             steps.append(self.step_seconds(gen.with_tree(tree), prefill))
+            release_if_crowded()  # a program per tree and batch size: past the memory-mapping limit otherwise
             if progress:
                 progress(1)
         return steps

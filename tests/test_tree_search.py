@@ -152,12 +152,16 @@ def test_generator_and_eval_follow_the_policy_by_batch(tmp_path):
     assert at_two.drafter is None and at_two.label == "m" and "none at batch 2" in at_two.tree_name
 
 
-def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path):
-    """EAGLE drafts to any depth: the search calibrates to `depth`, grows and times static trees no deeper, and
-    `auto` then decodes on the searched tree with AR's tokens. Heads of a fixed depth refuse a deeper search."""
-    from amphista_jax import Generator
+def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path, monkeypatch):
+    """EAGLE drafts to any depth: the search calibrates to `depth`, grows and times static trees no deeper (offering
+    to release compiled programs after each, against the memory-mapping limit), and `auto` then decodes on the
+    searched tree with AR's tokens. Heads of a fixed depth refuse a deeper search."""
+    from amphista_jax import Generator, tree_search
     from amphista_jax.demo import humaneval_prompts
     from amphista_jax.tree_search import TreeSearchError, search
+
+    releases = []
+    monkeypatch.setattr(tree_search, "release_if_crowded", lambda: releases.append(1) or False)
 
     heads = tmp_path / "eagle"
     shutil.copytree(shipped_heads_dir("eagle"), heads)
@@ -168,6 +172,7 @@ def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path):
     assert picked.depth <= 2 and 1 <= len(picked.choices) <= 4 and policy.by_batch[0][0] == 1
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert np.asarray(report["rates"]).shape == (2, 2) and report["calibration_tree_nodes"] == 4
+    assert len(releases) == len(report["trees"]) >= 2  # one offer per tree timed
     gen = Generator.load(heads=heads)
     at_one = gen.for_batch(1).tree  # the searched tree, or AR where none was predicted to win (timings decide)
     assert (at_one is None) == (policy.at(1) is None) and (at_one is None or set(at_one.choices) == set(picked.choices))
