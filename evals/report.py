@@ -17,11 +17,16 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def ar_timed_again(methods: list[dict[str, Any]]) -> list[str]:
+    """Labels of AR timed again in a run (a later `ar` spec, e.g. `ar-end=ar`): the run's timing noise, not a
+    method."""
+    return [m["label"] for m in methods if m["method"] == "ar" and m["label"] != "ar"]
+
+
 def timing_noise(summary: dict[str, Any]) -> str | None:
     """What AR timed again in the run (a later `ar` spec, e.g. `ar-end=ar`) read against the first AR: the run's
     timing noise, within which no speed-up tells a method from AR; None when AR was timed once."""
-    again = {m["label"]: summary["metrics"][m["label"]]["overall"]["speedup"] for m in summary["methods"]
-             if m["method"] == "ar" and m["label"] != "ar"}
+    again = {label: summary["metrics"][label]["overall"]["speedup"] for label in ar_timed_again(summary["methods"])}
     if not again:
         return None
     spread = max(abs(s - 1.0) for s in again.values())

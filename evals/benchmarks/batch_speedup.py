@@ -28,6 +28,7 @@ from typing import Any
 from amphista_jax.errors import UserError
 from amphista_jax.evals.benchmarks.common import write_report
 from amphista_jax.evals.benchmarks.roofline import run_label
+from amphista_jax.evals.report import ar_timed_again
 from amphista_jax.figures import pyplot, save_figure
 
 Curves = dict[str, dict[int, float]]  # series label -> {batch size: speed-up}
@@ -76,11 +77,12 @@ def measured_curves(run_dirs: list[Path]) -> Measured:
         shared = settings
         if any(batch in curve for curve in speedup.values()):
             raise BatchSpeedupError(f"{run}: a second run at batch size {batch}: pass one run per batch size")
+        again = ar_timed_again(summary["methods"])
         for method in summary["methods"]:
             label = method["label"]
             if label == "ar":
                 continue
-            if method["method"] == "ar" and label not in noise:
+            if label in again and label not in noise:
                 noise.append(label)
             if method["tree"].startswith("auto"):
                 nodes = method["tree_nodes"] - 1  # the root is the last committed token, not a draft
