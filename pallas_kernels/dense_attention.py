@@ -40,26 +40,37 @@ def apply_window(visible: jax.Array, distance: jax.Array, window: jax.Array | in
     return visible & ((window == 0) | (distance < window))
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                          diagonal: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query attention, fp32 scores and softmax.
 
     q: [B, T, Hq, Dh]; k, v: [B, S, Hkv, Dh]; visible: [B, T, S] bool -> [B, T, Hq, Dh]. Slots no query sees
     are zeroed first, so garbage (even NaN) in unused cache slots cannot reach the output; a query that sees
     nothing gets zeros.
+
+    `diagonal` (keys, values `[B, T, J, Hkv, Dh]`): J more keys per query that query `t` alone sees, in the
+    same softmax: scored as `T x J` instead of the `T x T J` a mask over all of them would score.
     """
     b, t, hq, dh = q.shape
-    hkv = k.shape[2]
+    s, hkv = k.shape[1:3]
     used = jnp.any(visible, axis=1)[:, :, None, None]  # [B, S, 1, 1]
     k = jnp.where(used, k, jnp.zeros((), k.dtype))
     v = jnp.where(used, v, jnp.zeros((), v.dtype))
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(
-        jnp.float32(dh))
+    scale = jnp.sqrt(jnp.float32(dh))
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k, preferred_element_type=jnp.float32) / scale
     mask = visible[:, None, None]  # [B, 1, 1, T, S]
+    if diagonal is not None:
+        own = jnp.einsum("BTKGD,BTJKD->BKGTJ", qg, diagonal[0], preferred_element_type=jnp.float32) / scale
+        scores = jnp.concatenate([scores, own], -1)  # [B, K, G, T, S + J]
+        mask = jnp.concatenate([mask, jnp.ones(mask.shape[:-1] + own.shape[-1:], bool)], -1)
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs[..., :s].astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if diagonal is not None:
+        out = out + jnp.einsum("BKGTJ,BTJKD->BTKGD", probs[..., s:].astype(v.dtype), diagonal[1],
+                               preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, dh).astype(q.dtype)

@@ -10,7 +10,7 @@ import pytest
 from amphista_jax.cache import compact
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
-from pallas_kernels.dense_attention import apply_window, key_visibility
+from pallas_kernels.dense_attention import apply_window, dot_product_attention, key_visibility
 
 
 def _positions(b: int, start: int, t: int) -> jax.Array:
@@ -48,6 +48,26 @@ def test_key_visibility_literal():
     np.testing.assert_array_equal(np.asarray(distance[0, :, :2]), [[1, 0], [2, 1], [2, 1]])
     window_2 = apply_window(visible, distance, 2)[0]  # keys less than 2 positions back
     np.testing.assert_array_equal(np.asarray(window_2[1]), [0, 1, 1, 0, 0, 0])
+
+
+@pytest.mark.parametrize("per_query", [0, 3])
+def test_diagonal_keys_equal_a_mask_over_them(per_query: int):
+    """Keys each query alone sees (`diagonal`, training-time test's path) give what the dense path gives with
+    them laid out as `T * J` more keys under a mask that shows query t its own J; a query that sees no shared
+    key still attends to its own."""
+    b, t, s, hq, hkv, dh = 2, 5, 7, 4, 2, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+               enumerate([(b, t, hq, dh), (b, s, hkv, dh), (b, s, hkv, dh)]))
+    dk, dv = (jax.random.normal(jax.random.key(3 + i), (b, t, per_query, hkv, dh)) for i in range(2))
+    visible = jax.random.bernoulli(jax.random.key(5), 0.5, (b, t, s)).at[0, 1].set(False)
+    own = jnp.broadcast_to(jnp.repeat(jnp.eye(t, dtype=bool), per_query, axis=1), (b, t, t * per_query))
+    dense = dot_product_attention(q, jnp.concatenate([k, dk.reshape(b, t * per_query, hkv, dh)], 1),
+                                  jnp.concatenate([v, dv.reshape(b, t * per_query, hkv, dh)], 1),
+                                  jnp.concatenate([visible, own], -1))
+    diagonal = dot_product_attention(q, k, v, visible, (dk, dv))
+    np.testing.assert_allclose(np.asarray(diagonal), np.asarray(dense), atol=1e-5)
+    if per_query == 0:  # the row that sees nothing gets zeros either way
+        np.testing.assert_array_equal(np.asarray(diagonal[0, 1]), 0.0)
 
 
 def test_compact_moves_accepted_tree_path():

@@ -14,16 +14,17 @@ holds the input `(E(x_{p+1}), fc(captured_p))` of a committed position; a drafte
 its parent's draft-layer output (not `fc` of anything): the feature is the layer's own output from depth 2 on.
 Decoding is EAGLE's (`eagle.FeatureDrafting`, static trees or EAGLE-2's dynamic one).
 
-Training-time test (the reference's `traineagle3/cnets.py`, `length = 7`): the layer is unrolled `ttt_steps`
-times over the whole sequence. Step 0 is teacher-forced: position t reads `(E(x_{t+1}), fc(captured_t))` at
-position t under a causal mask and drafts x_{t+2}. Step j > 0 reads `(E(x_{t+1+j}), its own step j - 1 output at
-t)` at position t + j, and attends to step 0's keys at positions <= t and to steps 1..j's keys at t alone: the
-ancestors a depth-(j + 1) node has at decode, so that the step-j drafts of training are the drafts decoding makes
-from the same inputs. It drafts x_{t+2+j}. Loss: `sum_j step_decay**j * CE(draft_j, softmax(target logits
-restricted to the draft vocabulary))`, the reference's 0.8 per step, with no feature regression. Each step's
-term is a mean over its trained positions (the reference divides by every position); step j's metrics are
-`head{j}/...` (top-1 against the data's token t + 2 + j, the same place Medusa's head j drafts).
-"""
+Training-time test (the reference's `traineagle3/cnets.py`, `length = 7`): the layer is unrolled `ttt_steps` times
+over the whole sequence. Step 0 is teacher-forced: position t reads `(E(x_{t+1}), fc(captured_t))` at position t
+under a causal mask and drafts x_{t+2}. Step j > 0 reads `(E(x_{t+1+j}), its own step j - 1 output at t)` at
+position t + j, and attends to step 0's keys at positions <= t and to steps 1..j's keys at t alone: the ancestors a
+depth-(j + 1) node has at decode, so that the step-j drafts of training are the drafts decoding makes from the same
+inputs. It drafts x_{t+2+j}. Steps 1..j's keys are scored per query (`PrefixKV.diagonal_k`), so step j scores `T x
+(T + j)` rather than `T x (j + 1) T`: the unrolled attention grows as `k T^2`, not `k^2 T^2`. Loss: `sum_j
+step_decay**j * CE(draft_j, softmax(target logits restricted to the draft vocabulary))`, the reference's 0.8 per
+step, with no feature regression. Each step's term is a mean over its trained positions (the reference divides by
+every position); step j's metrics are `head{j}/...` (top-1 against the data's token t + 2 + j, the same place
+Medusa's head j drafts). """
 
 from __future__ import annotations
 
@@ -162,19 +163,19 @@ class Eagle3(LogicalInit):
         net = self._net(c)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         feature = net.apply({"params": params}, captured.astype(jnp.float32), method=_Eagle3Net.fuse)
-        eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
         keys: list[jax.Array] = []  # per step [1, B, T, KVH, Dh], rotated at that step's positions
         values: list[jax.Array] = []
         logits = []
         for j in range(self.ttt_steps):
             x = jnp.concatenate([target.embed(jnp.roll(tokens, -1 - j, axis=1)), feature], -1)
             prefix = None
-            if j:  # step 0's keys causally, steps 1..j-1's at the query's own position only
-                sees = jnp.concatenate([causal_mask(b, t)] + [eye] * (j - 1), -1)  # [B, T, j T]
-                prefix = PrefixKV(jnp.concatenate(keys, 2), jnp.concatenate(values, 2), sees)
+            if j:  # step 0's keys causally; steps 1..j-1's and its own at the query's position only
+                prefix = PrefixKV(keys[0], values[0], causal_mask(b, t),  # [1, B, T, j - 1, KVH, Dh] x 2:
+                                  jnp.stack(keys, 3)[:, :, :, 1:], jnp.stack(values, 3)[:, :, :, 1:])
             scratch = KVCache.zeros(1, b, t, c.num_kv_heads, c.head_dim)  # lengths 0: holds this step's keys only
-            feature, written = net.apply({"params": params}, x, positions + j, scratch,
-                                         causal_mask(b, t) if j == 0 else eye, prefix, method=_Eagle3Net.layer)
+            # (step j > 0 sees its own key alone, by the diagonal prefix: the causal mask is read at step 0 only)
+            feature, written = net.apply({"params": params}, x, positions + j, scratch, causal_mask(b, t), prefix,
+                                         method=_Eagle3Net.layer)
             keys.append(written.k)
             values.append(written.v)
             logits.append(net.apply({"params": params}, feature, method=_Eagle3Net.logits))

@@ -42,11 +42,17 @@ Dtype = Any
 @struct.dataclass
 class PrefixKV:
     """Per-layer keys/values that some of a forward's queries see besides the cache and the new tokens (a
-    deep prompt): no positions are applied to them and they are never written to the cache."""
+    deep prompt): no positions are applied to them and they are never written to the cache.
+
+    With `diagonal_k`/`diagonal_v` (training-time test's earlier steps, each query's at its own position), query
+    `t` also sees its row's J diagonal keys and, of the new tokens' keys, its own alone (the forward's new-token
+    mask is not read): `t x (Pk + J + 1)` scores where a mask over every key would score `t x (Pk + (J + 1) t)`."""
 
     k: jax.Array  # [L, B, Pk, KVH, Dh]
     v: jax.Array  # [L, B, Pk, KVH, Dh]
     visible: jax.Array  # [B, T, Pk] bool: which of the forward's queries see them
+    diagonal_k: jax.Array | None = None  # [L, B, T, J, KVH, Dh]
+    diagonal_v: jax.Array | None = None  # [L, B, T, J, KVH, Dh]
 
 
 @struct.dataclass
@@ -108,14 +114,22 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
         k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+        new_k, new_v = k, v
         if layer_k is not None:
             layer_k, layer_v = write(layer_k, k, lengths), write(layer_v, v, lengths)
             k, v = layer_k.astype(q.dtype), layer_v.astype(q.dtype)
         if prefix is not None:  # keys/values that only some queries see: the dense path
-            prefix_k, prefix_v, prefix_visible = prefix  # [B, Pk, Hkv, Dh] x 2, [B, T, Pk]
-            out = dot_product_attention(q, jnp.concatenate([k, prefix_k.astype(k.dtype)], 1),
-                                        jnp.concatenate([v, prefix_v.astype(v.dtype)], 1),
-                                        jnp.concatenate([visible, prefix_visible], -1))
+            # [B, Pk, Hkv, Dh] x 2, [B, T, Pk], [B, T, J, Hkv, Dh] x 2 or None
+            prefix_k, prefix_v, prefix_visible, diagonal_k, diagonal_v = prefix
+            if diagonal_k is None:
+                out = dot_product_attention(q, jnp.concatenate([k, prefix_k.astype(k.dtype)], 1),
+                                            jnp.concatenate([v, prefix_v.astype(v.dtype)], 1),
+                                            jnp.concatenate([visible, prefix_visible], -1))
+            else:  # the new tokens' own keys join the diagonal ones (PrefixKV)
+                out = dot_product_attention(
+                    q, prefix_k.astype(q.dtype), prefix_v.astype(q.dtype), prefix_visible,
+                    (jnp.concatenate([diagonal_k.astype(q.dtype), new_k[:, :, None]], 2),
+                     jnp.concatenate([diagonal_v.astype(q.dtype), new_v[:, :, None]], 2)))
         elif layer_k is not None and self.attention == AttentionBackend.PALLAS:
             out = tree_attention(q, k, v, lengths, new_mask, positions, window, backend="pallas")
         else:
@@ -139,9 +153,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the scan body. `scanned` is this layer's (k cache, v cache, sliding window, prefix
-    keys, prefix values, index); `shared` is (positions, new mask, visibility, distance, lengths, the prefix keys'
-    visibility `[B, T, Pk]` (None: no prefix), the captured layers' indices `[C]` (None: none)).
+    """Pre-norm block; the scan body. `scanned` is this layer's (k cache, v cache, sliding window, prefix keys, prefix
+    values, diagonal prefix keys, diagonal prefix values, index); `shared` is (positions, new mask, visibility,
+    distance, lengths, the prefix keys' visibility `[B, T, Pk]` (None: no prefix), the captured layers' indices `[C]`
+    (None: none)).
 
     With captures the scan carries `(x, captured [C, B, T, D])`: layer `index` writes its input into the slots
     whose index it is (`captured_inputs`), so only those C arrays are kept, whatever the depth.
@@ -158,14 +173,14 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, scanned, shared):
-        layer_k, layer_v, window, prefix_k, prefix_v, index = scanned
+        layer_k, layer_v, window, prefix_k, prefix_v, diagonal_k, diagonal_v, index = scanned
         positions, new_mask, visible, distance, lengths, prefix_visible, capture_at = shared
         x, captured = x if isinstance(x, tuple) else (x, None)
         if captured is not None:
             captured = jnp.where((capture_at == index)[:, None, None, None], x[None].astype(captured.dtype), captured)
         c = self.config
         visible = apply_window(visible, distance, window)
-        prefix = None if prefix_k is None else (prefix_k, prefix_v, prefix_visible)
+        prefix = None if prefix_k is None else (prefix_k, prefix_v, prefix_visible, diagonal_k, diagonal_v)
         attn_in = x
         if self.fused_input:
             embeds, x = jnp.split(x, 2, axis=-1)
@@ -235,9 +250,10 @@ def captured_run(layers: nn.Module, config: ModelConfig, x: jax.Array, positions
     windows = jnp.asarray(config.sliding_windows, jnp.int32)
     lengths = None if cache is None else cache.lengths
     visible, distance = key_visibility(positions, new_mask, lengths, t if cache is None else cache.size)
-    pk, pv, pvis = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.visible)
+    pk, pv, pvis, dk, dv = (None,) * 5 if prefix is None else (prefix.k, prefix.v, prefix.visible, prefix.diagonal_k,
+                                                                  prefix.diagonal_v)
     index = jnp.arange(config.num_layers, dtype=jnp.int32)
-    scanned = (None if cache is None else cache.k, None if cache is None else cache.v, windows, pk, pv, index)
+    scanned = (None if cache is None else cache.k, None if cache is None else cache.v, windows, pk, pv, dk, dv, index)
     captured = None
     if isinstance(layers, nn.Module):
         shared = (positions, new_mask, visible, distance, lengths, pvis, jnp.asarray(captures, jnp.int32))
