@@ -28,6 +28,9 @@ from amphista_jax.verify import AcceptanceRule
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")
 MODEL_HELP = ("HF checkpoint directory, or a fetched model (smollm2, fetched on first use), or `tiny` (the embedded "
               f"2.1M code-llama); default: ${DEFAULT_MODEL_ENV} if set, else smollm2")
+TREE_HELP = ("`auto` (the tree searched for the heads on this device, per batch size), a preset name, a JSON file of "
+             "top-k paths, a tree search's <stem>.batch.json (its tree per batch size), `fan-KxD` or `dynamic` / "
+             "`dynamic-TxDxK` (EAGLE-2's tree)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -144,8 +147,23 @@ def _tree_search(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.max_new_tokens < 2:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 2 (decode steps are timed)")
-    _check_heads(args.heads)
-    out = Path(args.out) if args.out else searched_tree_path(args.heads)
+    if (args.heads is None) == (args.method is None):
+        raise UsageError("give --heads DIR (trained heads) or --method NAME (a method with nothing to train, e.g. "
+                         "prompt_lookup), not both or neither")
+    if args.method is not None:
+        from amphista_jax.drafters import VARIANTS
+
+        if args.method not in VARIANTS or VARIANTS[args.method].trainable:
+            untrained = [name for name, d in VARIANTS.items() if not d.trainable]
+            raise UsageError(f"--method {args.method}: searches a method with nothing to train "
+                             f"({', '.join(untrained)}); for trained heads pass --heads DIR")
+        if not args.out:
+            raise UsageError(f"--method {args.method} has no heads directory to keep its trees in: pass --out "
+                             "FILE.json (then decode with --tree FILE.batch.json, the tree per batch size beside it)")
+    else:
+        _check_heads(args.heads)
+    heads = args.heads or args.method
+    out = Path(args.out) if args.out else searched_tree_path(heads)
     if out.is_dir():
         raise UsageError(f"--out {out} is a directory: give the searched tree's file, e.g. {out / 'tree.json'}")
     if (taken := [str(p) for p in output_paths(out) if p.exists()]) and not args.replace:
@@ -154,7 +172,7 @@ def _tree_search(args: argparse.Namespace) -> int:
     check_writable_dir(out.parent, "--out")
     prompts = humaneval_prompts(*args.tasks)
     with file_lock(lock_beside(out), "tree-search"):
-        results, policy = search(args.model, args.heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
+        results, policy = search(args.model, heads, prompts, out, max_nodes=args.max_nodes, ranks=args.ranks,
                                  max_new_tokens=args.max_new_tokens, runs=args.runs, batch_sizes=args.batch_sizes,
                                  depth=args.depth)
     print(out.with_suffix(".report.md").read_text())
@@ -313,8 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-model", default=None, help="a small HF checkpoint with the target's tokenizer as the "
                    "drafter (its own KV cache; --tree auto means chain-4; at --temperature > 0 on a static tree it "
                    "samples its drafts at that temperature)")
-    g.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
-                   "preset name, a JSON file of top-k paths, or `dynamic` / `dynamic-TxDxK` (EAGLE-2's tree)")
+    g.add_argument("--tree", default="auto", help=TREE_HELP)
     g.add_argument("--acceptance", choices=[r.value for r in AcceptanceRule], default=None,
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
     g.add_argument("--attention", choices=[b.value for b in AttentionBackend], default="xla",
@@ -337,8 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--task", default=None, help="complete the prompt of this HumanEval task id as text (default "
                         "on the embedded code model, or one without a chat template: HumanEval/0)")
     source.add_argument("--prompt", default=None, help="this text instead (through the chat template of a chat model)")
-    m.add_argument("--tree", default="auto", help="`auto` (the tree searched for the heads on this device), a "
-                   "preset name, a JSON file of top-k paths, or `dynamic` / `dynamic-TxDxK` (EAGLE-2's tree)")
+    m.add_argument("--tree", default="auto", help=TREE_HELP)
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--runs", type=int, default=3, help="timed runs per decoder (median), after a warm-up")
     m.set_defaults(func=_demo)
@@ -346,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     ts = sub.add_parser("tree-search", help="grow draft trees from acceptance statistics and time them on this "
                         "device; write the fastest (used by --tree auto)")
     ts.add_argument("--model", default=default_model(), help=MODEL_HELP)
-    ts.add_argument("--heads", required=True, help="draft-head checkpoint directory")
+    ts.add_argument("--heads", default=None, help="draft-head checkpoint directory")
+    ts.add_argument("--method", default=None, help="instead of --heads: a method with nothing to train "
+                    "(prompt_lookup); needs --out")
     ts.add_argument("--tasks", type=_task_range, default=(100, 164),
                     help="HumanEval task range START:STOP of the calibration prompts "
                     "(keep it apart from the evaluation set)")
@@ -360,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 2, 4, 8, 16), metavar="B,B,...",
                     help="price every tree at these batch sizes and store the best per batch size (none where AR is "
                     "predicted faster), which --tree auto follows; default 1,2,4,8,16")
-    ts.add_argument("--out", default=None, help="tree JSON (default: <heads>/trees/<backend>.json)")
+    ts.add_argument("--out", default=None, help="tree JSON (default: <heads>/trees/<backend>.json); the tree per "
+                    "batch size is written beside it as <stem>.batch.json, which --tree also takes")
     ts.add_argument("--replace", action="store_true", help="replace an existing searched tree")
     ts.set_defaults(func=_tree_search)
 

@@ -144,12 +144,13 @@ class Generator:
             check_vocabularies(draft_config, config, str(draft_model))
             drafter = DraftModel(draft_config)
         spec, tree_name, policy = None, "-", None
-        if drafter is not None and tree == AUTO and (policy := read_policy(heads_dir)) is not None:
+        if drafter is not None and isinstance(tree, str) and (policy := read_policy(heads_dir, tree)) is not None:
             trees = [t for _, t in policy.by_batch if t is not None]
             for t in trees:
                 drafter.check_tree(t, config.vocab_size)
-            spec, tree_name = policy.at(1) or (trees[0] if trees else get_tree(drafter.paper_tree)), AUTO
-            notes.append(f"tree auto: searched per batch size on {jax.default_backend()}: {policy.describe()}")
+            spec, tree_name = policy.at(1) or (trees[0] if trees else get_tree(drafter.paper_tree)), tree
+            notes.append(f"tree {tree}: searched per batch size" + (f" on {jax.default_backend()}" if tree == AUTO
+                                                                    else "") + f": {policy.describe()}")
         elif drafter is not None:  # a draft model has no searched tree: `auto` is its paper's tree, said nowhere
             spec, tree_name, note = _resolve_tree(tree, heads_dir, drafter)
             notes += [note] if note and draft_model is None else []
@@ -198,7 +199,8 @@ class Generator:
             return self
         if tree not in self.variants:
             self.variants[tree] = self.autoregressive() if tree is None else dataclasses.replace(
-                self, tree=tree, tree_name=f"auto (batch {batch})", notes=[], policy=None, programs={}, variants={})
+                self, tree=tree, tree_name=f"{self.tree_name} (batch {batch})", notes=[], policy=None, programs={},
+                variants={})
         return self.variants[tree]
 
     # -- prompts ----------------------------------------------------------------------------------------------

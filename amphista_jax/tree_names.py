@@ -1,6 +1,6 @@
-"""Trees by name: presets (`mc_sim_7b_63`, `chain-N`, `small-8`, ...), JSON files of paths, BiTA's
-`efficient-DxK`, dynamic budgets (`dynamic`, `dynamic-TxDxK`) and `auto`, the tree `amphista-jax tree-search`
-searched for the heads on this device class.
+"""Trees by name: presets (`mc_sim_7b_63`, `chain-N`, `small-8`, ...), JSON files of paths, BiTA's `efficient-DxK`,
+`fan-KxD` (K chains of D tokens from the root), dynamic budgets (`dynamic`, `dynamic-TxDxK`) and `auto`, the tree
+`amphista-jax tree-search` searched for the heads on this device class.
 
 `auto` needs the heads' directory and the tree their paper drafts, both passed in by the caller (this module
 knows no drafter), and the batch size at hand: tree search stores the tree it picked for each batch size it
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.trees import Tree, TreeError, TreeSpec, chain, efficient_tree
+from amphista_jax.trees import Tree, TreeError, TreeSpec, chain, efficient_tree, fan
 
 PRESET_DIR = Path(__file__).parent / "assets" / "trees"
 
@@ -63,6 +63,7 @@ def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Pat
 
 DYNAMIC = "dynamic"  # EAGLE-2's budget with the paper's defaults; `dynamic-TxDxK` sets them
 EFFICIENT = "efficient"  # `efficient-DxK`: BiTA's efficient tree of depth D, top-K per depth
+FAN = "fan"  # `fan-KxD`: the root's top K children, each followed by a chain of D - 1 first children
 
 
 def _sizes(name: str, kind: str, what: str, form: str, example: str) -> list[int]:
@@ -73,9 +74,18 @@ def _sizes(name: str, kind: str, what: str, form: str, example: str) -> list[int
     raise TreeError(f"tree {name!r}: {what} reads {kind}-{form} (each >= 1), e.g. {kind}-{example}")
 
 
+POLICY_SUFFIX = ".batch.json"  # a tree policy file, beside the tree tree search picked at its smallest batch size
+
+
 def policy_path(heads_dir: str | Path, backend: str | None = None) -> Path:
     """Where `amphista-jax tree-search` writes the tree it picked for each batch size (`TreePolicy`)."""
-    return Path(heads_dir) / "trees" / f"{backend or jax.default_backend()}.batch.json"
+    return Path(heads_dir) / "trees" / f"{backend or jax.default_backend()}{POLICY_SUFFIX}"
+
+
+def is_policy_file(name_or_path: str) -> bool:
+    """Whether a tree name is a tree policy file (`<stem>.batch.json`, as `tree-search --out <stem>.json` writes for a
+    method without heads, such as prompt lookup), which resolves by the batch at hand as `auto` does."""
+    return name_or_path.endswith(POLICY_SUFFIX) and Path(name_or_path).is_file()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +122,11 @@ class TreePolicy:
                          for b, t in self.by_batch)
 
 
-def read_policy(heads_dir: str | Path | None) -> TreePolicy | None:
-    """The tree policy searched for the heads in `heads_dir` on this device class, or None."""
+def read_policy(heads_dir: str | Path | None, tree: str = AUTO) -> TreePolicy | None:
+    """The tree policy `tree` follows: `auto`'s, searched for the heads in `heads_dir` on this device class, or a
+    policy file's; None for any other tree or where none was searched."""
+    if tree != AUTO:
+        return TreePolicy.read(tree) if is_policy_file(tree) else None
     path = policy_path(heads_dir) if heads_dir is not None else None
     return TreePolicy.read(path) if path is not None and path.is_file() else None
 
@@ -140,18 +153,21 @@ def resolve_auto(heads_dir: str | Path | None = None, paper_tree: str = PAPER_TR
 
 def resolve_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE,
                  batch: int = 1) -> tuple[Tree | None, str | None]:
-    """(the tree `name_or_path` names, `auto` resolved at `batch` rows: None for no speculation; the note `auto`
-    leaves for the front-end to print as `note: <note>`, or None)."""
+    """(the tree `name_or_path` names, `auto` or a policy file resolved at `batch` rows: None for no speculation;
+    the note `auto` leaves for the front-end to print as `note: <note>`, or None)."""
     if name_or_path == AUTO:
         return resolve_auto(heads_dir, paper_tree, batch)
+    if is_policy_file(name_or_path):
+        tree = TreePolicy.read(name_or_path).at(batch)
+        return tree, None if tree is not None else f"tree {name_or_path}: no speculation at batch {batch}"
     return get_tree(name_or_path), None
 
 
 def get_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE) -> Tree:
-    """A preset by name, a JSON file of paths, `auto` (`resolve_auto`: the tree searched for the heads in
-    `heads_dir` on this device class, else `paper_tree`, the tree of the heads' paper; `resolve_tree` also returns
-    the note saying so), BiTA's efficient tree `efficient-DxK`, or the budget of a tree grown on device every
-    step: `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
+    """A preset by name, a JSON file of paths, `auto` (`resolve_auto`: the tree searched for the heads in `heads_dir` on
+    this device class, else `paper_tree`, the tree of the heads' paper; `resolve_tree` also returns the note saying
+    so), BiTA's efficient tree `efficient-DxK`, a fan of K chains of D tokens `fan-KxD`, or the budget of a tree
+    grown on device every step: `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
     if name_or_path == AUTO:
         tree, note = resolve_auto(heads_dir, paper_tree)
         if tree is None:
@@ -159,6 +175,8 @@ def get_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree:
         return tree
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
+    if is_policy_file(name_or_path):
+        raise TreeError(f"{name_or_path} holds a tree per batch size: resolve it at the batch at hand (resolve_tree)")
     if Path(name_or_path).is_file():
         return load_tree(name_or_path)
     if name_or_path.startswith("chain-") and name_or_path[6:].isdigit() and int(name_or_path[6:]) >= 1:
@@ -170,5 +188,7 @@ def get_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree:
                                    "TxDxK", "60x6x10"))
     if name_or_path.startswith(EFFICIENT + "-"):
         return efficient_tree(*_sizes(name_or_path, EFFICIENT, "an efficient tree (depth x top-k)", "DxK", "3x5"))
-    raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N, efficient-DxK), a "
-                    "JSON file of paths, or a dynamic budget (dynamic, dynamic-TxDxK)")
+    if name_or_path.startswith(FAN + "-"):
+        return fan(*_sizes(name_or_path, FAN, "a fan (chains x tokens each)", "KxD", "2x4"))
+    raise TreeError(f"unknown tree {name_or_path!r}: use a preset ({', '.join(PRESETS)}, chain-N, efficient-DxK, "
+                    "fan-KxD), a JSON file of paths, or a dynamic budget (dynamic, dynamic-TxDxK)")

@@ -31,6 +31,7 @@ import numpy as np
 
 from amphista_jax.compiled_programs import release_if_crowded
 from amphista_jax.decode import pad_prompts, scratch_slots
+from amphista_jax.drafters.base import Drafter
 from amphista_jax.errors import UserError
 from amphista_jax.figures import pyplot, save_figure
 from amphista_jax.generator import Generator
@@ -274,6 +275,18 @@ def output_paths(out_path: Path) -> tuple[Path, ...]:
             stem.with_suffix(".png"), stem.with_suffix(".batch.png"))
 
 
+def searched_drafter(heads: str | Path) -> tuple[Drafter, str]:
+    """(the drafter, its method) of a draft-head checkpoint directory, or of a method with nothing to train named
+    by itself (`prompt_lookup`)."""
+    from amphista_jax.drafters import VARIANTS
+    from amphista_jax.drafters.io import read_draft_meta
+
+    if str(heads) in VARIANTS and not VARIANTS[str(heads)].trainable:
+        return VARIANTS[str(heads)], str(heads)
+    meta = read_draft_meta(heads)
+    return meta.drafter, meta.method
+
+
 def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str], out_path: Path, *, max_nodes: int = 63,
            ranks: int = 10, max_new_tokens: int = 96, runs: int = 3, sizes: Sequence[int] = DEFAULT_SIZES,
            batch_sizes: Sequence[int] = (1,), depth: int | None = None) -> tuple[dict[int, SearchResult], TreePolicy]:
@@ -282,15 +295,14 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     per batch size (`<stem>.batch.json`, what `--tree auto` follows), `<stem>.report.{json,md}` and the plots
     `<stem>.png` (trees at the smallest batch size) and `<stem>.batch.png` (speed-up against batch size).
     `depth`: the deepest draft node (default: the heads' depth; `DEFAULT_DEPTH` for a drafter that drafts to any
-    depth, such as EAGLE's, whose static trees are grown from the same statistics)."""
+    depth, such as EAGLE's, whose static trees are grown from the same statistics). `heads_dir` may also name a
+    method with nothing to train (`prompt_lookup`); the calibration tree then ranks as many candidates per depth as
+    it does (its `branches`), if fewer than `ranks`."""
     import json
 
     from tqdm import tqdm
 
-    from amphista_jax.drafters.io import read_draft_meta
-
-    meta = read_draft_meta(heads_dir)
-    drafter, method = meta.drafter, meta.method
+    drafter, method = searched_drafter(heads_dir)
     if TreeSpec not in drafter.tree_kinds:
         raise TreeSearchError(f"tree search grows static trees; {method} drafts dynamic trees only: use its paper's "
                               f"tree ({drafter.paper_tree})")
@@ -298,7 +310,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     if drafter.max_depth is not None and depth > drafter.max_depth:
         raise TreeSearchError(f"--depth {depth}: the {method} heads draft {drafter.max_depth} tokens deep at most")
     batch_sizes = sorted(set(batch_sizes))
-    calib = efficient_tree(depth, ranks)
+    calib = efficient_tree(depth, min(ranks, drafter.rankable(ranks)))
     probe = Generator.load(model_dir, heads_dir, calib)
     ids = [probe.encode(p) for p in prompts]
     with tqdm(total=len(ids), desc="acceptance statistics", unit="prompt") as bar:

@@ -269,6 +269,14 @@ def chain(depth: int) -> TreeSpec:
     return TreeSpec(tuple((0,) * d for d in range(1, depth + 1)))
 
 
+def fan(branches: int, depth: int) -> TreeSpec:
+    """The root's top-`branches` children, each the head of a chain of `depth` first children (`branches * depth`
+    draft nodes): distinct guesses of the next token, each carried on alone (prompt lookup's several matches)."""
+    if branches < 1 or depth < 1:
+        raise TreeError(f"fan tree: {branches=} and {depth=} must be >= 1")
+    return TreeSpec(tuple((r,) + (0,) * d for r in range(branches) for d in range(depth)))
+
+
 def efficient_tree(depth: int, top_k: int) -> TreeSpec:
     """BiTA's "efficient" token tree (its figure 5): the top-`top_k` candidates at every depth up to `depth`, all
     children of the previous depth's top-1 candidate (`depth * top_k` draft nodes). Tree search calibrates on it."""

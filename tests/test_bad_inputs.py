@@ -91,6 +91,8 @@ GEN = ["generate", "--model", MODEL, "--prompt", "def add(a, b):", "--max-new-to
     (["--draft", "amphista", "--heads", HEADS, "--tree", "chain-1"], ["medusa heads"]),
     (["--heads", str(shipped_heads_dir("bita")), "--tree", "chain-4"], ["depth 4", "3 tokens deep"]),  # 3 masks
     (["--tree", "efficient-3x²", "--draft", "bita"], ["efficient-DxK"]),
+    (["--tree", "fan-2x", "--draft", "prompt_lookup"], ["fan-KxD", "fan-2x4"]),
+    (["--tree", "fan-5x2", "--draft", "prompt_lookup"], ["ranks 5 siblings", "fewer children"]),
     (["--mesh", "3,1,1"], ["--mesh 3,1,1", "3 devices", "device count", "drop --mesh"]),
     (["--mesh", "1,2"], ["--mesh", "DATA,FSDP,TENSOR"]),
     (["--mesh", "0,1,1"], ["--mesh", ">= 1"]),
@@ -194,6 +196,10 @@ def test_debug_shows_the_traceback(capsys, monkeypatch):
     (["tree-search", "--heads", HEADS, "--tasks", "100:999", "--out", "/tmp/unused-tree.json"], ["100:999"]),
     (["tree-search", "--heads", HEADS, "--max-nodes", "0"], ["--max-nodes", ">= 1"]),
     (["tree-search", "--heads", HEADS, "--out", str(ROOT / "configs"), "--replace"], ["is a directory", "tree.json"]),
+    (["tree-search"], ["--heads DIR", "--method NAME"]),
+    (["tree-search", "--heads", HEADS, "--method", "prompt_lookup"], ["not both"]),
+    (["tree-search", "--method", "prompt_lookup"], ["--out", ".batch.json"]),
+    (["tree-search", "--method", "medusa", "--out", "/tmp/unused-tree.json"], ["nothing to train", "--heads"]),
     (["no-such-command"], ["invalid choice"]),
 ])
 def test_demo_and_tree_search_bad_arguments(capsys, argv, needles):

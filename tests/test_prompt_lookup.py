@@ -1,5 +1,6 @@
 """Prompt lookup: the matching on hand-made sequences (the most recent match wins, n falls back from max to min, no
-match drafts nothing, continuations stop at the known text), greedy lossless (batch 1 and 3, ragged prompts, rows
+match drafts nothing, continuations stop at the known text, each branch of a tree the best match with a new first
+token), greedy lossless (chains and fans) (batch 1 and 3, ragged prompts, rows
 with and without matches; the embedded model through `Generator`, where it drafts repeated text), one compile, the
 target's distribution under rejection sampling, and its use by name with no heads: Generator, CLI, eval specs,
 and `train` refusing it."""
@@ -22,7 +23,7 @@ from amphista_jax.sampling import SamplingConfig
 from amphista_jax.target import Target
 from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import PRESETS
-from amphista_jax.trees import TreeError, chain
+from amphista_jax.trees import TreeError, TreeSpec, chain, fan
 from amphista_jax.verify import AcceptanceConfig
 from tests.helpers import CHI2_999, CONFIG, PROMPTS, assert_compiles_once, chi_square
 
@@ -34,12 +35,18 @@ def target():
     return Target(CONFIG, init_params(CONFIG, jax.random.key(0)))
 
 
-def _lookup(row: list[int], depth: int = 4, max_ngram: int = 3, min_ngram: int = 1,
-            width: int = 24) -> tuple[list[int], ...]:
-    """The drafts of one known text `row` (padded with junk past its length): only the known ones."""
+def _branches(row: list[int], branches: int, depth: int = 4, max_ngram: int = 3, min_ngram: int = 1,
+              width: int = 24) -> list[list[int]]:
+    """The drafts of each branch of one known text `row` (padded with junk past its length): only the known ones."""
     history = jnp.asarray([row + [99] * (width - len(row))], jnp.int32)
-    drafts, known = lookup(history, jnp.asarray([len(row)]), max_ngram, min_ngram, depth)
-    return [int(t) for t, k in zip(np.asarray(drafts[0]), np.asarray(known[0]), strict=True) if k]
+    drafts, known = lookup(history, jnp.asarray([len(row)]), max_ngram, min_ngram, depth, branches)
+    return [[int(t) for t, k in zip(d, kn, strict=True) if k] for d, kn in zip(np.asarray(drafts[0]),
+                                                                               np.asarray(known[0]), strict=True)]
+
+
+def _lookup(row: list[int], depth: int = 4, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """The chain's drafts (one branch) of one known text `row`."""
+    return _branches(row, 1, depth, max_ngram, min_ngram)[0]
 
 
 def test_the_most_recent_match_of_the_longest_ngram_wins():
@@ -71,12 +78,22 @@ def test_a_continuation_stops_at_the_known_text():
     assert _lookup([1, 2, 3, 4, 1], depth=2) == [2, 3]  # the chain's depth caps it too
 
 
+def test_each_branch_is_the_best_match_with_a_new_first_token():
+    # [1, 2] recurs at 0, 5 and 10: the latest continues 5 9 0; the one at 0 also continues with 5, so the next
+    # branch is the one at 5 (7 8 4); no third match has a new first token
+    row = [1, 2, 5, 6, 3, 1, 2, 7, 8, 4, 1, 2, 5, 9, 0, 1, 2]
+    assert _branches(row, 3) == [[5, 9, 0, 1], [7, 8, 4, 1], []]
+    # the 3-gram [3, 1, 2] (continued by 5) ranks before the later 1-gram 2 (continued by 7): longest n first
+    assert _branches([3, 1, 2, 5, 4, 2, 7, 6, 3, 1, 2], 2) == [[5, 4, 2, 7], [7, 6, 3, 1]]
+    assert _branches([1, 2, 3, 4, 5], 2) == [[], []]  # no match: no branch drafts
+
+
 def test_lookup_is_per_row_in_a_batch():
     rows = [[1, 2, 3, 1, 2], [4, 5, 6, 7, 8, 9, 0, 0], [3, 3]]
     history = jnp.asarray([r + [0] * (10 - len(r)) for r in rows], jnp.int32)
     drafts, known = lookup(history, jnp.asarray([5, 6, 2]), 3, 1, 3)
-    np.testing.assert_array_equal(np.asarray(known), [[True] * 3, [False] * 3, [True, False, False]])
-    assert np.asarray(drafts)[0].tolist() == [3, 1, 2] and int(drafts[2, 0]) == 3
+    np.testing.assert_array_equal(np.asarray(known[:, 0]), [[True] * 3, [False] * 3, [True, False, False]])
+    assert np.asarray(drafts)[0, 0].tolist() == [3, 1, 2] and int(drafts[2, 0, 0]) == 3
 
 
 def test_nodes_without_a_draft_are_padding_that_is_never_accepted(target):
@@ -95,19 +112,34 @@ def test_nodes_without_a_draft_are_padding_that_is_never_accepted(target):
     np.testing.assert_array_equal(mask[0, 4], np.eye(5, dtype=bool)[4])
 
 
+def test_a_fan_drafts_each_branch_and_no_other_children(target):
+    """Row 0 has two matches with distinct continuations, row 1 one: `[[0], [1], [0, 0], [0, 1], [1, 0]]` drafts
+    branch 0 at [0] / [0, 0], branch 1 at [1] / [1, 0]; [0, 1] (a second child below depth 1) never drafts."""
+    tree = TreeSpec(((0,), (1,), (0, 0), (0, 1), (1, 0)))
+    assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (1, 0))  # nodes 1..5 in this order
+    state = {"history": jnp.asarray([[1, 2, 5, 6, 1, 2, 7, 8, 1, 2, 0], [4, 1, 2, 5, 6, 4, 1, 2, 0, 0, 0]],
+                                    jnp.int32), "length": jnp.asarray([10, 8])}
+    ctx = DraftContext(jnp.zeros((2, CONFIG.hidden_size)), jnp.asarray([2, 2]), jnp.asarray([9, 7]), state)
+    proposal = DRAFTER.propose({}, target, ctx, tree, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(proposal.tree.valid), [[1, 1, 1, 1, 0, 1], [1, 1, 0, 1, 0, 0]])
+    tokens = np.asarray(proposal.tokens)
+    assert tokens[0, [0, 1, 2, 3, 5]].tolist() == [2, 7, 5, 8, 6] and tokens[1, [1, 3]].tolist() == [5, 6]
+
+
 # Decoding ------------------------------------------------------------------------------------------------------
 
 REPEATING = [[5, 9, 33, 8, 5, 9, 33, 8, 5, 9], [11, 12], [7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]]
 
 
 # Ragged rows: a prompt that repeats, a short one, one with no match in it (nor in its output), and alone.
+@pytest.mark.parametrize("tree", [chain(4), fan(3, 3)], ids=["chain-4", "fan-3x3"])
 @pytest.mark.parametrize("prompts", [[REPEATING[0], [11, 12], PROMPTS[2]], REPEATING[2:]], ids=["batch-3", "batch-1"])
-def test_greedy_prompt_lookup_equals_ar(target, prompts):
+def test_greedy_prompt_lookup_equals_ar(target, prompts, tree):
     tokens, lengths = pad_prompts(prompts)
     kw = dict(config=CONFIG, max_new_tokens=40)
     ar = generate(target.params, tokens, lengths, jax.random.key(0), cache_size=64, **kw)
     spec = speculative_generate(target.params, {}, tokens, lengths, jax.random.key(0), drafter=DRAFTER,
-                                tree=chain(4), cache_size=80, **kw)
+                                tree=tree, cache_size=80, **kw)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
     np.testing.assert_array_equal(np.asarray(spec.num_tokens), np.asarray(ar.num_tokens))
     assert np.asarray(spec.drafted).sum() > 0  # a random target's greedy text loops: drafts from its own output
@@ -154,13 +186,15 @@ def test_the_embedded_model_drafts_repeated_text_and_stays_lossless():
     assert out.tau[0] > 1.5, out.tau
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("tree", [chain(4), fan(2, 2)], ids=["chain-4", "fan-2x2"])
+def test_rejection_sampling_keeps_the_target_distribution(tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's marginal
     equals the exact one computed from the target. The prompt is [3, 7, 1] and the start of the target's own
-    greedy text after it, which goes on 4 3 3 3: a first token 4 then drafts the 3 that followed it, often right."""
+    greedy text after it, which goes on 4 3 3 3: a first token 4 then drafts the 3 that followed it, often right;
+    on the fan a first token 3 drafts two siblings (3 and 7, the two tokens that followed a 3)."""
     config = tiny_llama_config(vocab_size=16)
     params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, init_params(config, jax.random.key(5)))
-    prompt, rows, tree = [3, 7, 1, 8, 9, 11, 4, 3], 4000, chain(4)
+    prompt, rows = [3, 7, 1, 8, 9, 11, 4, 3], 4000
     tokens, lengths = pad_prompts([prompt] * rows, length=8)
     out = speculative_generate(params, {}, tokens, lengths, jax.random.key(9), config=config, drafter=DRAFTER,
                                tree=tree, max_new_tokens=3, cache_size=8 + 3 + scratch_slots(DRAFTER, tree),
@@ -186,12 +220,17 @@ def test_registered_by_name_with_nothing_to_train(target):
         DRAFTER.loss({}, target, {}, None)
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookup(max_ngram=2, min_ngram=3)
+    with pytest.raises(ValueError, match="branches"):
+        PromptLookup(branches=0)
 
 
-def test_a_tree_with_siblings_or_a_budget_is_refused():
+def test_a_tree_ranking_more_matches_than_its_branches_or_a_budget_is_refused():
     DRAFTER.check_tree(PRESETS[DRAFTER.paper_tree], CONFIG.vocab_size)
+    DRAFTER.check_tree(PRESETS["small-8"], CONFIG.vocab_size)  # 3 root children: up to 4 branches by default
     with pytest.raises(TreeError, match="fewer children per node"):
-        DRAFTER.check_tree(PRESETS["small-8"], CONFIG.vocab_size)
+        PromptLookup(branches=1).check_tree(PRESETS["small-8"], CONFIG.vocab_size)
+    with pytest.raises(TreeError, match="fewer children per node"):
+        DRAFTER.check_tree(fan(5, 2), CONFIG.vocab_size)
     with pytest.raises(TreeError, match="static tree"):
         DRAFTER.check_tree(dynamic_tree(), CONFIG.vocab_size)
 

@@ -181,3 +181,36 @@ def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path, m
         prompt, max_new_tokens=12).token_ids
     with pytest.raises(TreeSearchError, match="--depth 9: the medusa heads draft 4 tokens deep at most"):
         search(default_model_dir(), shipped_heads_dir("medusa"), ["x"], tmp_path / "m.json", depth=9)
+
+
+def test_search_by_method_for_prompt_lookup_and_its_policy_file(tmp_path):
+    """A method with nothing to train is searched by name (`--method prompt_lookup`): the calibration tree ranks its
+    branches (4), a continuation has one next token (every non-first child below depth 1 is never accepted), and
+    the tree per batch size it writes beside `--out` (`<stem>.batch.json`) is a tree name that resolves by batch,
+    for `resolve_tree`, eval specs and the Generator, which then decodes AR's tokens."""
+    from amphista_jax import Generator
+    from amphista_jax.demo import humaneval_prompts
+    from amphista_jax.evals.methods import resolve_method
+    from amphista_jax.tree_search import search
+
+    out = tmp_path / "pl.json"
+    _, policy = search(default_model_dir(), "prompt_lookup", humaneval_prompts(100, 102), out, max_nodes=4,
+                       max_new_tokens=32, runs=1, sizes=(2, 4), batch_sizes=(1, 2), depth=3)
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    rates = np.asarray(report["rates"])
+    assert rates.shape == (3, 4) and report["calibration_tree_nodes"] == 12 and report["heads"] == "prompt_lookup"
+    assert (rates[1:, 1:] == 0).all() and rates[0, 0] > 0
+    file = str(out.with_suffix(".batch.json"))
+    assert TreePolicy.read(file) == policy
+    for b in (1, 2, 5):
+        tree, note = resolve_tree(file, batch=b)
+        assert tree == policy.at(b) and (note is None) == (tree is not None)
+        method = resolve_method(f"prompt_lookup@{file}", "auto", batch=b)
+        assert (method.drafter is None) == (tree is None) and (tree is None or method.tree == tree)
+    with pytest.raises(TreeError, match="tree per batch size"):
+        get_tree(file)
+    gen = Generator.load(heads="prompt_lookup", tree=file)
+    assert any(f"tree {file}: searched per batch size" in n for n in gen.notes)
+    prompt = humaneval_prompts(100, 101)[0]
+    assert gen.generate(prompt, max_new_tokens=12).token_ids == gen.autoregressive().generate(
+        prompt, max_new_tokens=12).token_ids
