@@ -45,8 +45,9 @@ class PrefixKV:
     deep prompt): no positions are applied to them and they are never written to the cache.
 
     With `diagonal_k`/`diagonal_v` (training-time test's earlier steps, each query's at its own position), query
-    `t` also sees its row's J diagonal keys and, of the new tokens' keys, its own alone (the forward's new-token
-    mask is not read): `t x (Pk + J + 1)` scores where a mask over every key would score `t x (Pk + (J + 1) t)`."""
+    `t` sees the prefix keys under `visible`, its row's J diagonal keys and its own new key, and nothing of the
+    cache or the other new tokens (neither the cache's keys nor the new-token mask are read): `t x (Pk + J + 1)`
+    scores where a mask over every key would score `t x (Pk + (J + 1) t)`."""
 
     k: jax.Array  # [L, B, Pk, KVH, Dh]
     v: jax.Array  # [L, B, Pk, KVH, Dh]
