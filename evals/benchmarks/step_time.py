@@ -101,7 +101,10 @@ def main() -> None:
         parser.error(f"--target {args.target} has no tokenizer: give the prompt's length with --context N")
     if min(args.batch) < 1 or args.context < 0:
         parser.error("--batch sizes must be >= 1 and --context >= 0")
-    trees = {name: get_tree(name) for name in args.trees}
+    try:
+        trees = {name: get_tree(name) for name in args.trees}
+    except TreeError as e:
+        parser.error(str(e))
     if args.target:
         params, config = random_target(args.target, args.dtype, args.layout)
         tokenizer, label, shipped = None, args.target, []
