@@ -99,8 +99,10 @@ def test_microbatches_cut_the_train_steps_activations():
     assert temps[8] < 0.3 * temps[1], temps
 
 
+@pytest.mark.slow
 def test_70b_pod_config_plans_on_cpu_and_fits(tmp_path):
-    """The whole CLI on the Llama-3-70B config (32 emulated devices, no weights): both plans fit a TPU v5p."""
+    """The whole CLI on the Llama-3-70B config (32 emulated devices, no weights): both plans fit a TPU v5p (~3
+    minutes on 2 cores; the default run plans Vicuna-7B's pod config through the CLI in tests/test_bad_inputs.py)."""
     out = tmp_path / "plan"
     result = subprocess.run([sys.executable, "-m", "amphista_jax.cli", "plan", "--config",
                              "configs/medusa/llama-3-70b.yaml", "--out", str(out)], cwd=ROOT, env=subprocess_env(),

@@ -50,10 +50,12 @@ def _setup(seed: int = 0):
 
 
 MESHES = {"data2-fsdp2-tensor2": dict(data=2, fsdp=2, tensor=2), "fsdp8": dict(fsdp=8)}
-# Default: Medusa (with per-part learning rates: a multi-transform optimizer state) on both meshes and every
-# other built-in drafter on the 3-axis one; the rest of the grid is slow.
-SHARDED_CASES = [pytest.param(method, mesh, marks=() if mesh == "data2-fsdp2-tensor2" or method == "medusa"
-                                                  else (pytest.mark.slow,))
+# Default: Medusa (with per-part learning rates: a multi-transform optimizer state) on both meshes and the lighter
+# drafters on the 3-axis one (their layers are the heavier ones' parts: MLP heads, a draft decoder layer, an LSTM,
+# prompt tokens); the rest of the grid, the heaviest drafters among it, is slow (~1-2 minutes each on 2 cores).
+HEAVY = {"amphista", "eagle3", "gumiho", "hydra++"}
+SHARDED_CASES = [pytest.param(method, mesh, marks=() if method == "medusa" or (
+                     mesh == "data2-fsdp2-tensor2" and method not in HEAVY) else (pytest.mark.slow,))
                  for method in VARIANTS for mesh in MESHES if VARIANTS[method].trainable]
 
 

@@ -195,7 +195,7 @@ def test_search_by_method_for_prompt_lookup_and_its_policy_file(tmp_path):
 
     out = tmp_path / "pl.json"
     _, policy = search(default_model_dir(), "prompt_lookup", humaneval_prompts(100, 102), out, max_nodes=4,
-                       max_new_tokens=32, runs=1, sizes=(2, 4), batch_sizes=(1, 2), depth=3)
+                       max_new_tokens=32, runs=1, sizes=(2,), batch_sizes=(1, 2), depth=3)
     report = json.loads(out.with_suffix(".report.json").read_text())
     rates = np.asarray(report["rates"])
     assert rates.shape == (3, 4) and report["calibration_tree_nodes"] == 12 and report["heads"] == "prompt_lookup"
