@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # The tests' default model is the embedded one (fast, nothing to fetch); users' is the real target
@@ -16,26 +15,6 @@ import pytest  # noqa: E402
 from amphista_jax.compiled_programs import release_if_crowded  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-def _share_compiled_programs() -> None:
-    """Most of the suite's time is XLA:CPU compiling programs that other tests (often in the other xdist worker)
-    compile again: the same tiny models at the same shapes. JAX's persistent compilation cache, keyed by the program
-    and the JAX/XLA versions, hands them over (a cold run of test_amphista.py + test_eagle.py: 530 s -> 394 s).
-    A hit still counts as one compile (`backend_compile_duration` wraps the lookup), so compile-count assertions
-    hold. The cache persists between runs under the temp dir (least recently used entries past 2 GiB go);
-    AMPHISTA_TEST_XLA_CACHE=0 turns it off, AMPHISTA_TEST_XLA_CACHE_DIR moves it. Subprocesses (the CLI, real
-    multi-process runs) do not use it."""
-    if os.environ.get("AMPHISTA_TEST_XLA_CACHE", "1") == "0":
-        return
-    default = os.path.join(tempfile.gettempdir(), f"amphista-jax-test-xla-cache-{os.getuid()}")
-    jax.config.update("jax_compilation_cache_dir", os.environ.get("AMPHISTA_TEST_XLA_CACHE_DIR") or default)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", 2 << 30)
-
-
-_share_compiled_programs()
 
 
 @pytest.fixture(autouse=True, scope="module")
