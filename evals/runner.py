@@ -62,6 +62,9 @@ class EvalConfigError(UserError, ValueError):
     """An eval config that cannot work with its model: found before any weights load."""
 
 
+ORDERS = ("method", "prompt")
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     dataset: DatasetConfig = DatasetConfig()
@@ -83,6 +86,9 @@ class EvalConfig:
     heldout_batches: int = 4  # 0 = skip per-head accuracy
     allow_mismatch: bool = False  # exit 0 even when a method's greedy output differs from AR's
     mesh: MeshConfig | None = None  # None = one device; sizes multiply to each process's device count
+    # method: each method through every prompt in turn; prompt: every method on a batch before the next batch (the
+    # ratios of a run then hold when the machine's speed drifts during it)
+    order: str = "method"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.pad_multiple < 1:
@@ -93,6 +99,8 @@ class EvalConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
         AttentionBackend.parse(self.attention)
+        if self.order not in ORDERS:
+            raise ValueError(f"order {self.order!r} must be one of {', '.join(ORDERS)}")
         if self.heldout_batches < 0:
             raise ValueError(f"heldout_batches={self.heldout_batches} must be >= 0 (0 = skip per-head accuracy)")
         AcceptanceConfig(self.acceptance).resolve(SamplingConfig(self.temperature, self.top_k, self.top_p))
@@ -253,25 +261,64 @@ def _run_batch(s: _Session, gen: Generator, batch: list[tuple[int, Prompt]], com
     return records
 
 
-def run_method(s: _Session, method: Method, prompts: list[Prompt]) -> int:
-    """Generate this process's share of `method`'s unfinished prompts; returns how many it ran."""
+@dataclasses.dataclass
+class _MethodRun:
+    """What is left of one method on this process: its unfinished prompts in batches, and where they go."""
+
+    method: Method
+    done_before: int
+    batches: list[list[tuple[int, Prompt]]]  # (global index, prompt), batch_size each but the last
+    gen: Generator
+    writer: ResultWriter
+    compile_log: ResultWriter
+
+    def run_batch(self, s: _Session, k: int, bar: tqdm) -> None:
+        for record in _run_batch(s, self.gen, self.batches[k], self.compile_log):
+            self.writer.write(record)
+            bar.update(1)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.compile_log.close()
+
+
+def _method_run(s: _Session, method: Method, prompts: list[Prompt]) -> _MethodRun:
+    """This process's share of `method`'s unfinished prompts."""
     finished = {r["id"] for r in read_results(s.results_dir, method.label)}
     _barrier(f"eval-read-{safe_label(method.label)}")  # every process read the same finished set
     todo = [(i, p) for i, p in enumerate(prompts) if p.id not in finished]
     mine = todo[jax.process_index()::jax.process_count()]
-    writer = ResultWriter(process_file(s.results_dir, method.label, jax.process_index()))
-    compile_log = ResultWriter(process_file(s.results_dir.parent / "compile", method.label, jax.process_index()))
-    gen = method.generator(s.base)
     bs = s.cfg.batch_size
-    with tqdm(total=len(mine), desc=f"{method.label} ({len(finished)} done before)", unit="prompt",
-              disable=jax.process_index() != 0, dynamic_ncols=True) as bar:
-        for start in range(0, len(mine), bs):
-            for record in _run_batch(s, gen, mine[start: start + bs], compile_log):
-                writer.write(record)
-                bar.update(1)
-    writer.close()
-    compile_log.close()
-    return len(mine)
+    return _MethodRun(method, len(finished), [mine[k: k + bs] for k in range(0, len(mine), bs)],
+                      method.generator(s.base), ResultWriter(process_file(s.results_dir, method.label,
+                                                                          jax.process_index())),
+                      ResultWriter(process_file(s.results_dir.parent / "compile", method.label, jax.process_index())))
+
+
+def run_methods(s: _Session, methods: list[Method], prompts: list[Prompt]) -> None:
+    """Generate this process's share of every method's unfinished prompts, in `s.cfg.order`: `method`, each method
+    through all its prompts in turn; `prompt`, every method on one batch of prompts before the next batch, so a
+    machine that speeds up or slows down during the run shifts every method's timings alike."""
+    runs = [_method_run(s, m, prompts) for m in methods]
+    bar_args = dict(unit="prompt", disable=jax.process_index() != 0, dynamic_ncols=True)
+    if s.cfg.order == "method":
+        for r in runs:
+            with tqdm(total=sum(map(len, r.batches)), desc=f"{r.method.label} ({r.done_before} done before)",
+                      **bar_args) as bar:
+                for k in range(len(r.batches)):
+                    r.run_batch(s, k, bar)
+            release_if_crowded()  # nine methods x a dozen length buckets: past the memory-mapping limit otherwise
+    else:
+        total = sum(len(b) for r in runs for b in r.batches)
+        with tqdm(total=total, desc=f"{len(runs)} methods, prompt by prompt", **bar_args) as bar:
+            for k in range(max(len(r.batches) for r in runs)):
+                for r in runs:
+                    if k < len(r.batches):
+                        bar.set_postfix_str(r.method.label)
+                        r.run_batch(s, k, bar)
+                release_if_crowded()
+    for r in runs:
+        r.close()
 
 
 def _head_accuracies(s: _Session, methods: list[Method], config: Any, out_dir: Path) -> dict[str, Any]:
@@ -392,9 +439,7 @@ def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None,
     results_dir.mkdir(parents=True, exist_ok=True)
     base = Generator(config, params, tok, stop_token_ids(model_dir, tok, config), attention=cfg.attention, mesh=mesh)
     session = _Session(cfg, base, results_dir)
-    for method in methods:
-        run_method(session, method, prompts)
-        release_if_crowded()  # nine methods x a dozen length buckets: past the memory-mapping limit otherwise
+    run_methods(session, methods, prompts)
     _barrier("eval-generated")
     if jax.process_index() != 0:
         return None

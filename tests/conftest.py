@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # The tests' default model is the embedded one (fast, nothing to fetch); users' is the real target
@@ -15,6 +17,26 @@ import pytest  # noqa: E402
 from amphista_jax.compiled_programs import release_if_crowded  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Most of the suite's time is XLA:CPU compiling programs that earlier tests of the same worker compiled already: the
+# same tiny models at the same shapes under a fresh `jax.jit`, or again after `release_if_crowded` dropped them. JAX's
+# persistent compilation cache, keyed by the program and the JAX/XLA versions, hands them back. One directory per
+# process and run, with no size cap: JAX then takes no lock and keeps no access times (a capped cache re-reads every
+# entry's access time on each write, which made a full run slower), and no two processes write the same file. It
+# goes at the end of the run. A hit still counts as a compile (`backend_compile_duration` wraps the lookup), so
+# compile-count assertions hold. AMPHISTA_TEST_XLA_CACHE=0 turns it off; subprocesses (the CLI, real multi-process
+# runs) do not use it.
+XLA_CACHE = None if os.environ.get("AMPHISTA_TEST_XLA_CACHE") == "0" else tempfile.mkdtemp(prefix="amphista-xla-")
+if XLA_CACHE:
+    jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
+    jax.config.update("jax_compilation_cache_max_size", -1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if XLA_CACHE:
+        shutil.rmtree(XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -380,6 +380,7 @@ def test_distill_prompts_that_are_not_json(capsys, tmp_path):
     (["--set", "dataset.limit=-1"], ["dataset.limit=-1", ">= 0"]),
     (["--set", "num_prompts=1"], ["unknown key", "num_prompts"]),
     (["--set", "attention=flash"], ["attention 'flash'", "xla"]),
+    (["--set", "order=random"], ["order 'random'", "method, prompt"]),
     (["--set", "dataset.kind=jsonl", "--set", "dataset.path=/no/such.jsonl"], ["/no/such.jsonl", "does not exist"]),
     (["--methods", "ar", "foo"], ["method spec 'foo'", "neither"]),
     (["--methods", "ar", "medusa:untrained@nosuch"], ["'medusa:untrained@nosuch'", "unknown tree"]),

@@ -107,6 +107,21 @@ def test_resume_after_kill_matches_an_uninterrupted_run(prompts_file, reference,
     assert _essence(out) == _essence(reference)
 
 
+def test_prompt_order_interleaves_the_methods_and_writes_the_same_results(prompts_file, reference, tmp_path,
+                                                                          monkeypatch):
+    """`order: prompt` runs every method on a batch before the next batch (so a machine whose speed drifts during
+    the run shifts every method alike); each result is what the method-by-method reference wrote."""
+    from amphista_jax.evals import runner
+
+    ran, run_batch = [], runner._MethodRun.run_batch
+    monkeypatch.setattr(runner._MethodRun, "run_batch", lambda self, s, k, bar: (
+        ran.append((self.method.label, [p.id for _, p in self.batches[k]])), run_batch(self, s, k, bar)))
+    out = tmp_path / "interleaved"
+    assert cli.main(_args(prompts_file, out) + ["--set", "order=prompt"]) == 0
+    assert ran == [(label, [p["id"]]) for p in PROMPTS for label in LABELS]
+    assert _essence(out) == _essence(reference)
+
+
 def test_two_local_processes_merge_to_the_one_process_result(prompts_file, reference, tmp_path):
     """Also at batch size 2 (a padded last batch, rows of different lengths and turn counts): per-row results
     equal the batch-1 run's."""
