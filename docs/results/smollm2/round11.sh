@@ -27,3 +27,10 @@ amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batc
   --set out_dir=runs/eval/mt-bench-smollm2-r11-t0 --methods ar "prompt-lookup=prompt_lookup@chain-4" \
   "medusa-8=$MD@small-8" "eagle-3-auto=$E3@auto" "amphista-auto=$AM@auto" "amphista-8=$AM@small-8" "ar-end=ar"
 date
+# T=1, 24 questions (3 per category, both turns) for the session's time, every method interleaved prompt by prompt
+# (`order: prompt`, now the config's), AR timed twice as before
+amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batches=0 --set temperature=1.0 \
+  --set dataset.per_category=3 --set out_dir=runs/eval/mt-bench-smollm2-r11-t1 --methods ar \
+  "prompt-lookup=prompt_lookup@chain-4" "medusa-8=$MD@small-8" "eagle-3-auto=$E3@auto" "amphista-auto=$AM@auto" \
+  "ar-end=ar" > runs/eval-r11-t1.log 2>&1  # stopped with SIGTERM after 17 of the 24 questions (time)
+date
