@@ -289,10 +289,10 @@ def _method_run(s: _Session, method: Method, prompts: list[Prompt]) -> _MethodRu
     todo = [(i, p) for i, p in enumerate(prompts) if p.id not in finished]
     mine = todo[jax.process_index()::jax.process_count()]
     bs = s.cfg.batch_size
+    dirs = (s.results_dir, s.results_dir.parent / "compile")  # results, then compile times
+    files = [process_file(d, method.label, jax.process_index()) for d in dirs]
     return _MethodRun(method, len(finished), [mine[k: k + bs] for k in range(0, len(mine), bs)],
-                      method.generator(s.base), ResultWriter(process_file(s.results_dir, method.label,
-                                                                          jax.process_index())),
-                      ResultWriter(process_file(s.results_dir.parent / "compile", method.label, jax.process_index())))
+                      method.generator(s.base), *map(ResultWriter, files))
 
 
 def run_methods(s: _Session, methods: list[Method], prompts: list[Prompt]) -> None:
@@ -300,23 +300,18 @@ def run_methods(s: _Session, methods: list[Method], prompts: list[Prompt]) -> No
     through all its prompts in turn; `prompt`, every method on one batch of prompts before the next batch, so a
     machine that speeds up or slows down during the run shifts every method's timings alike."""
     runs = [_method_run(s, m, prompts) for m in methods]
-    bar_args = dict(unit="prompt", disable=jax.process_index() != 0, dynamic_ncols=True)
     if s.cfg.order == "method":
-        for r in runs:
-            with tqdm(total=sum(map(len, r.batches)), desc=f"{r.method.label} ({r.done_before} done before)",
-                      **bar_args) as bar:
-                for k in range(len(r.batches)):
-                    r.run_batch(s, k, bar)
-            release_if_crowded()  # nine methods x a dozen length buckets: past the memory-mapping limit otherwise
+        schedule = [(r, k) for r in runs for k in range(len(r.batches))]
     else:
-        total = sum(len(b) for r in runs for b in r.batches)
-        with tqdm(total=total, desc=f"{len(runs)} methods, prompt by prompt", **bar_args) as bar:
-            for k in range(max(len(r.batches) for r in runs)):
-                for r in runs:
-                    if k < len(r.batches):
-                        bar.set_postfix_str(r.method.label)
-                        r.run_batch(s, k, bar)
-                release_if_crowded()
+        schedule = [(r, k) for k in range(max(len(r.batches) for r in runs)) for r in runs if k < len(r.batches)]
+    done = sum(r.done_before for r in runs)
+    with tqdm(total=sum(len(r.batches[k]) for r, k in schedule), unit="prompt", dynamic_ncols=True,
+              desc=f"{len(runs)} methods, by {s.cfg.order} ({done} done before)",
+              disable=jax.process_index() != 0) as bar:
+        for r, k in schedule:
+            bar.set_postfix_str(r.method.label)
+            r.run_batch(s, k, bar)
+            release_if_crowded()  # nine methods x a dozen length buckets: past the memory-mapping limit otherwise
     for r in runs:
         r.close()
 
