@@ -61,7 +61,7 @@ def test_prompt_and_method_follow_the_target(fetched):
     assert demo.demo_heads(fetched, None, None, UNTRAINABLE) == "prompt_lookup"
     assert demo.demo_heads(fetched, "medusa", None, UNTRAINABLE) == str(shipped_heads_dir("medusa", "smollm2"))
     assert demo.demo_heads(embedded, None, None, UNTRAINABLE) == str(shipped_heads_dir("hydra"))
-    shipped = "amphista, eagle, eagle3, medusa"
+    shipped = "amphista, bita, eagle, eagle3, medusa"
     with pytest.raises(UsageError, match=f"no hydra heads are shipped .*shipped: {shipped}.*--heads DIR"):
         demo.demo_heads(fetched, "hydra", None, UNTRAINABLE)
 
