@@ -3,7 +3,7 @@
 # (configs/bita/smollm2.yaml) and shipped with a tree searched for it on this CPU, then the papers' protocol with
 # every shipped head set and prompt lookup, each run interleaving its methods prompt by prompt (`order: prompt`)
 # with AR timed at both ends: HumanEval's first 20 tasks at T=0 (each method on its CPU tree, then on the papers'
-# tree) and T=1, then MT-Bench's first turns at T=1 (all 80) and T=0 (5 of each category, for the session's time).
+# tree) and T=1, then all 80 MT-Bench first turns at T=1 (T=0: round 11's run of both turns), then the demo.
 cd "$(dirname "$0")/../../.."  # the repository root
 set -x
 # XLA's persistent compilation cache, so the later runs reuse the earlier runs' programs (compilation is never timed)
@@ -36,10 +36,6 @@ date
 amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batches=0 --set dataset.turns=1 \
   --set temperature=1.0 --set out_dir=runs/eval/mt-bench-smollm2-r12-t1 --methods "${CPU_TREES[@]}" \
   > runs/eval-r12-mt-t1.log 2>&1
-date
-amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batches=0 --set dataset.turns=1 \
-  --set dataset.per_category=5 --set out_dir=runs/eval/mt-bench-smollm2-r12-t0 --methods "${CPU_TREES[@]}" \
-  > runs/eval-r12-mt-t0.log 2>&1
 date
 amphista-jax demo > runs/demo-r12.log 2>&1  # the real target, its default question and method
 date
