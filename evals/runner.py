@@ -129,6 +129,8 @@ def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list
     `write_run_file` records."""
     path = out_dir / "run.json"
     dataset = {"kind": cfg.dataset.kind, "path": cfg.dataset.path, "chat": cfg.dataset.use_chat}
+    if cfg.dataset.turns:  # what a prompt's record holds (recorded when set, so earlier runs of all turns resume)
+        dataset["turns"] = cfg.dataset.turns
     if dataset_path is not None:
         dataset["sha256"] = sha256_file(dataset_path)
     values = {k: getattr(cfg, k) for k in RESULT_SETTINGS}

@@ -462,6 +462,8 @@ def test_eval_resume_refuses_heads_or_data_changed_under_the_same_path(capsys, t
     assert main(argv) == 0
     assert main(argv) == 0  # the same inputs resume (nothing left to run)
     assert "resuming it (2 prompt result(s) kept" in capsys.readouterr().err
+    first_turns = [*argv[:-3], "--set", "dataset.turns=1", *argv[-3:]]  # a record would hold other turns
+    assert_bad_input(run_cli(capsys, first_turns, watch=[out]), "dataset.turns", "use a new out_dir")
     shutil.rmtree(heads)  # retrained under the same path
     assert main(["convert", "--heads", HEADS, "--out", str(heads), "--dtype", "bfloat16"]) == 0
     assert_bad_input(run_cli(capsys, argv, watch=[out]), "method m heads_files", "use a new out_dir", "--replace")
