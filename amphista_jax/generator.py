@@ -279,6 +279,13 @@ class Generator:
             self.programs[key] = lowered.compile()
         return self.programs[key], time.perf_counter() - t0
 
+    def release_programs(self) -> None:
+        """Drop the programs this generator and its per-batch variants compiled (`compiled_programs`: a process
+        holding many runs out of memory mappings); each compiles again when next needed."""
+        self.programs.clear()
+        for variant in self.variants.values():
+            variant.release_programs()
+
     def run(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings, rng: jax.Array | int = 0,
             cache_size: int | None = None) -> tuple[GenerateOutput, float, float]:
         """Decode right-padded `tokens [B, T]` of `lengths [B]` with the compiled program of their shape: (output

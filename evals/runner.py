@@ -313,7 +313,8 @@ def run_methods(s: _Session, methods: list[Method], prompts: list[Prompt]) -> No
         for r, k in schedule:
             bar.set_postfix_str(r.method.label)
             r.run_batch(s, k, bar)
-            release_if_crowded()  # nine methods x a dozen length buckets: past the memory-mapping limit otherwise
+            # every method's programs over a dozen length buckets: past the memory-mapping limit otherwise
+            release_if_crowded(*(r.gen.release_programs for r in runs))
     for r in runs:
         r.close()
 
