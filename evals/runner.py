@@ -314,7 +314,7 @@ def run_methods(s: _Session, methods: list[Method], prompts: list[Prompt]) -> No
             bar.set_postfix_str(r.method.label)
             r.run_batch(s, k, bar)
             # every method's programs over a dozen length buckets: past the memory-mapping limit otherwise
-            release_if_crowded(*(r.gen.release_programs for r in runs))
+            release_if_crowded(*(run.gen.release_programs for run in runs))
     for r in runs:
         r.close()
 

@@ -19,3 +19,9 @@ amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batc
   "amphista-63=$H/amphista@mc_sim_7b_63" "eagle-3-paper=$H/eagle3@dynamic" "bita-paper=$H/bita@efficient-3x5" \
   > runs/eval-r13-mt-t0.log 2>&1
 date
+# then the papers' trees at T=1 on HumanEval's first 20 tasks (round 12's T=1 run had only the CPU trees), with AR
+# timed in the same run, first and last
+amphista-jax eval --config configs/eval/humaneval-smollm2.yaml --set out_dir=runs/eval/humaneval-smollm2-r13-t1-paper \
+  --set temperature=1.0 --methods ar "medusa-63=$H/medusa@mc_sim_7b_63" "amphista-63=$H/amphista@mc_sim_7b_63" \
+  "eagle-3-paper=$H/eagle3@dynamic" "bita-paper=$H/bita@efficient-3x5" "ar-end=ar" > runs/eval-r13-he-t1-paper.log 2>&1
+date
