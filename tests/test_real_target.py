@@ -78,6 +78,7 @@ def test_greedy_tokens_match_transformers_generate(smollm2):
 
 @pytest.mark.parametrize(("method", "tree"), [
     ("medusa", "small-8"), ("medusa", "mc_sim_7b_63"), ("eagle3", "auto"), ("amphista", "auto"), ("bita", "chain-3"),
+    ("sar", "small-8"),
     # the papers' tree on the real target stays in the default run with Medusa's heads
     pytest.param("amphista", "mc_sim_7b_63", marks=pytest.mark.slow),
     pytest.param("bita", "efficient-3x5", marks=pytest.mark.slow)])
@@ -85,8 +86,9 @@ def test_shipped_heads_decode_the_real_target_losslessly(smollm2, method, tree):
     """Heads shipped for SmolLM2 (Medusa: a 4096-token draft vocabulary, the target's shared lm_head, on a small tree
     and the papers' tree; EAGLE-3 on the tree searched for it on CPU; Amphista, low-rank LM heads, on its searched
     tree and the papers' tree; BiTA, its masks and prompt riding in the target's own verify forward, on a chain as
-    deep as its 3 masks (the tree searched for it on CPU is "no speculation") and the paper's efficient tree), batch
-    3 of ragged chat prompts: the same tokens as autoregressive greedy decoding, with drafts accepted."""
+    deep as its 3 masks (the tree searched for it on CPU is "no speculation") and the paper's efficient tree; SAR, one
+    semi-autoregressive network drafting every depth, on a small tree), batch 3 of ragged chat prompts: the same
+    tokens as autoregressive greedy decoding, with drafts accepted."""
     from amphista_jax import Generator
     from amphista_jax.assets import shipped_heads_dir
 
