@@ -214,3 +214,21 @@ def test_search_by_method_for_prompt_lookup_and_its_policy_file(tmp_path):
     prompt = humaneval_prompts(100, 101)[0]
     assert gen.generate(prompt, max_new_tokens=12).token_ids == gen.autoregressive().generate(
         prompt, max_new_tokens=12).token_ids
+
+
+def test_ar_step_is_timed_before_and_after_the_trees_and_the_faster_kept(monkeypatch):
+    """A machine that drifts during a search must not price every tree against one early AR timing: AR is timed first
+    and last, and the faster of the two is the search's AR step."""
+    from amphista_jax import tree_search
+
+    ar_times = iter([0.058, 0.041])  # slow at the start, as in round 14's searches
+    order = []
+    monkeypatch.setattr(tree_search.StepClock, "for_trees", classmethod(lambda cls, *a, **k: cls(
+        np.zeros((1, 1)), np.ones(1), 8, 4, 1)))
+    monkeypatch.setattr(tree_search.StepClock, "ar_step_seconds",
+                        lambda self, gen: order.append("ar") or next(ar_times))
+    monkeypatch.setattr(tree_search.StepClock, "spec_step_seconds",
+                        lambda self, gen, trees, progress=None: order.append("trees") or [0.05] * len(trees))
+    ar, steps = tree_search.measure_step_seconds(None, [1], [TreeSpec(((0,),))], 4)
+    assert order == ["ar", "trees", "ar"]
+    assert (ar, steps) == (0.041, [0.05])
