@@ -167,8 +167,9 @@ class StepClock:
         return (seconds - prefill_s) / steps
 
     def ar_step_seconds(self, gen: Generator) -> float:
-        """Seconds per step of `gen`'s target decoding autoregressively."""
-        ar = gen.autoregressive()
+        """Seconds per step of `gen`'s target decoding autoregressively (`gen` itself when it has no drafter, so a
+        second timing reuses its compiled programs)."""
+        ar = gen if gen.drafter is None else gen.autoregressive()
         return self.step_seconds(ar, self.decode(ar, 1)[0])
 
     def spec_step_seconds(self, gen: Generator, trees: Sequence[TreeSpec],
@@ -192,9 +193,10 @@ def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[
     device, `batch` copies of `prompt` (`StepClock`). AR is timed before and after the trees and the faster kept:
     a machine drifting during the search would otherwise price every tree against one early AR timing."""
     clock = StepClock.for_trees([gen], prompt, trees, max_new_tokens, runs, batch)
-    first = clock.ar_step_seconds(gen)
+    ar = gen.autoregressive()  # one AR generator for both timings: compiled once
+    first = clock.ar_step_seconds(ar)
     steps = clock.spec_step_seconds(gen, trees, progress)
-    return min(first, clock.ar_step_seconds(gen)), steps
+    return min(first, clock.ar_step_seconds(ar)), steps
 
 
 def measure_speedup(gen: Generator, prompts: Sequence[Sequence[int]], batch: int, max_new_tokens: int,

@@ -229,6 +229,7 @@ def test_ar_step_is_timed_before_and_after_the_trees_and_the_faster_kept(monkeyp
                         lambda self, gen: order.append("ar") or next(ar_times))
     monkeypatch.setattr(tree_search.StepClock, "spec_step_seconds",
                         lambda self, gen, trees, progress=None: order.append("trees") or [0.05] * len(trees))
-    ar, steps = tree_search.measure_step_seconds(None, [1], [TreeSpec(((0,),))], 4)
+    gen = type("Gen", (), {"autoregressive": lambda self: self})()
+    ar, steps = tree_search.measure_step_seconds(gen, [1], [TreeSpec(((0,),))], 4)
     assert order == ["ar", "trees", "ar"]
     assert (ar, steps) == (0.041, [0.05])

@@ -12,21 +12,21 @@ SR=amphista_jax/assets/smollm2-heads/sar
 HY=runs/smollm2/hydra/heads
 HP=runs/smollm2/hydra-plus/heads
 E3=amphista_jax/assets/smollm2-heads/eagle3
+search() {  # NAME HEADS: the tree searched for HEADS at batch 1 on this CPU
+  amphista-jax tree-search --model smollm2 --heads "$2" --tasks 100:108 --max-nodes 12 --batch-sizes 1 --runs 2 \
+    --max-new-tokens 48 > "runs/tree-search-$1-r14.log" 2>&1
+}
 date
 amphista-jax train --config configs/sar/smollm2.yaml > runs/sar-train-r14.log 2>&1  # 826 s
 amphista-jax convert --model smollm2 --heads runs/smollm2/sar/heads --out $SR --dtype bfloat16
 amphista-jax train --config configs/hydra/smollm2.yaml > runs/hydra-train-r14.log 2>&1  # 1,438 s
 date
-for M in sar hydra; do
-  H=$SR; [ $M = hydra ] && H=$HY
-  amphista-jax tree-search --model smollm2 --heads $H --tasks 100:108 --max-nodes 12 --batch-sizes 1 --runs 2 \
-    --max-new-tokens 48 > runs/tree-search-$M-r14.log 2>&1
-done
+search sar $SR
+search hydra $HY
 date
 amphista-jax train --config configs/hydra/smollm2-plus.yaml > runs/hydra-plus-train-r14.log 2>&1
 date
-amphista-jax tree-search --model smollm2 --heads $HP --tasks 100:108 --max-nodes 12 --batch-sizes 1 --runs 2 \
-  --max-new-tokens 48 > runs/tree-search-hydra-plus-r14.log 2>&1
+search hydra-plus $HP
 date
 amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batches=0 --set dataset.turns=1 \
   --set out_dir=runs/eval/mt-bench-smollm2-r14-t0 \
