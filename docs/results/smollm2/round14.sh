@@ -28,6 +28,7 @@ amphista-jax train --config configs/hydra/smollm2-plus.yaml > runs/hydra-plus-tr
 date
 search hydra-plus $HP
 date
+# Stopped for session time at 55 of the 80 questions; the same command resumed it in the next session (20 minutes).
 amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batches=0 --set dataset.turns=1 \
   --set out_dir=runs/eval/mt-bench-smollm2-r14-t0 \
   --methods ar "sar-auto=$SR@auto" "hydra-auto=$HY@auto" "hydra-plus-auto=$HP@auto" "eagle-3-auto=$E3@auto" \
