@@ -34,3 +34,11 @@ amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batc
   --methods ar "sar-auto=$SR@auto" "hydra-auto=$HY@auto" "hydra-plus-auto=$HP@auto" "eagle-3-auto=$E3@auto" \
   "sar-4=$SR@chain-4" "ar-end=ar" "hydra-plus-63=$HP@mc_sim_7b_63" > runs/eval-r14-mt-t0.log 2>&1
 date
+# The papers' trees at T=1 on MT-Bench (24 first turns: 3 per category), AR timed first and last (next session)
+H=amphista_jax/assets/smollm2-heads
+amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batches=0 --set dataset.turns=1 \
+  --set dataset.per_category=3 --set temperature=1.0 --set out_dir=runs/eval/mt-bench-smollm2-r14-t1-paper \
+  --methods ar "medusa-63=$H/medusa@mc_sim_7b_63" "amphista-63=$H/amphista@mc_sim_7b_63" \
+  "eagle-3-paper=$H/eagle3@dynamic" "bita-paper=$H/bita@efficient-3x5" "sar-paper=$H/sar@chain-4" \
+  "hydra-plus-63=$HP@mc_sim_7b_63" "ar-end=ar" > runs/eval-r14-mt-t1-paper.log 2>&1  # 29 minutes
+date
