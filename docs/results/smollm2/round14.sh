@@ -42,3 +42,9 @@ amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batc
   "eagle-3-paper=$H/eagle3@dynamic" "bita-paper=$H/bita@efficient-3x5" "sar-paper=$H/sar@chain-4" \
   "hydra-plus-63=$HP@mc_sim_7b_63" "ar-end=ar" > runs/eval-r14-mt-t1-paper.log 2>&1  # 29 minutes
 date
+# Hydra++ on chains of 1-4 nodes at T=0 (24 first turns): what a deeper draft buys against what its step costs
+amphista-jax eval --config configs/eval/mt-bench-smollm2.yaml --set heldout_batches=0 --set dataset.turns=1 \
+  --set dataset.per_category=3 --set out_dir=runs/eval/mt-bench-smollm2-r14-t0-chains \
+  --methods ar "hydra-plus-auto=$HP@auto" "hydra-plus-2=$HP@chain-2" "hydra-plus-3=$HP@chain-3" \
+  "hydra-plus-4=$HP@chain-4" "ar-end=ar" > runs/eval-r14-mt-t0-chains.log 2>&1  # 11 minutes
+date
