@@ -166,10 +166,9 @@ class StepClock:
                                   f"longer than its prefill ({prefill_s * 1e3:.2f} ms); raise --max-new-tokens")
         return (seconds - prefill_s) / steps
 
-    def ar_step_seconds(self, gen: Generator) -> float:
-        """Seconds per step of `gen`'s target decoding autoregressively (`gen` itself when it has no drafter, so a
-        second timing reuses its compiled programs)."""
-        ar = gen if gen.drafter is None else gen.autoregressive()
+    def ar_step_seconds(self, ar: Generator) -> float:
+        """Seconds per step of `ar`, an autoregressive generator (`Generator.autoregressive()`; the caller keeps it,
+        so a second timing reuses its compiled programs)."""
         return self.step_seconds(ar, self.decode(ar, 1)[0])
 
     def spec_step_seconds(self, gen: Generator, trees: Sequence[TreeSpec],

@@ -134,7 +134,7 @@ def main() -> None:
             on = {m: dataclasses.replace(g, attention=attention) for m, (g, _) in gens.items()}
             clock = StepClock.for_trees(list(on.values()), prompt, list(trees.values()), args.new_tokens, args.runs,
                                         batch)
-            ar_s = clock.ar_step_seconds(next(iter(on.values())))
+            ar_s = clock.ar_step_seconds(next(iter(on.values())).autoregressive())
             bar.update(1)
             for method, gen in on.items():
                 names = [n for m, n, why in pairs if m == method and why is None]
