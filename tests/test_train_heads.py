@@ -237,9 +237,10 @@ def test_train_cli_end_to_end(smoke_model, tmp_path, capsys):
     assert method == "medusa" and drafter == Medusa(num_heads=2)
 
 
-def test_two_processes_train_like_one(tmp_path):
+@pytest.mark.parametrize("mesh", ["data", pytest.param("tensor", marks=pytest.mark.slow)])  # ~1 minute each
+def test_two_processes_train_like_one(tmp_path, mesh):
     """Two real `jax.distributed` processes (one CPU device each) train the embedded target's heads two steps as
-    one process does, on mesh data=2 (each reads 2 rows of every 4-row batch) and on mesh tensor=2 (one batch shard
+    one process does, on mesh data=2 (each reads 2 rows of every 4-row batch) or on mesh tensor=2 (one batch shard
     held by both: each reads all 4): the same train and held-out metrics and the same heads, loadable on one
     device. Only process 0 writes the shared files."""
     train = [sys.executable, "-m", "amphista_jax.cli", "train", "--config", str(ROOT / "configs/medusa/code.yaml"),
@@ -248,38 +249,32 @@ def test_two_processes_train_like_one(tmp_path):
              "--set", "loop.steps=2", "--set", "loop.log_every=1", "--set", "loop.eval_every=0",
              "--set", "eval_batches=1"]
     launch = [sys.executable, "-m", "amphista_jax.evals.launch_local", "-n", "2", "--"]
-    # "two": each process holds its own batch shard; "shared": one shard over both processes (tensor=2), which then
-    # both feed all 4 rows
-    runs = {"one": train, "two": launch + train + ["--set", "mesh.data=2"],
-            "shared": launch + train + ["--set", "mesh.tensor=2"]}
+    # "two": two processes on the mesh asked for (tensor=2: one shard over both processes, which then both feed all
+    # 4 rows)
+    runs = {"one": train, "two": launch + train + ["--set", f"mesh.{mesh}=2"]}
     for name, command in runs.items():
         result = subprocess.run(command + ["--set", f"out_dir={tmp_path / name}"], cwd=ROOT, env=subprocess_env(),
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         # the memory plan of the step each process compiles, printed before the first step
-        devices = {"one": 1, "two": 2, "shared": 2}[name]
+        devices = {"one": 1, "two": 2}[name]
         assert f"| train medusa | {devices} |" in result.stdout and "memory plan: no device capacity" in result.stdout
 
-    one = read_metrics(tmp_path / "one")
-    assert [r["step"] for r in one] == [1, 2, 2]
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 2]  # no row written twice
+    for a, b in zip(one, two, strict=True):
+        assert set(a) == set(b)
+        for key in set(a) - {"tokens_per_s"}:
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"step {a['step']} {key}")
     summaries = {name: json.loads((tmp_path / name / "summary.json").read_text()) for name in runs}
-    for name in ("two", "shared"):
-        rows = read_metrics(tmp_path / name)
-        assert [r["step"] for r in rows] == [1, 2, 2]  # no row written twice
-        for a, b in zip(one, rows, strict=True):
-            assert set(a) == set(b)
-            for key in set(a) - {"tokens_per_s"}:
-                np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=f"{name} step {a['step']} {key}")
-        assert summaries[name]["tokens_seen"] == summaries["one"]["tokens_seen"] == 2 * 4 * 16
-        for key in ("heldout_before", "heldout_after"):
-            assert summaries[name][key].keys() == summaries["one"][key].keys()
-            for metric, value in summaries["one"][key].items():
-                np.testing.assert_allclose(summaries[name][key][metric], value, rtol=1e-5,
-                                           err_msg=f"{name} {key} {metric}")
+    assert summaries["two"]["tokens_seen"] == summaries["one"]["tokens_seen"] == 2 * 4 * 16
+    for key in ("heldout_before", "heldout_after"):
+        assert summaries["two"][key].keys() == summaries["one"][key].keys()
+        for metric, value in summaries["one"][key].items():
+            np.testing.assert_allclose(summaries["two"][key][metric], value, rtol=1e-5, err_msg=f"{key} {metric}")
     params, config = load_params(default_model_dir(), dtype="float32")
     loaded = {name: load_draft(tmp_path / name / "heads", config, params) for name in runs}
-    for name in ("two", "shared"):
-        assert loaded["one"][:2] == loaded[name][:2] == ("medusa", Medusa(num_heads=2))
-        # 100x under what two steps move a weight (about 1e-4), 30x over the summation-order difference measured
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6),
-                     loaded["one"][2], loaded[name][2])
+    assert loaded["one"][:2] == loaded["two"][:2] == ("medusa", Medusa(num_heads=2))
+    # 100x under what two steps move a weight (about 1e-4), 30x over the summation-order difference measured
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6),
+                 loaded["one"][2], loaded["two"][2])
