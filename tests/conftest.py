@@ -34,6 +34,20 @@ if XLA_CACHE:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Parametrized cases outside a test's `helpers.default_cases` are slow: the default run keeps one per code
+    path."""
+    for item in items:
+        keep = getattr(getattr(item, "function", None), "default_cases", None)
+        if keep is not None and hasattr(item, "callspec"):
+            if item.callspec.id not in keep:
+                item.add_marker(pytest.mark.slow)
+            unknown = keep - {i.callspec.id for i in items if getattr(i, "function", None) is item.function}
+            if unknown:
+                raise pytest.UsageError(f"{item.function.__name__}: default_cases names no case {sorted(unknown)}")
+
+
 def pytest_sessionfinish(session, exitstatus):
     if XLA_CACHE:
         shutil.rmtree(XLA_CACHE, ignore_errors=True)

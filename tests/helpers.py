@@ -28,6 +28,18 @@ ROOT = Path(__file__).parents[1]
 CONFIG = tiny_llama_config()
 PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]
 
+
+
+def default_cases(*ids: str) -> Callable[[Callable], Callable]:
+    """Keep only these parametrized cases (pytest ids, e.g. "medusa-small-8") of the decorated test in the default
+    run; `conftest.pytest_collection_modifyitems` marks its other cases slow (`-m slow` runs them). Each case kept
+    exercises a distinct code path; the test's docstring says why the others add no mechanism to them."""
+    def mark(test: Callable) -> Callable:
+        test.default_cases = frozenset(ids)
+        return test
+    return mark
+
+
 # chi-square critical values at p = 0.001 for the degrees of freedom the tests use
 CHI2_999 = {7: 24.32, 15: 37.70}
 

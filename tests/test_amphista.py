@@ -15,7 +15,16 @@ from amphista_jax.drafters import Amphista
 from amphista_jax.models.llama import Output, Transformer, init_params
 from amphista_jax.target import Target
 from amphista_jax.tree_names import PRESETS
-from tests.helpers import CONFIG, PROMPTS, assert_greedy_lossless, assert_trains, fitted_heads, replay_commits, sequence
+from tests.helpers import (
+    CONFIG,
+    PROMPTS,
+    assert_greedy_lossless,
+    assert_trains,
+    default_cases,
+    fitted_heads,
+    replay_commits,
+    sequence,
+)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +139,7 @@ FAST_ABLATIONS = {"amphista", "every change at once"}
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_ABLATIONS else pytest.mark.slow)
                                   for n in sorted(ABLATIONS)])
+@default_cases('every change at once')
 def test_every_ablation_trains(target, name):
     assert_trains(Amphista(**ABLATIONS[name]), target)
 

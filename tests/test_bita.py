@@ -33,7 +33,7 @@ from amphista_jax.models.llama import PrefixKV, Transformer, init_params, new_ca
 from amphista_jax.target import Target
 from amphista_jax.tree_names import PRESETS, get_tree
 from amphista_jax.trees import TreeError, TreeSpec, batched, chain, efficient_tree, tree_arrays
-from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless
+from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless, default_cases
 
 NEW = 12
 
@@ -211,6 +211,7 @@ def test_the_targets_logits_do_not_see_the_masks_or_the_prompt(target, bita_para
 
 @pytest.mark.parametrize("tree", ["small-8", "efficient-3x2", "chain-3"])
 @pytest.mark.parametrize("num_prompt", [16, 0])
+@default_cases('0-efficient-3x2', '16-chain-3')
 def test_greedy_untrained_bita_equals_ar(target, tree, num_prompt):
     drafter = BiTA(num_prompt=num_prompt)
     params = strong(drafter.init(jax.random.key(1), Target(CONFIG, target)))

@@ -1,7 +1,7 @@
 """`amphista-jax demo`'s target, prompt and method: the real target (`fetch.default_model`, here a stand-in for its
-fetched directory) gets a question through its chat template and prompt lookup, the fastest method on this CPU in
-the results; the embedded model gets a HumanEval prompt as text and its Hydra heads; when the default cannot be
-fetched the demo says so in one line and runs on the embedded model."""
+fetched directory) gets a question through its chat template and its shipped EAGLE-3 heads, the fastest method on
+this CPU on that question; the embedded model gets a HumanEval prompt as text and its Hydra heads; when the default
+cannot be fetched the demo says so in one line and runs on the embedded model."""
 
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def test_without_a_fetchable_default_the_demo_runs_on_the_embedded_model(monkeyp
 
 def test_prompt_and_method_follow_the_target(fetched):
     embedded = default_model_dir()
-    assert demo.demo_prompt(fetched, None, None) == (demo.demo_question(), True)
+    assert demo.demo_prompt(fetched, None, None) == (demo.DEMO_QUESTION, True)
     assert demo.demo_prompt(fetched, "Hi?", None) == ("Hi?", True)
     assert demo.demo_prompt(fetched, None, "def f():") == ("def f():", False)  # --task: completed as text
     assert demo.demo_prompt(embedded, None, None) == (demo.humaneval_prompt("HumanEval/0"), False)
-    assert demo.demo_heads(fetched, None, None, UNTRAINABLE) == "prompt_lookup"
+    assert demo.demo_heads(fetched, None, None, UNTRAINABLE) == str(shipped_heads_dir("eagle3", "smollm2"))
     assert demo.demo_heads(fetched, "medusa", None, UNTRAINABLE) == str(shipped_heads_dir("medusa", "smollm2"))
     assert demo.demo_heads(embedded, None, None, UNTRAINABLE) == str(shipped_heads_dir("hydra"))
     shipped = "amphista, bita, eagle, eagle3, medusa"
@@ -66,11 +66,13 @@ def test_prompt_and_method_follow_the_target(fetched):
         demo.demo_heads(fetched, "hydra", None, UNTRAINABLE)
 
 
-def test_the_demo_asks_the_real_target_a_question_with_prompt_lookup(fetched, monkeypatch, capsys):
+def test_the_demo_asks_the_real_target_a_question(fetched, monkeypatch, capsys):
     """What `amphista-jax demo` runs for a user (the default model is the fetched real target), here on the
-    stand-in's weights: the chat question, prompt lookup, lossless."""
+    stand-in's weights (so with prompt lookup: the shipped EAGLE-3 heads fit the real target's shape only): the chat
+    question, a report naming the target, drafter and tree, lossless."""
     monkeypatch.setenv("AMPHISTA_MODEL", str(fetched))
-    assert main(["demo", "--max-new-tokens", "16", "--runs", "1"]) == 0
+    assert main(["demo", "--method", "prompt_lookup", "--max-new-tokens", "16", "--runs", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(demo.demo_question() + "\n\n") and "| prompt_lookup |" in out
+    assert out.startswith(demo.DEMO_QUESTION + "\n\n") and "| prompt_lookup |" in out
+    assert "target: SmolLM2-135M-Instruct, 2.1M parameters" in out and "drafter: prompt_lookup; tree: auto (" in out
     assert "output identical to autoregressive greedy decoding: yes" in out

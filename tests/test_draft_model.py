@@ -23,7 +23,7 @@ from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import PRESETS
 from amphista_jax.trees import batched, chain, tree_arrays
 from amphista_jax.verify import Verdict
-from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless
+from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless, default_cases
 
 SMALL = dataclasses.replace(CONFIG, num_layers=1, sliding_windows=(0,), hidden_size=32, intermediate_size=64,
                             num_heads=2, num_kv_heads=1, head_dim=16)
@@ -46,6 +46,7 @@ def test_greedy_draft_model_equals_ar(target, tree):
 
 @pytest.mark.parametrize(("tree", "made"), [("chain-4", False), ("chain-4", True),
                                             pytest.param("mc_sim_7b_63", False, marks=pytest.mark.slow)])
+@default_cases('chain-4-False')
 def test_the_target_as_its_own_draft_model_is_accepted_whole(target, tree, made):
     """Drafting with the target's weights is right at every node iff the draft cache holds exactly the committed
     text and the root: greedy decoding then accepts depth + 1 tokens every step. `made`: the draft model made from
@@ -227,6 +228,7 @@ def test_a_made_draft_model_starts_as_the_targets_first_layers(target):
 
 
 @pytest.mark.parametrize("tree", ["chain-4", "dynamic", pytest.param("small-8", marks=pytest.mark.slow)])
+@default_cases('dynamic')
 def test_greedy_made_draft_model_over_a_draft_vocabulary_equals_ar(target, tree):
     tree = dynamic_tree(8, 3, 3) if tree == "dynamic" else PRESETS[tree]
     assert_greedy_lossless(target, MADE, MADE.init(jax.random.key(1), target), tree, trained=False)

@@ -21,7 +21,7 @@ from amphista_jax.models.llama import init_params
 from amphista_jax.target import Target
 from amphista_jax.tree_names import get_tree
 from amphista_jax.trees import TreeError, TreeSpec
-from tests.helpers import CONFIG, PROMPTS, assert_greedy_lossless, assert_trains
+from tests.helpers import CONFIG, PROMPTS, assert_greedy_lossless, assert_trains, default_cases
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,7 @@ GREEDY = [case(Medusa(num_heads=3), "small-8"), case(Hydra(num_heads=3), "small-
 
 
 @pytest.mark.parametrize("drafter, tree", GREEDY)
+@default_cases('medusa-small-8', 'eagle-dynamic-8x4x2')
 def test_greedy_lossless_with_a_draft_vocabulary(target, vocab, drafter, tree):
     drafter = dataclasses.replace(drafter, draft_vocab=vocab)
     assert_greedy_lossless(target, drafter, drafter.init(jax.random.key(1), target), get_tree(tree), trained=False)
@@ -86,6 +87,7 @@ DRAFTERS = [case(Medusa(num_heads=3), "small-8"), case(Medusa(num_heads=3, share
 
 
 @pytest.mark.parametrize("drafter, tree", DRAFTERS)
+@default_cases('medusa-small-8_0', 'medusa-small-8_1', 'hydra-small-8', 'eagle-dynamic-8x4x2')
 def test_drafts_stay_inside_and_the_whole_vocabulary_changes_nothing(target, vocab, drafter, tree):
     tree = get_tree(tree)
     key = jax.random.key(1)

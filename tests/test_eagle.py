@@ -25,6 +25,7 @@ from tests.helpers import (
     assert_compiles_once,
     assert_greedy_lossless,
     assert_trains,
+    default_cases,
     fitted_heads,
     replay_commits,
     sequence,
@@ -253,6 +254,7 @@ FAST_GREEDY = {("trained", "dynamic"), ("trained", "mc_sim_7b_63"), ("untrained"
     pytest.param(w, t, marks=() if (w, t) in FAST_GREEDY else pytest.mark.slow)
     for w in ("untrained", "trained")
     for t in (*sorted(PRESETS), "dynamic", "dynamic-12x3x4", "dynamic-8x4x2")])
+@default_cases('trained-dynamic', 'trained-mc_sim_7b_63')
 def test_greedy_eagle_equals_ar(target, heads, trained, weights, tree):
     assert_greedy_lossless(target, EAGLE, trained() if weights == "trained" else heads, get_tree(tree),
                            weights == "trained")

@@ -24,7 +24,14 @@ from amphista_jax.train.step import make_steps
 from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import get_tree
 from amphista_jax.trees import batched, chain, tree_arrays
-from tests.helpers import CONFIG, assert_compiles_once, assert_greedy_lossless, assert_trains, fitted_heads
+from tests.helpers import (
+    CONFIG,
+    assert_compiles_once,
+    assert_greedy_lossless,
+    assert_trains,
+    default_cases,
+    fitted_heads,
+)
 
 EAGLE3 = Eagle3()
 DEEP = tiny_llama_config(num_layers=8)  # feature layers 2, 4, 5: three different ones
@@ -156,6 +163,8 @@ def test_training_lowers_the_loss(target):
 @pytest.mark.parametrize(("weights", "tree"), [
     ("untrained", "dynamic-8x4x2"), ("untrained", "mc_sim_7b_63"), ("trained", "dynamic"),
     pytest.param("trained", "small-8", marks=pytest.mark.slow)])
+# Untrained on a static tree and trained on the dynamic one; untrained-dynamic adds no path (under -m slow).
+@default_cases('trained-dynamic', 'untrained-mc_sim_7b_63')
 def test_greedy_eagle3_equals_ar(target, heads, trained, weights, tree):
     drafter = Eagle3(ttt_steps=3) if weights == "trained" else EAGLE3
     assert_greedy_lossless(target, drafter, trained() if weights == "trained" else heads, get_tree(tree),

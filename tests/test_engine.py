@@ -41,6 +41,7 @@ from tests.helpers import (
     chi2_999,
     chi_square,
     count_compiles,
+    default_cases,
     reference_rows,
 )
 from tests.test_trees import random_trees
@@ -302,6 +303,7 @@ def _node_logits(tables: list[np.ndarray], tokens: np.ndarray, tree) -> np.ndarr
 @pytest.mark.parametrize("draft", ["point-mass", "iid-q"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3, top_p=0.9)],
                          ids=["t1", "top-k-top-p"])
+@default_cases('t1-iid-q', 'top-k-top-p-point-mass')
 def test_joint_of_the_first_three_tokens_on_random_per_row_trees(draft, sampling):
     """One verification per row, every row its own random tree (depth <= 3) of random drafts, then exact
     sampling of the tokens the step did not commit: the joint of the first three tokens must be the

@@ -15,6 +15,7 @@ from amphista_jax.models.llama import Transformer
 from amphista_jax.target import Target
 from amphista_jax.tokenizer import load_tokenizer
 from amphista_jax.train.config import DataConfig
+from tests.helpers import default_cases
 
 
 def test_untrained_medusa_heads_equal_the_targets_own_head_shifted():
@@ -49,6 +50,7 @@ FAST_HEAD_ACCURACY = {"medusa", "eagle", "gumiho"}
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_HEAD_ACCURACY else (pytest.mark.slow,))
                                   for n in sorted(DRAFTERS) if DRAFTERS[n].trainable])
+@default_cases('medusa', 'eagle')
 def test_every_registered_drafter_reports_per_head_accuracy(name: str):
     model_dir = default_model_dir()
     params, config = load_params(model_dir, dtype="float32")

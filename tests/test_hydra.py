@@ -26,6 +26,7 @@ from tests.helpers import (
     assert_compiles_once,
     assert_greedy_lossless,
     assert_trains,
+    default_cases,
     fitted_heads,
     replay_commits,
     sequence,
@@ -170,6 +171,7 @@ def test_head_k_reads_the_true_path_tokens_t_plus_1_to_t_plus_1_plus_k(target):
 
 
 @pytest.mark.parametrize("prefix_layer", [False, True])
+@default_cases('True')
 def test_loss_positions(target, prefix_layer):
     """With only label position j in the mask: head k's loss reaches the hidden states at j - 2 - k (and, with
     the causal prefix layer, earlier ones, never later), and its teacher term the target's logits at j - 1."""
@@ -209,6 +211,7 @@ def test_embedding_noise_only_with_a_training_rng(target):
 
 
 @pytest.mark.parametrize("variant", ["hydra", "hydra++", pytest.param("hydra+noise", marks=pytest.mark.slow)])
+@default_cases('hydra++')
 def test_training_lowers_the_loss(target, variant):
     assert_trains(Hydra(alpha_noise=75.0) if variant == "hydra+noise" else VARIANTS[variant], target)
 
@@ -234,6 +237,7 @@ FAST_GREEDY = {("trained", "mc_sim_7b_63"), ("untrained", "chain-1")}
 @pytest.mark.parametrize(("variant", "heads", "tree"), [
     pytest.param(v, h, t, marks=() if (h, t) in FAST_GREEDY else pytest.mark.slow)
     for v in sorted(VARIANTS) for h in ("untrained", "trained") for t in sorted(PRESETS)])
+@default_cases('hydra++-trained-mc_sim_7b_63', 'hydra-untrained-chain-1')
 def test_greedy_hydra_equals_ar(target, trained, variant, heads, tree):
     hydra = VARIANTS[variant]
     params = trained(variant) if heads == "trained" else _random_heads(hydra, target)

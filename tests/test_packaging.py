@@ -1,9 +1,13 @@
-"""The installed package's shape: recipes and evals live under `amphista_jax`, and imports point one way."""
+"""The installed package's shape: recipes and evals live under `amphista_jax`, imports point one way, and every
+third-party import is a declared dependency."""
 
 import ast
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,3 +51,30 @@ def test_no_top_level_train_or_evals_outside_the_checkout(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["None", "None"]
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    """Canonical distribution names of PEP 508 requirement strings."""
+    return {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group()).lower() for r in requirements}
+
+
+def test_every_third_party_import_of_the_package_is_a_declared_dependency():
+    """Each module the package installs imports, at any depth, only the standard library, itself, and distributions
+    `pyproject.toml` declares: the runtime dependencies, or for the benchmarks also the `bench` extra. A newcomer's
+    `pip install -e .` then has every import the package reaches (a dependency reached only through another package,
+    like jinja2 through transformers' chat templates, is run by `.ci/newcomer` in a venv with no extras)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = _requirement_names(project["dependencies"])
+    bench = runtime | _requirement_names(project["optional-dependencies"]["bench"])
+    owners = importlib.metadata.packages_distributions()
+    undeclared = {}
+    for folder in (*LIBRARY, ROOT / "train", ROOT / "evals"):
+        for path in folder.rglob("*.py"):
+            allowed = bench if "benchmarks" in path.parts else runtime
+            for top in {m.split(".")[0] for m in _imported_modules(path)}:
+                if top in sys.stdlib_module_names or top in ("amphista_jax", "pallas_kernels"):
+                    continue
+                dists = _requirement_names(owners.get(top, [top]))
+                if not dists & allowed:
+                    undeclared.setdefault(str(path.relative_to(ROOT)), []).append(f"{top} ({', '.join(dists)})")
+    assert not undeclared, undeclared

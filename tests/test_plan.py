@@ -28,7 +28,7 @@ from amphista_jax.train.config import DataConfig, MeshConfig, TrainConfig
 from amphista_jax.train.heads import plan_training, train_job
 from amphista_jax.train.plan import plan_request
 from amphista_jax.tree_names import get_tree
-from tests.helpers import ROOT, subprocess_env
+from tests.helpers import ROOT, default_cases, subprocess_env
 
 MODEL = str(default_model_dir())
 CONFIG = load_model_config(MODEL)
@@ -46,6 +46,7 @@ def _shard_bytes(tree) -> int:
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle", "bita"])  # BiTA's step runs the target with gradients
+@default_cases('medusa')
 def test_train_plan_is_the_compiled_step_of_the_real_run(method):
     cfg = _train_config(method)
     job = train_job(cfg, CONFIG)

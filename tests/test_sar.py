@@ -24,6 +24,7 @@ from tests.helpers import (
     assert_compiles_once,
     assert_greedy_lossless,
     assert_trains,
+    default_cases,
     fitted_heads,
     sequence,
 )
@@ -44,6 +45,7 @@ def _context(batch: int, seed: int = 4) -> DraftContext:
 
 @pytest.mark.parametrize("encoder", sorted(ENCODERS))
 @pytest.mark.parametrize("tree", ["small-8", "mc_sim_7b_63"])
+@default_cases('small-8-simplified', 'mc_sim_7b_63-lstm')
 def test_every_node_is_the_topk_of_its_own_path(target, encoder, tree):
     """Node-by-node reference: node n's token is rank `rank[n]` of `q0` on the encoder run from scratch over n's
     own path (root .. parent)."""

@@ -27,6 +27,7 @@ from amphista_jax.sharding import (
 from amphista_jax.target import Target
 from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import get_tree
+from tests.helpers import default_cases
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 
@@ -95,6 +96,8 @@ SHARDED_METHODS = [pytest.param(m, marks=() if m in ("medusa", "amphista", "eagl
 
 
 @pytest.mark.parametrize("method", SHARDED_METHODS)
+# Amphista's extra caches are placed by the same rules as EAGLE's; its case runs under -m slow.
+@default_cases('eagle', 'medusa')
 def test_sharded_speculative_generate_equals_one_device(method):
     """Greedy, batch 4: the target (decoding's layout) and the drafter sharded over (data=2, fsdp=2, tensor=2),
     caches on batch and KV heads, give one device's tokens; AR too."""

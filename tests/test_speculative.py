@@ -21,7 +21,16 @@ from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import PRESETS
 from amphista_jax.trees import TreeSpec, batched, children, tree_arrays
 from amphista_jax.verify import verify_rejection
-from tests.helpers import CHI2_999, CONFIG, PROMPTS, ReferenceOracle, assert_compiles_once, chi_square, reference_rows
+from tests.helpers import (
+    CHI2_999,
+    CONFIG,
+    PROMPTS,
+    ReferenceOracle,
+    assert_compiles_once,
+    chi_square,
+    default_cases,
+    reference_rows,
+)
 
 NEW = 40
 
@@ -76,6 +85,7 @@ def _ar(target, prompts):
 
 @pytest.mark.parametrize("tree", sorted(PRESETS))
 @pytest.mark.parametrize("batch", [1, 3])
+@default_cases('3-chain-1', '3-small-8', '3-mc_sim_7b_63', '1-chain-4')
 def test_greedy_medusa_equals_ar(target, medusa_heads, tree, batch):
     prompts = PROMPTS[:batch] if batch == 3 else PROMPTS[1:2]
     ar = _ar(target, prompts)
@@ -107,6 +117,7 @@ def test_oracle_drafter_accepts_whole_depth_every_step(target, tree):
 
 @pytest.mark.parametrize("tree", ["mc_sim_7b_63", "small-16"])
 @pytest.mark.parametrize("windows", [(0, 0), (5, 0)])
+@default_cases('windows1-mc_sim_7b_63')
 def test_partial_paths_through_later_siblings_stay_lossless(tree, windows):
     """Accepted paths that stop partway and run through non-first siblings, with and without a sliding
     window: still exactly the AR output, and the drafted tokens really are used."""
@@ -124,6 +135,7 @@ def test_partial_paths_through_later_siblings_stay_lossless(tree, windows):
 
 
 @pytest.mark.parametrize("windows", [(0, 0), (4, 0)])
+@default_cases('windows1')
 def test_pallas_tree_attention_in_the_decode_loop_stays_lossless(windows):
     """The same generation with the Pallas kernel (interpret mode on CPU) in every cached forward."""
     config = tiny_llama_config(sliding_windows=windows)
@@ -294,6 +306,7 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     (BiTA(), PRESETS["small-8"])],
     ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "eagle-3", "gumiho", "sar", "draft-model",
          "draft-model-iid-q", "made-draft-model-draft-vocab-iid-q", "bita"])
+@default_cases('medusa', 'eagle-2', 'draft-model-iid-q', 'bita')
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target."""

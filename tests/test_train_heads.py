@@ -29,7 +29,7 @@ from amphista_jax.train.distill import distill
 from amphista_jax.train.loop import LoopConfig, Preempted, read_metrics, run_loop
 from amphista_jax.train.optim import OptimConfig, make_optimizer
 from amphista_jax.train.step import make_steps
-from tests.helpers import ROOT, subprocess_env, write_code_files
+from tests.helpers import ROOT, default_cases, subprocess_env, write_code_files
 
 CONFIG = tiny_llama_config(vocab_size=256)
 
@@ -65,6 +65,8 @@ def _non_replicated(tree) -> int:
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 @pytest.mark.parametrize("method,mesh_name", SHARDED_CASES)
+# Every drafter's axes go through the one `init_boxed` + logical-rules path; the other methods run under -m slow.
+@default_cases('medusa-fsdp8', 'eagle-data2-fsdp2-tensor2', 'hydra-data2-fsdp2-tensor2')
 def test_sharded_train_step_matches_single_device(method, mesh_name):
     """One train step with the target, the draft params and their Adam state sharded over an emulated mesh ==
     the same step on one device; the draft params and their optimizer state really are split."""

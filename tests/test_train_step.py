@@ -14,6 +14,7 @@ from amphista_jax.sharding import make_mesh, param_shardings, train_state_shardi
 from amphista_jax.target import Target
 from amphista_jax.train.optim import OptimConfig, make_optimizer
 from amphista_jax.train.step import make_steps
+from tests.helpers import default_cases
 
 CONFIG = tiny_llama_config(vocab_size=256)
 
@@ -25,6 +26,8 @@ CONFIG = tiny_llama_config(vocab_size=256)
     pytest.param("amphista", True, True, marks=pytest.mark.slow)],  # ~2.5 minutes on 2 cores
     ids=["medusa", "amphista", "medusa-masked", "medusa-sharded-masked", "medusa-sharded", "amphista-sharded",
          "amphista-sharded-masked"])
+# Accumulation is method-independent (train.step); Amphista's and the unmasked cases run under -m slow.
+@default_cases('medusa-sharded-masked', 'medusa-masked')
 def test_microbatches_give_the_whole_batchs_update(method, sharded, masked):
     """4 slices weighted by their loss tokens give the whole batch's mean loss: the same metrics, gradients and
     updated params (to fp32 rounding), one device or sharded over (data=2, fsdp=2, tensor=2). `masked`: rows 0, 4

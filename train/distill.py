@@ -1,10 +1,16 @@
 """Self-distillation data: the target answers each prompt with our own jitted batch generation.
 
-    amphista-jax distill --model DIR --prompts FILE --out FILE [--batch-size 8] [--max-new-tokens 256]
+    amphista-jax distill --model DIR --prompts FILE --out FILE [--batch-size 64] [--max-new-tokens 256] [--limit N]
 
 Prompts come from JSONL (`prompt`, `turns` (first turn) or a ShareGPT/messages record (first user turn));
-each record's `id` (or `question_id`, else its line number) identifies it. Answers are appended to `--out`
-as ShareGPT JSONL, one line per finished prompt, so a rerun skips what is already answered.
+each record's `id` (or `question_id`, else its line number) identifies it. Prompts longer than `--prompt-len`
+tokens (after the chat template) are skipped and counted, never cut: a cut chat prompt would lose its template's
+header. The rest are answered shortest first, in batches padded to power-of-two length buckets (one compiled
+program per bucket; a batch's rows have similar lengths, so little of it is padding).
+
+Answers are appended to `--out` as ShareGPT JSONL, one line per finished prompt, with the answer's token ids
+(`answer_ids`, a stop token included) and why it stopped (`stop`: "eos" or "length"), so a rerun skips what is
+already answered and a later pass reads the target's own tokens without re-tokenizing its text.
 
 `--out` must be a new file or an earlier distill output: any line that is not a distilled record is refused
 and the file is left as it is. Only a torn last line (a run killed mid-write: no newline, the start of a
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,11 +131,13 @@ def _record_id(raw: bytes) -> str | None:
 
 
 def check_distill_args(model: str, prompts_file: str, out_file: str, batch_size: int, max_new_tokens: int,
-                       prompt_len: int, temperature: float) -> None:
+                       prompt_len: int, temperature: float, limit: int = 0) -> None:
     """UsageError (or the checkpoint's own error) for arguments that cannot work, before anything is loaded."""
     for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("prompt_len", prompt_len)):
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    if limit < 0:
+        raise UsageError(f"--limit {limit}: must be >= 0 (0 = every prompt)")
     if temperature < 0:
         raise UsageError(f"--temperature {temperature}: must be >= 0 (0 = greedy)")
     if Path(prompts_file).resolve() == Path(out_file).resolve():
@@ -140,44 +149,85 @@ def check_distill_args(model: str, prompts_file: str, out_file: str, batch_size:
     check_writable_dir(Path(out_file).parent, "--out directory")
 
 
-def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 8, max_new_tokens: int = 256,
-            prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0) -> int:
-    """Answer every prompt not yet in `out_file`; returns how many were answered in this run."""
-    check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature)
+MIN_BUCKET = 16  # the shortest padded prompt length
+
+
+def length_buckets(lengths: list[int], prompt_len: int) -> list[int]:
+    """Each prompt's padded length: the next power of two (at least `MIN_BUCKET`), capped at `prompt_len`."""
+    return [min(prompt_len, max(MIN_BUCKET, 1 << (n - 1).bit_length())) for n in lengths]
+
+
+def batches(lengths: list[int], prompt_len: int, batch_size: int) -> Iterator[tuple[int, list[int]]]:
+    """(padded length, indices) of batches of at most `batch_size` prompts, shortest first, each inside one length
+    bucket."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    padded = length_buckets([lengths[i] for i in order], prompt_len)
+    i = 0
+    while i < len(order):
+        j = i
+        while j < len(order) and j - i < batch_size and padded[j] == padded[i]:
+            j += 1
+        yield padded[i], order[i:j]
+        i = j
+
+
+def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, max_new_tokens: int = 256,
+            prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0,
+            limit: int = 0) -> int:
+    """Answer every prompt (the first `limit` that fit, with `limit`) not yet in `out_file`; returns how many were
+    answered in this run."""
+    check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature, limit)
     out = Path(out_file)
     with file_lock(lock_beside(out), "distill"):  # one run appends to a file at a time
         done, cut = _answered_ids(out)
         prompts, report = read_prompts(prompts_file)
         print(report.summary())
-        todo = [(k, p) for k, p in prompts if k not in done]
-        print(f"{len(done)} prompts already answered in {out}; {len(todo)} to go")
+        tok = load_tokenizer(model)
+        chat = bool(tok.chat_template) if chat is None else chat
+        encoded, too_long = [], 0
+        for key, prompt in prompts:
+            ids = encode_prompt(tok, prompt, chat=chat)
+            if len(ids) > prompt_len:
+                too_long += 1
+                continue
+            encoded.append((key, prompt, ids))
+            if limit and len(encoded) == limit:
+                break
+        todo = [e for e in encoded if e[0] not in done]
+        print(f"{len(encoded)} prompts of at most {prompt_len} tokens ({too_long} longer ones skipped"
+              f"{'' if not limit else f' before the first {limit}'}); {len(encoded) - len(todo)} already answered "
+              f"in {out}; {len(todo)} to go")
         if not todo:
             return 0
         params, config = load_params(model)
-        tok = load_tokenizer(model)
-        chat = bool(tok.chat_template) if chat is None else chat
         eos = stop_token_ids(model, tok, config)
         pad = config.pad_token_id or 0
-        kw = dict(config=config, max_new_tokens=max_new_tokens, cache_size=prompt_len + max_new_tokens,
-                  sampling=SamplingConfig(temperature), eos_ids=eos, pad_id=pad)
+        kw = dict(config=config, max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature), eos_ids=eos,
+                  pad_id=pad)
         out.parent.mkdir(parents=True, exist_ok=True)
         if cut is not None:
             print(f"warning: cutting the torn last line of {out} (an interrupted run); that prompt is redone")
             with out.open("r+b") as f:
                 f.truncate(cut)
+        t0, new_tokens = time.perf_counter(), 0  # answered tokens/s, compiles included
         with out.open("a") as f, tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
-            for i in range(0, len(todo), batch_size):
-                chunk = todo[i: i + batch_size]
-                ids = [encode_prompt(tok, p, chat=chat)[-prompt_len:] for _, p in chunk]
-                ids += [ids[0]] * (batch_size - len(ids))  # fixed batch shape: one compile
-                tokens, lengths = pad_prompts(ids, length=prompt_len, pad_id=pad)
-                check_fits(lengths, max_new_tokens, prompt_len + max_new_tokens)
-                result = generate(params, tokens, lengths, jax.random.fold_in(jax.random.key(seed), i), **kw)
-                rows, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
-                for (key, prompt), row, n in zip(chunk, rows, counts, strict=False):
-                    answer = tok.decode(row[:n], skip_special_tokens=True)
+            for length, rows in batches([len(e[2]) for e in todo], prompt_len, batch_size):
+                chunk = [todo[r] for r in rows]
+                ids = [e[2] for e in chunk]
+                ids += [ids[0]] * (batch_size - len(ids))  # fixed batch shape: one compile per length bucket
+                tokens, lengths = pad_prompts(ids, length=length, pad_id=pad)
+                check_fits(lengths, max_new_tokens, length + max_new_tokens)
+                rng = jax.random.fold_in(jax.random.key(seed), zlib.crc32(chunk[0][0].encode()))
+                result = generate(params, tokens, lengths, rng, cache_size=length + max_new_tokens, **kw)
+                rows_out, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
+                for (key, prompt, _), row, n in zip(chunk, rows_out, counts, strict=False):
+                    answer = [int(t) for t in row[:n]]
                     f.write(json.dumps({"id": key, "conversations": [
-                        {"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]}) + "\n")
+                        {"from": "human", "value": prompt},
+                        {"from": "gpt", "value": tok.decode(answer, skip_special_tokens=True)}],
+                        "answer_ids": answer, "stop": "eos" if answer and answer[-1] in eos else "length"}) + "\n")
                 f.flush()
                 bar.update(len(chunk))
+                new_tokens += int(counts[: len(chunk)].sum())
+                bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - t0):.1f}")
         return len(todo)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import itertools
 import tempfile
 import time
@@ -145,6 +146,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--out", default="runs/benchmarks")
     args = parser.parse_args()
+    if importlib.util.find_spec("torch") is None:
+        parser.exit(2, "ar_decode: error: this benchmark times transformers' own generate() beside ours, which needs "
+                       "torch: pip install 'amphista-jax[bench]'\n")
     bandwidth = memory_bandwidth()
     ceilings = {(d, b): memory_bandwidth(d, b) for d in args.dtypes for b in args.batches}
     kw = dict(dtypes=args.dtypes, batches=args.batches, layouts=args.layouts, new_tokens=args.new_tokens,

@@ -1,0 +1,80 @@
+"""`distill` answers prompts with the target's own greedy tokens: in length-bucketed batches where each row's answer is
+the one its prompt gets alone in a program of that shape (ragged prompts, other rows stopping early), shortest first,
+skipping (never cutting) prompts too long, and resuming after a kill without losing or repeating an answer.
+
+Alone means the prompt repeated over the batch, not batch 1: XLA:CPU sums a product of one row in another order than
+one of several, so at a near-tie between two logits a batch-1 program can pick the other token (the embedded model's
+"import os" flips at its 9th token). Such flips are float rounding, not one row seeing another."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+
+from amphista_jax.assets import default_model_dir
+from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.models.hf import load_params
+from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from amphista_jax.train.distill import batches, distill, length_buckets
+
+MODEL = str(default_model_dir())
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def __init__(self):", "x = [",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "# " + "word " * 40]
+
+
+def _write_prompts(path) -> None:
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+
+
+def _answers(path) -> dict[str, list[int]]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    ids = [r["id"] for r in records]
+    assert len(ids) == len(set(ids)), "an answer was written twice"
+    return {r["id"]: r["answer_ids"] for r in records}
+
+
+def test_batches_are_length_buckets_shortest_first():
+    assert length_buckets([1, 16, 17, 40, 300], 256) == [16, 16, 32, 64, 256]
+    got = list(batches([40, 3, 17, 5, 20, 2], prompt_len=64, batch_size=2))
+    assert got == [(16, [5, 1]), (16, [3]), (32, [2, 4]), (64, [0])]
+
+
+def test_batched_answers_equal_each_prompt_answered_alone(tmp_path, monkeypatch):
+    """Batch 4 over ragged prompts in two length buckets, with a stop token ending some rows early (here the first
+    line break also stops, so rows stop at different steps): each row equals its prompt answered alone by `generate`
+    at its bucket's shape; the 40-word prompt is over --prompt-len and is skipped, not cut."""
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
+    _write_prompts(prompts)
+    tok = load_tokenizer(MODEL)
+    eos = (*stop_token_ids(MODEL, tok, load_params(MODEL)[1]), *tok.encode("\n", add_special_tokens=False))
+    monkeypatch.setattr("amphista_jax.train.distill.stop_token_ids", lambda *_: eos)
+    assert distill(MODEL, str(prompts), str(out), batch_size=4, max_new_tokens=12, prompt_len=32,
+                   chat=False) == 5
+    answers = _answers(out)
+    assert set(answers) == {f"p{i}" for i in range(5)}
+    params, config = load_params(MODEL)
+    stopped_early = 0
+    for i, prompt in enumerate(PROMPTS[:5]):
+        ids = encode_prompt(tok, prompt, chat=False)
+        tokens, lengths = pad_prompts([ids] * 4, length=length_buckets([len(ids)], 32)[0])
+        alone = generate(params, tokens, lengths, jax.random.key(0), config=config, max_new_tokens=12,
+                         cache_size=tokens.shape[1] + 12, eos_ids=eos, pad_id=config.pad_token_id or 0)
+        stopped_early += int(alone.num_tokens[0]) < 12
+        assert answers[f"p{i}"] == np.asarray(alone.tokens)[0, : int(alone.num_tokens[0])].tolist(), prompt
+    assert 0 < stopped_early < 5  # some rows stopped while others went on
+
+
+def test_a_killed_run_resumes_without_losing_or_repeating_an_answer(tmp_path):
+    """A run stopped after two answers (`limit`) and a torn line of a third (a kill mid-write), then rerun whole,
+    ends with each prompt answered once, as one uninterrupted run answers it."""
+    prompts, out, whole = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl", tmp_path / "whole.jsonl"
+    _write_prompts(prompts)
+    kw = dict(batch_size=2, max_new_tokens=6, prompt_len=64, chat=False)
+    assert distill(MODEL, str(prompts), str(out), limit=2, **kw) == 2
+    with out.open("a") as f:
+        f.write('{"id": "p3", "conversa')
+    assert distill(MODEL, str(prompts), str(out), **kw) == 3  # the 40-word prompt is over --prompt-len
+    assert distill(MODEL, str(prompts), str(whole), **kw) == 5
+    assert _answers(out) == _answers(whole)
