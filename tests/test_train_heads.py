@@ -206,9 +206,9 @@ def test_distill_is_resumable_and_feeds_training(smoke_model, tmp_path):
     prompts.write_text(prompts.read_text() + json.dumps(
         {"messages": [{"role": "user", "content": "sort a list"}]}) + "\n")
     assert distill(model, str(prompts), str(out), batch_size=4, max_new_tokens=8, prompt_len=32) == 1
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["a", "7", "4"]
-    assert rows[1]["conversations"][0] == {"from": "human", "value": "write a loop"}
+    rows = {(r := json.loads(line))["id"]: r for line in out.read_text().splitlines()}  # answered shortest first
+    assert sorted(rows) == ["4", "7", "a"] and len(out.read_text().splitlines()) == 3
+    assert rows["7"]["conversations"][0] == {"from": "human", "value": "write a loop"}
     examples, report = conversation_examples(out, load_tokenizer(model), max_len=64)
     assert report.kept == 3
 

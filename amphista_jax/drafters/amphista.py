@@ -1,7 +1,8 @@
 """Amphista (Li et al., 2024): staged adaptation layers + a bi-directional auto-embedding block.
 
 From the target's last hidden state `h_t` and the embedding `e_{t+1}` of the token the target sampled from
-it, drafting runs in one parallel pass (`../shared/papers/amphista.txt`, section 3):
+it, drafting runs in one parallel pass ("Amphista: Bi-directional Multi-head Decoding for Accelerating LLM
+Inference", section 3):
 
 * staged adaptation (Eq. 1): `h^s_t = SAL^s(fc^s([h^{s-1}_t ; e_{t+1}]), kv^s_{1:t-1})`, `h^0 = h`. Each
   stage is one causal decoder layer of the target's block type with its own KV cache over every committed

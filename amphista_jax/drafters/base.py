@@ -1,6 +1,6 @@
-"""The draft-method contract (DESIGN section 3): `Drafter`, a base class whose defaults are the documentation,
-and what drafters share. The engine (`decode.py`) and the trainer call a drafter's members and never probe for
-them, nor branch on a method's name.
+"""The draft-method contract (`docs/architecture.md`, section 2): `Drafter`, a base class whose defaults are the
+documentation, and what drafters share. The engine (`decode.py`) and the trainer call a drafter's members and
+never probe for them, nor branch on a method's name.
 
 A drafter is a frozen (hashable) dataclass of its static settings subclassing `Drafter`; `target` is the frozen
 model, `target.Target(config, params)` (its config is static under `jax.jit`). Required: `init` (or, through

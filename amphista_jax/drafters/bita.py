@@ -1,6 +1,6 @@
 """BiTA (Lin et al., 2024): bi-directional tuning of the frozen target itself; no draft network.
 
-Trainable parameters (`../shared/papers/bita.txt`, section 3.1):
+Trainable parameters ("BiTA: Bi-Directional Tuning for Lossless Acceleration in Large Language Models", section 3.1):
 
 * `P` *prompt* tokens, P-tuning v2 style: per-layer keys and values `prompt_k, prompt_v [L, P, KVH, Dh]`
   (no rotary position on them), seen by the mask tokens alone, so the target's own outputs never change;

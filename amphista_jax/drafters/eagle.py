@@ -1,6 +1,7 @@
 """EAGLE (Li et al., 2024) and EAGLE-2's context-aware dynamic draft tree.
 
-EAGLE drafts at the feature level (`../shared/papers/gumiho.txt`, section 2 reviews it): `num_layers` decoder
+EAGLE drafts at the feature level (section 2 of "Gumiho: A Hybrid Architecture to Prioritize Early Tokens in
+Speculative Decoding" reviews it): `num_layers` decoder
 layers (EAGLE: one; Gumiho's serial part: two) of the target's block type, with their own KV cache, read
 `FC([E(x_{t+1}) ; f_t]) -> D` (`f_t` the target's last-layer hidden state at t, after the final norm) and
 predict `f_{t+1}`; the target's frozen `lm_head` turns the prediction into the draft distribution of `x_{t+2}`.

@@ -1,5 +1,6 @@
 """Gumiho (Li et al., 2025): serial heads for the first draft tokens, parallel MLP heads for the rest, and a
-lossless Full Tree Attention (`../shared/papers/gumiho.txt`, section 3.3, appendix C).
+lossless Full Tree Attention ("Gumiho: A Hybrid Architecture to Prioritize Early Tokens in Speculative
+Decoding", section 3.3, appendix C).
 
 - Serial part: EAGLE's feature-level drafter (`eagle.py`) with a `serial_layers`-layer stack (2) and its own
   KV cache; it drafts depths 1 and 2. Its inputs `o = FC([E(token) ; feature])` of a depth-1 node `a` and of a

@@ -1,7 +1,7 @@
 """Hydra and Hydra++ (Ankner et al., 2024): sequentially dependent draft heads.
 
 Head i (1-based, i = 1..K) drafts the token i steps past the root from the base state and the input
-embeddings of the candidate path so far (`../shared/papers/hydra.txt`, section 3)::
+embeddings of the candidate path so far ("Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding", section 3)::
 
     p(x_{t+i} | ...) = f_i([h ; E(x_root) ; E(x_1) ; ... ; E(x_{i-1})])        # width (i + 1) D
 

@@ -1,4 +1,4 @@
-"""Semi-autoregressive drafting (`../shared/papers/semi-autoregressive.txt`, sections 3-4 and appendix A).
+"""Semi-autoregressive drafting ("Semi-autoregressive Decoding for Efficient LLM Inference", sections 3-4, appendix A).
 
 The target models the distant tokens through its last hidden state `h_p` at the step's base position (the one
 that produced the root), computed once per step; a tiny language model models the recent ones, the draft so far::
