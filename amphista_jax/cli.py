@@ -277,7 +277,7 @@ def _distill(args: argparse.Namespace) -> int:
 
     distill(args.model, resolve_data(args.prompts), args.out, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, chat=args.chat,
-            temperature=args.temperature, seed=args.seed, limit=args.limit)
+            temperature=args.temperature, seed=args.seed, limit=args.limit, chunk=args.chunk)
     return 0
 
 
@@ -434,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=256, help="longer prompts (in tokens, after the chat template) "
                    "are skipped and counted, never cut")
     d.add_argument("--limit", type=int, default=0, help="answer the first N prompts that fit (0 = all)")
+    d.add_argument("--chunk", type=int, default=64, help="new tokens per batch pass: stopped rows are refilled with "
+                   "the next prompts between passes")
     d.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="use the chat template (default: when the tokenizer has one)")
     d.add_argument("--temperature", type=float, default=0.0)

@@ -140,7 +140,11 @@ FAST_ABLATIONS = {"amphista", "every change at once"}
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_ABLATIONS else pytest.mark.slow)
                                   for n in sorted(ABLATIONS)])
 @default_cases('every change at once')
+@pytest.mark.slow
 def test_every_ablation_trains(target, name):
+    """Under -m slow: the `trained` fixture of test_greedy_amphista_equals_ar[trained-mc_sim_7b_63] (`fitted_heads`
+    asserts head3 top-1 > 0.9) covers that training lowers the loss, and
+    test_ablations_change_the_parameter_tree_as_the_paper_describes each ablation's own parameters."""
     assert_trains(Amphista(**ABLATIONS[name]), target)
 
 
@@ -173,7 +177,10 @@ FAST_GREEDY = {("trained", "mc_sim_7b_63"), ("trained", "chain-4"), ("untrained"
 @pytest.mark.parametrize(("heads", "tree"), [
     pytest.param(h, t, marks=() if (h, t) in FAST_GREEDY else pytest.mark.slow)
     for h in ("untrained", "trained") for t in sorted(PRESETS)])
+@default_cases('trained-mc_sim_7b_63')
 def test_greedy_amphista_equals_ar(target, trained, tree, heads):
+    """By default only trained heads on the 63-node tree run: untrained heads and the other trees take the same
+    decode code path (test_a_shallow_tree_projects_only_its_heads covers trees shallower than the heads)."""
     amphista, params = trained if heads == "trained" else (Amphista(num_heads=4), None)
     params = params if params is not None else _random_heads(amphista, target)
     assert_greedy_lossless(target, amphista, params, PRESETS[tree], heads == "trained")

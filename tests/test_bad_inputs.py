@@ -650,7 +650,11 @@ def test_pretrain_fresh_start_never_appends_to_another_runs_metrics(capsys, tmp_
     assert_bad_input(outcome, "metrics.jsonl holds 1 metric rows", "another run's log")
 
 
+@pytest.mark.slow
 def test_plan_never_overwrites_earlier_plans_and_checks_out_before_compiling(capsys, tmp_path, user_files):
+    """Under -m slow (its `--replace` run compiles a 7B plan): test_an_unwritable_output_exits_3_before_any_work[plan]
+    runs plan's `--out` check before any compile, and test_output_lock.py's
+    test_every_command_refuses_an_output_another_run_is_writing[plan] its refusal to write into a taken `--out`."""
     out = tmp_path / "plans"
     out.mkdir()
     (out / "plan.md").write_text("my notes\n")

@@ -146,7 +146,12 @@ def _direct_logits(target, params, tokens, positions, num_masks):
     return out.logits[0, t:]
 
 
+@pytest.mark.slow
 def test_mask_groups_equal_a_direct_forward_and_commit_keeps_the_last_accepted_group(target, bita_params):
+    """Under -m slow: test_mask_group_visibility_literal checks the groups' visibility and positions against the
+    drawn matrix, test_oracle_drafts_are_accepted_through_bitas_own_commits that the group commit keeps feeds the
+    next step, and test_trained_bita_is_lossless_and_drafts_well[efficient-3x2] that the decode groups draft as the
+    training groups were fitted (tau > 1.5)."""
     drafter = BiTA()
     tree = efficient_tree(3, 2)
     tokens, lengths, settings, s = _oracle_state(target, drafter, bita_params, tree)
@@ -177,9 +182,12 @@ def test_mask_groups_equal_a_direct_forward_and_commit_keeps_the_last_accepted_g
                                    rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_targets_logits_do_not_see_the_masks_or_the_prompt(target, bita_params):
     """Prefill and verify forwards with BiTA's extras give the target's own logits (hidden states) at the prompt
-    and the tree, to fp32 rounding."""
+    and the tree, to fp32 rounding. Under -m slow: test_greedy_untrained_bita_equals_ar[16-chain-3] decodes with a
+    prompt and masks scaled far from their init (`strong`), so a leak into the target's logits breaks its
+    token-for-token equality with AR."""
     drafter = BiTA()
     frozen = Target(CONFIG, target)
     tokens, lengths = (jnp.asarray(x) for x in pad_prompts(PROMPTS))
@@ -322,9 +330,12 @@ def test_training_moves_only_the_prompt_and_the_masks(target):
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, target), before)
 
 
+@pytest.mark.slow
 def test_training_recomputes_the_targets_layers(target):
     """With `remat` (the default) the gradient keeps less for the backward pass than with every layer's
-    activations kept (the gradients themselves agree: test above); the paper's tree follows M."""
+    activations kept (the gradients themselves agree: test above); the paper's tree follows M. Under -m slow:
+    test_training_moves_only_the_prompt_and_the_masks runs the remat path (the default) and checks its gradients
+    equal those of keeping every layer."""
     frozen, batch = Target(CONFIG, target), _batch(target, b=4, t=96)
     params = BiTA().init(jax.random.key(1), frozen)
     def backward_temps(drafter: BiTA) -> int:
@@ -336,7 +347,10 @@ def test_training_recomputes_the_targets_layers(target):
     assert (BiTA().paper_tree, BiTA(num_masks=4).paper_tree) == ("efficient-3x5", "efficient-4x5")
 
 
+@pytest.mark.slow
 def test_a_few_steps_lower_the_mask_loss(target):
+    """Under -m slow: test_trained_bita_is_lossless_and_drafts_well's fitted masks (`fitted_heads` asserts head0
+    top-1 > 0.2 after 400 steps) cover that training lowers the loss."""
     from tests.helpers import assert_trains
 
     assert_trains(BiTA(), Target(CONFIG, target), steps=8, lr=3e-2)

@@ -17,7 +17,7 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.decode import generate, pad_prompts
 from amphista_jax.models.hf import load_params
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-from amphista_jax.train.distill import batches, distill, length_buckets
+from amphista_jax.train.distill import Answering, answer_in_chunks, distill, length_buckets
 
 MODEL = str(default_model_dir())
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def __init__(self):", "x = [",
@@ -35,10 +35,27 @@ def _answers(path) -> dict[str, list[int]]:
     return {r["id"]: r["answer_ids"] for r in records}
 
 
-def test_batches_are_length_buckets_shortest_first():
+def test_chunks_refill_stopped_rows_and_continue_the_others():
+    """Shortest prompts first; after each pass of `chunk` tokens stopped rows leave (a stop token, or the budget) and
+    the next prompts take their slots, while unfinished rows go on from their prompt and answer so far."""
     assert length_buckets([1, 16, 17, 40, 300], 256) == [16, 16, 32, 64, 256]
-    got = list(batches([40, 3, 17, 5, 20, 2], prompt_len=64, batch_size=2))
-    assert got == [(16, [5, 1]), (16, [3]), (32, [2, 4]), (64, [0])]
+    stop_after = {"a": 3, "b": 9, "c": 2, "d": 100}  # tokens until the row's stop token (9 = the stop id)
+    passes = []
+
+    def run(contexts, steps):
+        passes.append([len(c) for c in contexts])
+        out = []
+        for c in contexts:
+            key, answered = chr(ord("a") + c[0]), len(c) - 1  # context = [prompt id] + answer so far
+            n = min(steps, stop_after[key] - answered)
+            out.append([1] * (n - 1) + [9] if n < steps or answered + n == stop_after[key] else [1] * steps)
+        return out
+
+    todo = [Answering(k, k, [ord(k) - ord("a")] * 1) for k in "dcba"]
+    done = list(answer_in_chunks(todo, run, batch_size=2, chunk=4, max_new_tokens=8, eos=(9,)))
+    assert [(a.key, len(a.answer), a.answer[-1]) for a in done] == [
+        ("c", 2, 9), ("d", 8, 1), ("b", 8, 1), ("a", 3, 9)]
+    assert passes == [[1, 1], [5, 1], [5, 1]]  # d goes on beside b (c's slot), then b beside a (d's)
 
 
 def test_batched_answers_equal_each_prompt_answered_alone(tmp_path, monkeypatch):
@@ -78,3 +95,14 @@ def test_a_killed_run_resumes_without_losing_or_repeating_an_answer(tmp_path):
     assert distill(MODEL, str(prompts), str(out), **kw) == 3  # the 40-word prompt is over --prompt-len
     assert distill(MODEL, str(prompts), str(whole), **kw) == 5
     assert _answers(out) == _answers(whole)
+
+
+def test_answers_in_chunks_equal_answers_in_one_pass(tmp_path):
+    """Continuing a row from its prompt and answer so far (a new prefill every 3 tokens, slots refilled) gives the
+    answers one pass of 12 tokens gives."""
+    prompts, chunked, whole = tmp_path / "prompts.jsonl", tmp_path / "chunked.jsonl", tmp_path / "whole.jsonl"
+    _write_prompts(prompts)
+    kw = dict(batch_size=2, max_new_tokens=12, prompt_len=32, chat=False)
+    assert distill(MODEL, str(prompts), str(chunked), chunk=3, **kw) == 5
+    assert distill(MODEL, str(prompts), str(whole), chunk=12, **kw) == 5
+    assert _answers(chunked) == _answers(whole)

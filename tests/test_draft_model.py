@@ -61,9 +61,12 @@ def test_the_target_as_its_own_draft_model_is_accepted_whole(target, tree, made)
     assert int(spec.steps) == 40 // (PRESETS[tree].depth + 1), int(spec.steps)  # the prefill makes token 1
 
 
+@pytest.mark.slow
 def test_cache_after_commits_equals_a_fresh_prefill(target):
     """Prefill, then commits of different accepted counts per row through chain trees of the sequence's own
-    tokens: the committed keys/values (text and root) equal a cached forward over that text from scratch."""
+    tokens: the committed keys/values (text and root) equal a cached forward over that text from scratch. Under
+    -m slow: test_the_target_as_its_own_draft_model_is_accepted_whole[chain-4-False] accepts depth + 1 tokens every
+    step only if the draft cache holds exactly the committed text and the root."""
     drafter = DraftModel(SMALL)
     params = drafter.init(jax.random.key(1), target)
     seq = jax.random.randint(jax.random.key(3), (2, 40), 0, CONFIG.vocab_size)
@@ -170,15 +173,22 @@ def test_cli_generate_with_a_draft_model(tmp_path):
     assert spec.stdout == plain and "tau" in spec.stderr
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_draft_model_with_another_vocabulary(tmp_path):
+    """Under -m slow: test_from_pretrained_loads_a_checkpoint_and_refuses_another_vocabulary covers the refusal (a
+    `DraftModelError`, a `UserError`, which test_bad_inputs.py's test_heads_of_another_target_shape_are_refused shows
+    the CLI reports in one line)."""
     bad = subprocess.run(CLI + ["--draft-model", _embedded_sibling(tmp_path, "wrong", vocab_size=300)],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "vocabulary of 300 tokens" in bad.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_head_accuracy_scores_its_depth1_drafts(target):
-    """On the target's own greedy continuation, the target as its own draft model drafts every token right."""
+    """On the target's own greedy continuation, the target as its own draft model drafts every token right. Under
+    -m slow: test_the_whole_target_made_into_a_draft_model_distils_to_its_entropy scores the same loss's depth-1
+    drafts at the target's positions (its CE equals the target's own entropy only where they line up)."""
     tokens, lengths = pad_prompts(PROMPTS[:1])
     ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=20, cache_size=64)
     seq = np.concatenate([np.asarray(PROMPTS[0]), np.asarray(ar.tokens[0, :20])])[None]

@@ -70,8 +70,12 @@ GREEDY = [case(Medusa(num_heads=3), "small-8"), case(Hydra(num_heads=3), "small-
 
 
 @pytest.mark.parametrize("drafter, tree", GREEDY)
-@default_cases('medusa-small-8', 'eagle-dynamic-8x4x2')
+@default_cases('medusa-small-8')
 def test_greedy_lossless_with_a_draft_vocabulary(target, vocab, drafter, tree):
+    """Under -m slow for EAGLE and Hydra: test_drafts_stay_inside_and_the_whole_vocabulary_changes_nothing's
+    [eagle-dynamic-8x4x2] and [hydra-small-8] cover their drafting over a draft vocabulary, and test_draft_model.py's
+    test_greedy_made_draft_model_over_a_draft_vocabulary_equals_ar[dynamic] decodes a dynamic tree over one
+    losslessly."""
     drafter = dataclasses.replace(drafter, draft_vocab=vocab)
     assert_greedy_lossless(target, drafter, drafter.init(jax.random.key(1), target), get_tree(tree), trained=False)
 
@@ -87,8 +91,11 @@ DRAFTERS = [case(Medusa(num_heads=3), "small-8"), case(Medusa(num_heads=3, share
 
 
 @pytest.mark.parametrize("drafter, tree", DRAFTERS)
-@default_cases('medusa-small-8_0', 'medusa-small-8_1', 'hydra-small-8', 'eagle-dynamic-8x4x2')
+@default_cases('medusa-small-8_1', 'hydra-small-8', 'eagle-dynamic-8x4x2')
 def test_drafts_stay_inside_and_the_whole_vocabulary_changes_nothing(target, vocab, drafter, tree):
+    """Under -m slow for plain Medusa ([medusa-small-8_0]):
+    test_medusa_logits_over_a_draft_vocabulary_are_the_full_logits_columns shows its logits are the full logits'
+    columns, and [medusa-small-8_1] runs the same `Medusa.propose` over a draft vocabulary."""
     tree = get_tree(tree)
     key = jax.random.key(1)
     perturb = lambda p: jax.tree.map(lambda x: x + 0.05 * jax.random.normal(key, x.shape), p)  # noqa: E731
@@ -128,7 +135,11 @@ def test_labels_outside_are_left_out_of_the_ce_and_count_as_misses():
     assert float(metrics["top5"]) == 0.5  # every inside label is within the 3 candidates
 
 
+@pytest.mark.slow
 def test_heads_over_a_draft_vocabulary_train(target, vocab):
+    """Under -m slow: test_labels_outside_are_left_out_of_the_ce_and_count_as_misses covers the draft-vocabulary CE
+    these heads train on, and test_draft_model.py's test_made_draft_model_distils_the_target_and_round_trips that a
+    drafter over a draft vocabulary trains (`assert_trains`)."""
     assert_trains(Medusa(num_heads=2, draft_vocab=vocab), target)
     assert_trains(Hydra(num_heads=2, lm_weight=0.5, teacher_weight=1.0, draft_vocab=vocab), target)
 

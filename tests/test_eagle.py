@@ -206,9 +206,12 @@ def test_grow_dynamic_tree_on_random_scores():
         grow_dynamic_tree(roots, jax.nn.log_softmax(carry0 @ u), carry0, expand, (), dynamic_tree(8, 1, 4))
 
 
+@pytest.mark.slow
 def test_cache_follows_the_committed_text(target, heads):
     """After prefill and each commit, the base state equals the whole-sequence pass at the last committed
-    position (inputs: the next token and the target's feature, from a known sequence)."""
+    position (inputs: the next token and the target's feature, from a known sequence). Under -m slow:
+    test_dynamic_tree_equals_a_python_eagle2_on_each_rows_own_scores[budget0]'s second step, drafted after a commit,
+    equals whole-sequence passes over the committed text, which needs this cache."""
     tokens, hidden = sequence(target, batch=2, length=40)
 
     def check(state, lengths):
@@ -242,11 +245,14 @@ def test_feature_noise_only_with_a_training_rng(target, heads):
     assert plain[0] == plain[1] and noisy[0] != plain[0] and noisy[0] != noisy[1]
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss(target):
+    """Under -m slow: test_greedy_eagle_equals_ar[trained-mc_sim_7b_63]'s fitted heads (`fitted_heads` asserts
+    head0/top1 > 0.9 after training) cover that training lowers the loss."""
     assert_trains(EAGLE, target)
 
 
-# The default run keeps a spread (static and dynamic, trained and not); `-m slow` adds every other pair.
+# `-m slow` adds every other pair; the default run keeps trained heads on a static tree (see the docstring).
 FAST_GREEDY = {("trained", "dynamic"), ("trained", "mc_sim_7b_63"), ("untrained", "dynamic-8x4x2")}
 
 
@@ -254,8 +260,11 @@ FAST_GREEDY = {("trained", "dynamic"), ("trained", "mc_sim_7b_63"), ("untrained"
     pytest.param(w, t, marks=() if (w, t) in FAST_GREEDY else pytest.mark.slow)
     for w in ("untrained", "trained")
     for t in (*sorted(PRESETS), "dynamic", "dynamic-12x3x4", "dynamic-8x4x2")])
-@default_cases('trained-dynamic', 'trained-mc_sim_7b_63')
+@default_cases('trained-mc_sim_7b_63')
 def test_greedy_eagle_equals_ar(target, heads, trained, weights, tree):
+    """Under -m slow for the dynamic trees: test_dynamic_tree_equals_a_python_eagle2_on_each_rows_own_scores[budget0]
+    pins EAGLE's dynamic trees, and test_eagle3.py's test_greedy_eagle3_equals_ar[trained-dynamic] decodes the same
+    `FeatureDrafting.dynamic` losslessly."""
     assert_greedy_lossless(target, EAGLE, trained() if weights == "trained" else heads, get_tree(tree),
                            weights == "trained")
 

@@ -87,9 +87,12 @@ def test_captured_features_are_the_inputs_of_the_chosen_layers():
         np.testing.assert_allclose(np.asarray(normed), np.asarray(want.hidden), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_captured_features_at_verify_equal_a_plain_forward():
     """Prefill 12 tokens, then verify a chain of the next 5 under the tree mask: the verify forward's captured
-    features are the plain forward's at those positions."""
+    features are the plain forward's at those positions. Under -m slow: test_greedy_eagle3_equals_ar[trained-dynamic]'s
+    heads, fitted on a plain forward's captures, must draft from the prefill's and verify's captures well enough to
+    commit more than 1.5 tokens per target forward."""
     params = split_layers(init_params(DEEP, jax.random.key(2)))
     model, layers = Transformer(DEEP, split=True), reference_layers(DEEP.num_layers)
     tokens = jax.random.randint(jax.random.key(4), (2, 17), 0, DEEP.vocab_size)
@@ -156,16 +159,22 @@ def test_loss_weights_the_steps_and_a_step_moves_only_draft_params(target, heads
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), before_target, target.params)
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss(target):
+    """Under -m slow: test_greedy_eagle3_equals_ar[trained-dynamic]'s fitted heads (`fitted_heads` asserts head0/top1
+    > 0.85 after training) cover that training lowers the loss."""
     assert_trains(EAGLE3, target)
 
 
 @pytest.mark.parametrize(("weights", "tree"), [
     ("untrained", "dynamic-8x4x2"), ("untrained", "mc_sim_7b_63"), ("trained", "dynamic"),
     pytest.param("trained", "small-8", marks=pytest.mark.slow)])
-# Untrained on a static tree and trained on the dynamic one; untrained-dynamic adds no path (under -m slow).
-@default_cases('trained-dynamic', 'untrained-mc_sim_7b_63')
+# Trained on the dynamic tree by default; the static and untrained cases run under -m slow (see the docstring).
+@default_cases('trained-dynamic')
 def test_greedy_eagle3_equals_ar(target, heads, trained, weights, tree):
+    """Under -m slow for the static trees: test_eagle.py's test_greedy_eagle_equals_ar[trained-mc_sim_7b_63] decodes
+    the same `FeatureDrafting.static` losslessly, and [trained-dynamic] runs EAGLE-3's own node expansion and
+    commits."""
     drafter = Eagle3(ttt_steps=3) if weights == "trained" else EAGLE3
     assert_greedy_lossless(target, drafter, trained() if weights == "trained" else heads, get_tree(tree),
                            weights == "trained")

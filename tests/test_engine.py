@@ -103,11 +103,14 @@ class ChainOracle(ReferenceOracle):
         return Proposal(tokens.at[:, 0].set(ctx.root), arrays)
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(random_trees())
 def test_arrays_from_parents_on_device_equal_the_static_layout(spec_pad):
     """Depth, ancestor mask, paths and children built with jnp from parent pointers equal the static layout
-    of the same tree (padded nodes and paths included)."""
+    of the same tree (padded nodes and paths included). Under -m slow: test_default_sibling_rank_is_node_order
+    checks arrays_from_parents' ranks, depths, paths, children and padding on a hand-made tree, and
+    test_random_per_row_trees_decode_losslessly_and_compile_once runs it on device in the decode loop."""
     spec, pad = spec_pad
     extra_paths = pad % 3
     want = tree_arrays(spec, num_nodes=spec.num_nodes + pad, num_paths=spec.num_paths + extra_paths)
@@ -167,9 +170,13 @@ def test_random_per_row_trees_decode_losslessly_and_compile_once(target, referen
     assert np.asarray(spec.node_hits).sum() > 0 and (np.asarray(spec.node_hits) <= np.asarray(spec.node_tries)).all()
 
 
+@pytest.mark.slow
 def test_random_per_row_trees_keep_the_target_distribution_under_rejection_sampling():
     """Many rows of one prompt at temperature 1 (16-token vocabulary), random tokens on random trees: the
-    second generated token's marginal equals the exact one computed from the target."""
+    second generated token's marginal equals the exact one computed from the target. Under -m slow:
+    test_speculative.py's test_speculative_sampling_matches_the_target_end_to_end[eagle-2] samples end to end on
+    per-row trees, and test_joint_of_the_first_three_tokens_on_random_per_row_trees checks verification on random
+    per-row trees."""
     config = tiny_llama_config(vocab_size=16)
     params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, init_params(config, jax.random.key(5)))
     prompt, rows = [3, 7, 1], 4000
@@ -303,12 +310,14 @@ def _node_logits(tables: list[np.ndarray], tokens: np.ndarray, tree) -> np.ndarr
 @pytest.mark.parametrize("draft", ["point-mass", "iid-q"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3, top_p=0.9)],
                          ids=["t1", "top-k-top-p"])
-@default_cases('t1-iid-q', 'top-k-top-p-point-mass')
+@default_cases('top-k-top-p-point-mass')
 def test_joint_of_the_first_three_tokens_on_random_per_row_trees(draft, sampling):
     """One verification per row, every row its own random tree (depth <= 3) of random drafts, then exact
     sampling of the tokens the step did not commit: the joint of the first three tokens must be the
     target's, and so must the token after a depth-1 node accepted once an earlier sibling holding another
-    token was rejected."""
+    token was rejected. The iid-q cases run under -m slow: test_speculative.py's
+    test_rejection_sampling_with_iid_draft_distribution_q (siblings sharing q, chi-square) and
+    test_rejection_walk_equals_a_plain_python_walk[iid-q] (the residual walk on a 63-node tree) cover that path."""
     rows, budget = 60000, TreeBudget(num_nodes=10, depth=3, num_paths=9, max_children=9, num_ranks=9)
     tables, probs = _warped_tables(0, sampling)
     keys = jax.random.split(jax.random.key(1), 4)
@@ -398,7 +407,10 @@ class CopyExtras(ChainOracle):
 
 @pytest.mark.parametrize("prefix", [0, 3])
 @pytest.mark.parametrize("wrong", [0, 1])
+@default_cases('0-0', '1-3')
 def test_extras_change_nothing_the_target_commits(target, reference, prefix, wrong):
+    """The two default cases take both prefix paths (none, prefix keys/values) and both ends of acceptance (every
+    draft taken, every draft rejected); the other two combinations add no code path and run under -m slow."""
     ar, ref = reference
     tokens, lengths = pad_prompts(PROMPTS)
     out = speculative_generate(target, ref, tokens, lengths, jax.random.key(0), config=CONFIG,

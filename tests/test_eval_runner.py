@@ -140,9 +140,13 @@ def test_two_local_processes_merge_to_the_one_process_result(prompts_file, refer
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+@pytest.mark.slow
 def test_a_mesh_gives_the_one_device_tokens(reference, tmp_path, monkeypatch):
     """The target and the heads sharded over (data=2, fsdp=2, tensor=2): the tokens of the one-device run (two of
-    its prompts, one with two turns)."""
+    its prompts, one with two turns). Under -m slow: test_sharding.py's
+    test_sharded_speculative_generate_equals_one_device[medusa] and test_cli.py's
+    test_generate_on_a_mesh_prints_the_one_device_text decode with the target and the heads sharded over the same
+    mesh and get one device's tokens."""
     from amphista_jax.evals import runner
 
     placed = []

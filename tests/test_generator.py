@@ -73,7 +73,10 @@ def test_release_if_crowded_drops_a_generators_programs(hydra):
     assert len(gen.programs) == 1
 
 
+@pytest.mark.slow
 def test_greedy_stream_equals_generate(hydra):
+    """Under -m slow: test_tree_search.py's test_generator_and_eval_follow_the_policy_by_batch checks that a greedy
+    stream of the shipped heads joins to generate's text."""
     pieces = list(hydra.stream(PROMPTS[0], max_new_tokens=24, steps_per_chunk=2))
     assert len(pieces) > 1
     assert "".join(pieces) == hydra.generate(PROMPTS[0], max_new_tokens=24).texts[0]

@@ -103,11 +103,14 @@ def _uncached_logits(params, prompt, node_tokens, node_depth, tree_mask):
     return Transformer(CONFIG).apply({"params": params}, tokens, positions, None, jnp.asarray(mask)[None]).logits[0, t:]
 
 
+@pytest.mark.slow
 def test_published_fta_commits_tokens_ar_would_not_and_ours_does_not(target):
     """Root r (the target's next token), a = the right depth-1 token, b = a wrong one, c = the right depth-2
     token drafted under b. The short path r -> a borrows c. Published FTA: the path [r, a, c] reads c's logits
     computed under b, and a's row attends to c. Ours: c becomes a new node under a. Greedy acceptance on each
-    prompt; AR is the reference."""
+    prompt; AR is the reference. Under -m slow: test_extend_short_paths_literal pins our extension (a new node under
+    the short path's leaf), test_proposals_stay_in_budget_and_fta_lengthens_short_paths finds it in real proposals,
+    and test_greedy_gumiho_equals_ar[untrained-True-budget0] decodes AR's tokens with it."""
     tokens, lengths = pad_prompts(PROMPTS)
     ar = np.asarray(generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=5,
                              cache_size=32).tokens)

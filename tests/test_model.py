@@ -11,6 +11,7 @@ from amphista_jax.cache import compact
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
 from pallas_kernels.dense_attention import apply_window, dot_product_attention, key_visibility
+from tests.helpers import default_cases
 
 
 def _positions(b: int, start: int, t: int) -> jax.Array:
@@ -18,7 +19,9 @@ def _positions(b: int, start: int, t: int) -> jax.Array:
 
 
 @pytest.mark.parametrize("windows", [(0, 0), (5, 0), (3, 3)])
+@default_cases('windows1', 'windows2')
 def test_prefill_then_steps_equals_full_forward(windows):
+    """By default (5, 0) and (3, 3) run: (5, 0)'s second layer has no window, the path (0, 0) takes."""
     config = tiny_llama_config(sliding_windows=windows)
     params = init_params(config, jax.random.key(0))
     model = Transformer(config)
@@ -70,9 +73,12 @@ def test_diagonal_keys_equal_a_mask_over_them(per_query: int):
         np.testing.assert_array_equal(np.asarray(diagonal[0, 1]), 0.0)
 
 
+@pytest.mark.slow
 def test_compact_moves_accepted_tree_path():
     """Verify a 3-node tree (root, two sibling children), accept root + second child: the cache then holds
-    exactly what a plain forward over the accepted tokens produces."""
+    exactly what a plain forward over the accepted tokens produces. Under -m slow: test_speculative.py's
+    test_partial_paths_through_later_siblings_stay_lossless[windows1-mc_sim_7b_63] commits paths through non-first
+    siblings, which stay lossless only if compaction moves them right."""
     config = tiny_llama_config()
     params = init_params(config, jax.random.key(0))
     model = Transformer(config)
@@ -94,9 +100,11 @@ def test_compact_moves_accepted_tree_path():
         np.testing.assert_allclose(np.asarray(got[row, 0]), np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_split_layers_is_the_same_model():
     """`split_layers` + `Transformer(split=True)` (one module per layer, no loop) computes what the stacked model
-    computes: a prefill, then a cached step, with the same cache contents."""
+    computes: a prefill, then a cached step, with the same cache contents. Under -m slow: test_generate.py's
+    test_per_layer_layout_generates_the_same_tokens covers the split layout generating the stacked model's tokens."""
     config = tiny_llama_config()
     params = init_params(config, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, config.vocab_size)

@@ -108,7 +108,11 @@ def test_rerun_resumes_from_the_last_checkpoint(smoke_model, tmp_path, capsys):
     assert resumed["config"]["steps"] == 5 and first["config"]["steps"] == 3
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    """Under -m slow: test_train_heads.py's test_exact_resume_after_sigterm sends SIGTERM into the same `run_loop`
+    (a checkpoint, exit status 143, then an exact resume), and test_rerun_resumes_from_the_last_checkpoint resumes
+    this recipe's run."""
     overrides = SMOKE_OVERRIDES + [f"run_dir={tmp_path}", f"export_dir={tmp_path}/export", "steps=100000",
                                    "checkpoint_every=100000"]
     proc = subprocess.Popen([sys.executable, "-m", "amphista_jax.cli", "pretrain-target", "--config",

@@ -25,7 +25,7 @@ from amphista_jax.tree_growth import dynamic_tree
 from amphista_jax.tree_names import PRESETS
 from amphista_jax.trees import TreeError, TreeSpec, chain, fan
 from amphista_jax.verify import AcceptanceConfig
-from tests.helpers import CHI2_999, CONFIG, PROMPTS, assert_compiles_once, chi_square
+from tests.helpers import CHI2_999, CONFIG, PROMPTS, assert_compiles_once, chi_square, default_cases
 
 DRAFTER = PromptLookup()
 
@@ -134,7 +134,10 @@ REPEATING = [[5, 9, 33, 8, 5, 9, 33, 8, 5, 9], [11, 12], [7, 1, 2, 3, 4, 5, 6, 7
 # Ragged rows: a prompt that repeats, a short one, one with no match in it (nor in its output), and alone.
 @pytest.mark.parametrize("tree", [chain(4), fan(3, 3)], ids=["chain-4", "fan-3x3"])
 @pytest.mark.parametrize("prompts", [[REPEATING[0], [11, 12], PROMPTS[2]], REPEATING[2:]], ids=["batch-3", "batch-1"])
+@default_cases('batch-3-fan-3x3')
 def test_greedy_prompt_lookup_equals_ar(target, prompts, tree):
+    """By default the ragged batch of 3 on the fan runs: a chain is the fan's one-branch case of the same `lookup`
+    and `propose`, and a batch of one adds no code path to the ragged batch."""
     tokens, lengths = pad_prompts(prompts)
     kw = dict(config=CONFIG, max_new_tokens=40)
     ar = generate(target.params, tokens, lengths, jax.random.key(0), cache_size=64, **kw)
@@ -154,9 +157,12 @@ def test_typical_acceptance_takes_its_drafts(target):
     np.testing.assert_array_equal(np.asarray(out.num_tokens), 24)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 def test_sharded_decoding_equals_one_device():
-    """The target sharded over (data=2, fsdp=2, tensor=2) decodes one device's tokens."""
+    """The target sharded over (data=2, fsdp=2, tensor=2) decodes one device's tokens. Under -m slow:
+    test_sharding.py's test_sharded_speculative_generate_equals_one_device[medusa] covers sharded speculative
+    decoding against one device, and test_lookup_is_per_row_in_a_batch that prompt lookup's state is per row."""
     from amphista_jax.models.llama import split_layers
     from amphista_jax.sharding import make_mesh, on_mesh, place_for_decoding
 
@@ -175,7 +181,11 @@ def test_generation_compiles_once(target):
     assert_compiles_once(target.params, DRAFTER, {}, chain(4))
 
 
+@pytest.mark.slow
 def test_the_embedded_model_drafts_repeated_text_and_stays_lossless():
+    """Under -m slow: test_cli_generate_draft_prompt_lookup_and_the_demo_method loads it by name on the embedded
+    model (through `Generator`), and test_greedy_prompt_lookup_equals_ar[batch-3-fan-3x3] covers that its drafts are
+    taken and decoding stays lossless."""
     gen = Generator.load(heads="prompt_lookup", tree="chain-4")
     assert gen.method == "prompt_lookup" and gen.notes == [] and gen.draft_params == {}
     body = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -187,11 +197,13 @@ def test_the_embedded_model_drafts_repeated_text_and_stays_lossless():
 
 
 @pytest.mark.parametrize("tree", [chain(4), fan(2, 2)], ids=["chain-4", "fan-2x2"])
+@default_cases('fan-2x2')
 def test_rejection_sampling_keeps_the_target_distribution(tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's marginal
     equals the exact one computed from the target. The prompt is [3, 7, 1] and the start of the target's own
     greedy text after it, which goes on 4 3 3 3: a first token 4 then drafts the 3 that followed it, often right;
-    on the fan a first token 3 drafts two siblings (3 and 7, the two tokens that followed a 3)."""
+    on the fan a first token 3 drafts two siblings (3 and 7, the two tokens that followed a 3). By default the fan
+    runs: its walk down each branch is the chain's, with the rejection of a sibling added."""
     config = tiny_llama_config(vocab_size=16)
     params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, init_params(config, jax.random.key(5)))
     prompt, rows = [3, 7, 1, 8, 9, 11, 4, 3], 4000

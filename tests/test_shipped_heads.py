@@ -90,10 +90,14 @@ def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, 
     assert tau > (1.5 if tree.num_nodes > 8 else 1.0), tau  # a searched CPU tree may hold a single draft node
 
 
+@pytest.mark.slow
 def test_shipped_draft_model_decodes_losslessly(target):
     """The embedded target's shipped sibling (`configs/target/code-draft.yaml`) drafts chains for it: greedy
     output equals AR's (batch 3) and more than two tokens are committed per target forward (3.06 on the
-    evaluation's 20 prompts, docs/results/code-llama)."""
+    evaluation's 20 prompts, docs/results/code-llama). Under -m slow: test_draft_model.py's
+    test_greedy_draft_model_equals_ar[chain-4] and
+    test_from_pretrained_loads_a_checkpoint_and_refuses_another_vocabulary cover a draft model loaded from its
+    directory drafting chains losslessly."""
     params, config, tok = target
     drafter, draft_params = DraftModel.from_pretrained(draft_model_dir(), config, MODEL)
     prompts = [encode_prompt(tok, humaneval_prompt(f"HumanEval/{i}")) for i in (2, 4, 7)]
@@ -127,10 +131,14 @@ def test_tree_presets_fit_the_shipped_heads(heads):
         assert all(get_tree(name).depth <= drafter.num_heads for name in PRESETS)
 
 
+@pytest.mark.slow
 def test_amphista_beats_medusa_on_later_heads(target, heads):
     """Amphista Figure 1 on our model: trained with the same data and budget (configs/*/code.yaml), the
     shipped Amphista heads are more accurate than the shipped Medusa heads on held-out stdlib code for heads
-    2..K (teacher-forced top-1 over 8 x 8 x 256 held-out tokens)."""
+    2..K (teacher-forced top-1 over 8 x 8 x 256 held-out tokens). Under -m slow: test_head_accuracy's
+    test_every_registered_drafter_reports_per_head_accuracy covers the per-head accuracy it compares, and
+    test_shipped_heads_files that both shipped heads load (the ranking itself changes only when heads are
+    re-shipped)."""
     from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
     from amphista_jax.target import Target
 

@@ -85,8 +85,10 @@ def _ar(target, prompts):
 
 @pytest.mark.parametrize("tree", sorted(PRESETS))
 @pytest.mark.parametrize("batch", [1, 3])
-@default_cases('3-chain-1', '3-small-8', '3-mc_sim_7b_63', '1-chain-4')
+@default_cases('3-chain-1', '3-mc_sim_7b_63')
 def test_greedy_medusa_equals_ar(target, medusa_heads, tree, batch):
+    """Batch 1 and the other presets add no code path to these two cases (a tree shallower than the heads, which
+    projects only its own, and the widest, deepest tree, both over ragged rows): they run under -m slow."""
     prompts = PROMPTS[:batch] if batch == 3 else PROMPTS[1:2]
     ar = _ar(target, prompts)
     spec = _run(target, *medusa_heads, prompts, PRESETS[tree])
@@ -97,7 +99,10 @@ def test_greedy_medusa_equals_ar(target, medusa_heads, tree, batch):
 
 
 @pytest.mark.parametrize("tree", sorted(PRESETS))
+@default_cases('mc_sim_7b_63')
 def test_oracle_drafter_accepts_whole_depth_every_step(target, tree):
+    """The presets differ only in shape, not in code path: the widest and deepest (mc_sim_7b_63) is the default
+    case, the others run under -m slow."""
     ar = _ar(target, PROMPTS)
     tokens, lengths = pad_prompts(PROMPTS)
     ref = np.zeros((3, tokens.shape[1] + NEW + 8), np.int32)
@@ -117,10 +122,15 @@ def test_oracle_drafter_accepts_whole_depth_every_step(target, tree):
 
 @pytest.mark.parametrize("tree", ["mc_sim_7b_63", "small-16"])
 @pytest.mark.parametrize("windows", [(0, 0), (5, 0)])
+@pytest.mark.slow
 @default_cases('windows1-mc_sim_7b_63')
 def test_partial_paths_through_later_siblings_stay_lossless(tree, windows):
     """Accepted paths that stop partway and run through non-first siblings, with and without a sliding
-    window: still exactly the AR output, and the drafted tokens really are used."""
+    window: still exactly the AR output, and the drafted tokens really are used. Under -m slow:
+    test_pallas_tree_attention_in_the_decode_loop_stays_lossless[windows1] decodes the same noisy oracle's partial
+    paths with a sliding window losslessly, and test_engine.py's
+    test_random_per_row_trees_decode_losslessly_and_compile_once asserts partial paths of several lengths on the XLA
+    attention path."""
     config = tiny_llama_config(sliding_windows=windows)
     params = init_params(config, jax.random.key(0))
     tokens, lengths = pad_prompts(PROMPTS)
@@ -152,7 +162,10 @@ def test_pallas_tree_attention_in_the_decode_loop_stays_lossless(windows):
     assert np.asarray(spec.drafted).sum() > 0
 
 
+@pytest.mark.slow
 def test_eos_stops_rows_inside_an_accepted_path(target):
+    """Under -m slow: test_engine.py's test_spec_step_stops_a_row_at_an_eos_inside_the_accepted_path stops a row at
+    an EOS inside an accepted path and pads after it, and test_spec_step_leaves_a_done_row_alone keeps it stopped."""
     ar = _ar(target, PROMPTS)
     eos = int(np.asarray(ar.tokens)[0, 7])
     tokens, lengths = pad_prompts(PROMPTS)
@@ -306,10 +319,13 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     (BiTA(), PRESETS["small-8"])],
     ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "eagle-3", "gumiho", "sar", "draft-model",
          "draft-model-iid-q", "made-draft-model-draft-vocab-iid-q", "bita"])
-@default_cases('medusa', 'eagle-2', 'draft-model-iid-q', 'bita')
+@default_cases('eagle-2', 'draft-model-iid-q')
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
-    marginal equals the exact one computed from the target."""
+    marginal equals the exact one computed from the target. One default case per acceptance path: q = None on
+    per-row trees (EAGLE-2; Medusa's and BiTA's static trees take the same path, checked on a static tree by
+    test_tree_rejection_sampling_keeps_the_target_distribution) and i.i.d. draws from q (the draft model); the
+    other cases run under -m slow."""
     config = tiny_llama_config(vocab_size=16)
     params = init_params(config, jax.random.key(5))
     params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, params)  # sharper distributions

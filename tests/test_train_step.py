@@ -27,7 +27,7 @@ CONFIG = tiny_llama_config(vocab_size=256)
     ids=["medusa", "amphista", "medusa-masked", "medusa-sharded-masked", "medusa-sharded", "amphista-sharded",
          "amphista-sharded-masked"])
 # Accumulation is method-independent (train.step); Amphista's and the unmasked cases run under -m slow.
-@default_cases('medusa-sharded-masked', 'medusa-masked')
+@default_cases('medusa-sharded-masked')
 def test_microbatches_give_the_whole_batchs_update(method, sharded, masked):
     """4 slices weighted by their loss tokens give the whole batch's mean loss: the same metrics, gradients and
     updated params (to fp32 rounding), one device or sharded over (data=2, fsdp=2, tensor=2). `masked`: rows 0, 4

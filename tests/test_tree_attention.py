@@ -26,6 +26,7 @@ from pallas_kernels.tree_attention import (
     tree_attention_reference,
     validate_inputs,
 )
+from tests.helpers import default_cases
 
 TOLERANCES = {
     jnp.dtype(jnp.float32): dict(atol=1e-5, rtol=1e-5),
@@ -126,7 +127,11 @@ class TreeAttentionTest:
         return tree_attention(**inputs, interpret=self.INTERPRET, backend="pallas", **kwargs)
 
     @pytest.mark.parametrize("name", sorted(CASES))
+    @default_cases('splits_bf16_gqa4', 'splits_window', 'cache_end', 'ragged_tail_S_and_T')
     def test_kernel_matches_reference(self, name: str):
+        """Each kernel feature runs in one default case: splits in bf16 with GQA (splits_bf16_gqa4), a window with
+        splits and padded nodes (splits_window), the cache's end inside the last block (cache_end), ragged S and T
+        tails (ragged_tail_S_and_T); the other cases recombine them and run under -m slow."""
         case = CASES[name]
         poisoned, clean = make_inputs(case)
         out = self.run_kernel(poisoned, settings=KernelSettings(block_k=case.block_k, k_splits=case.k_splits))

@@ -183,19 +183,25 @@ def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path, m
         search(default_model_dir(), shipped_heads_dir("medusa"), ["x"], tmp_path / "m.json", depth=9)
 
 
+@pytest.mark.slow
 def test_search_by_method_for_prompt_lookup_and_its_policy_file(tmp_path):
     """A method with nothing to train is searched by name (`--method prompt_lookup`): the calibration tree ranks its
     branches (4), a continuation has one next token (every non-first child below depth 1 is never accepted), and
     the tree per batch size it writes beside `--out` (`<stem>.batch.json`) is a tree name that resolves by batch,
-    for `resolve_tree`, eval specs and the Generator, which then decodes AR's tokens."""
+    for `resolve_tree`, eval specs and the Generator, which then decodes AR's tokens. Under -m slow:
+    test_search_grows_static_trees_for_heads_that_draft_to_any_depth runs the same search end to end (calibrate,
+    grow, time, write the tree and its policy, decode AR's tokens on it), and
+    test_generator_and_eval_follow_the_policy_by_batch and test_tree_policy_picks_by_batch_and_says_no_speculation
+    resolve a per-batch policy for the Generator and eval specs."""
     from amphista_jax import Generator
     from amphista_jax.demo import humaneval_prompts
     from amphista_jax.evals.methods import resolve_method
     from amphista_jax.tree_search import search
 
     out = tmp_path / "pl.json"
+    # 64 new tokens: at 32 a decode timed on a loaded machine could take no longer than its prefill (TreeSearchError)
     _, policy = search(default_model_dir(), "prompt_lookup", humaneval_prompts(100, 102), out, max_nodes=4,
-                       max_new_tokens=32, runs=1, sizes=(2,), batch_sizes=(1, 2), depth=3)
+                       max_new_tokens=64, runs=1, sizes=(2,), batch_sizes=(1, 2), depth=3)
     report = json.loads(out.with_suffix(".report.json").read_text())
     rates = np.asarray(report["rates"])
     assert rates.shape == (3, 4) and report["calibration_tree_nodes"] == 12 and report["heads"] == "prompt_lookup"

@@ -5,8 +5,10 @@
 Prompts come from JSONL (`prompt`, `turns` (first turn) or a ShareGPT/messages record (first user turn));
 each record's `id` (or `question_id`, else its line number) identifies it. Prompts longer than `--prompt-len`
 tokens (after the chat template) are skipped and counted, never cut: a cut chat prompt would lose its template's
-header. The rest are answered shortest first, in batches padded to power-of-two length buckets (one compiled
-program per bucket; a batch's rows have similar lengths, so little of it is padding).
+header. The rest are answered shortest first, `--batch-size` rows at a time and `--chunk` new tokens per pass: after
+each pass the rows that stopped are written and their slots refilled with the next prompts, the others go on from
+their prompt and answer so far (`answer_in_chunks`), so a batch never idles while one long answer finishes. Contexts
+are padded to power-of-two length buckets (one compiled program per bucket).
 
 Answers are appended to `--out` as ShareGPT JSONL, one line per finished prompt, with the answer's token ids
 (`answer_ids`, a stop token included) and why it stopped (`stop`: "eos" or "length"), so a rerun skips what is
@@ -19,11 +21,13 @@ record) is cut before appending.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import itertools
 import json
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,9 +135,10 @@ def _record_id(raw: bytes) -> str | None:
 
 
 def check_distill_args(model: str, prompts_file: str, out_file: str, batch_size: int, max_new_tokens: int,
-                       prompt_len: int, temperature: float, limit: int = 0) -> None:
+                       prompt_len: int, temperature: float, limit: int = 0, chunk: int = 64) -> None:
     """UsageError (or the checkpoint's own error) for arguments that cannot work, before anything is loaded."""
-    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("prompt_len", prompt_len)):
+    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("prompt_len", prompt_len),
+                        ("chunk", chunk)):
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 1")
     if limit < 0:
@@ -143,7 +148,7 @@ def check_distill_args(model: str, prompts_file: str, out_file: str, batch_size:
     if Path(prompts_file).resolve() == Path(out_file).resolve():
         raise UsageError(f"--out {out_file} is the --prompts file: answers go to a separate file; pick another --out")
     config = load_config(model)  # a checkpoint directory with a config.json
-    if prompt_len + max_new_tokens > config.max_positions:
+    if prompt_len + max_new_tokens > config.max_positions:  # a continued answer's context reaches both
         raise UsageError(f"--prompt-len {prompt_len} + --max-new-tokens {max_new_tokens} exceed the "
                          f"{config.max_positions} positions {model} was trained for: lower them")
     check_writable_dir(Path(out_file).parent, "--out directory")
@@ -157,26 +162,46 @@ def length_buckets(lengths: list[int], prompt_len: int) -> list[int]:
     return [min(prompt_len, max(MIN_BUCKET, 1 << (n - 1).bit_length())) for n in lengths]
 
 
-def batches(lengths: list[int], prompt_len: int, batch_size: int) -> Iterator[tuple[int, list[int]]]:
-    """(padded length, indices) of batches of at most `batch_size` prompts, shortest first, each inside one length
-    bucket."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    padded = length_buckets([lengths[i] for i in order], prompt_len)
-    i = 0
-    while i < len(order):
-        j = i
-        while j < len(order) and j - i < batch_size and padded[j] == padded[i]:
-            j += 1
-        yield padded[i], order[i:j]
-        i = j
+@dataclasses.dataclass
+class Answering:
+    """A prompt being answered: its token ids and the answer so far."""
+
+    key: str
+    prompt: str
+    ids: list[int]
+    answer: list[int] = dataclasses.field(default_factory=list)
+
+
+def answer_in_chunks(todo: list[Answering], run: Callable[[list[list[int]], int], list[list[int]]],
+                     batch_size: int, chunk: int, max_new_tokens: int, eos: tuple[int, ...]) -> Iterator[Answering]:
+    """Answer `todo` (shortest prompts first) in batches of `batch_size` rows, `chunk` new tokens at a time: after each
+    chunk the rows that stopped (a stop token, or `max_new_tokens` reached) are yielded and their slots refilled
+    with the next prompts, while the others go on in the next batch from their prompt and answer so far (a new
+    prefill). A batch then waits for its longest row for at most `chunk` steps, not `max_new_tokens`.
+    `run(contexts, new_tokens)` continues each context greedily by up to `new_tokens` tokens."""
+    fresh = iter(sorted(todo, key=lambda a: len(a.ids)))
+    going: list[Answering] = []
+    while True:
+        batch = going + list(itertools.islice(fresh, batch_size - len(going)))
+        if not batch:
+            return
+        going = []
+        for row, new in zip(batch, run([a.ids + a.answer for a in batch], chunk), strict=True):
+            row.answer = (row.answer + new)[:max_new_tokens]
+            stopped = bool(row.answer) and row.answer[-1] in eos
+            if stopped or len(row.answer) >= max_new_tokens:
+                yield row
+            else:
+                going.append(row)
 
 
 def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, max_new_tokens: int = 256,
             prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0,
-            limit: int = 0) -> int:
-    """Answer every prompt (the first `limit` that fit, with `limit`) not yet in `out_file`; returns how many were
-    answered in this run."""
-    check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature, limit)
+            limit: int = 0, chunk: int = 64) -> int:
+    """Answer every prompt (the first `limit` that fit, with `limit`) not yet in `out_file`, `chunk` new tokens per
+    batch pass (`answer_in_chunks`); returns how many were answered in this run."""
+    check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature, limit,
+                       chunk)
     out = Path(out_file)
     with file_lock(lock_beside(out), "distill"):  # one run appends to a file at a time
         done, cut = _answered_ids(out)
@@ -190,10 +215,10 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
             if len(ids) > prompt_len:
                 too_long += 1
                 continue
-            encoded.append((key, prompt, ids))
+            encoded.append(Answering(key, prompt, ids))
             if limit and len(encoded) == limit:
                 break
-        todo = [e for e in encoded if e[0] not in done]
+        todo = [a for a in encoded if a.key not in done]
         print(f"{len(encoded)} prompts of at most {prompt_len} tokens ({too_long} longer ones skipped"
               f"{'' if not limit else f' before the first {limit}'}); {len(encoded) - len(todo)} already answered "
               f"in {out}; {len(todo)} to go")
@@ -202,32 +227,35 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
         params, config = load_params(model)
         eos = stop_token_ids(model, tok, config)
         pad = config.pad_token_id or 0
-        kw = dict(config=config, max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature), eos_ids=eos,
-                  pad_id=pad)
+        sampling, passes = SamplingConfig(temperature), itertools.count()
+        new_tokens = 0  # answered tokens, for the progress bar's tokens/s (compiles included)
+
+        def run(contexts: list[list[int]], steps: int) -> list[list[int]]:
+            nonlocal new_tokens
+            length = length_buckets([max(map(len, contexts))], prompt_len + max_new_tokens)[0]
+            rows = contexts + [contexts[0]] * (batch_size - len(contexts))  # fixed shape: one compile per bucket
+            tokens, lengths = pad_prompts(rows, length=length, pad_id=pad)
+            check_fits(lengths, steps, length + steps)
+            result = generate(params, tokens, lengths, jax.random.fold_in(jax.random.key(seed), next(passes)),
+                              config=config, max_new_tokens=steps, cache_size=length + steps, sampling=sampling,
+                              eos_ids=eos, pad_id=pad)
+            out_rows, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
+            new_tokens += int(counts[: len(contexts)].sum())
+            bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - t0):.1f}")
+            return [r[:n].tolist() for r, n in zip(out_rows[: len(contexts)], counts[: len(contexts)], strict=True)]
+
         out.parent.mkdir(parents=True, exist_ok=True)
         if cut is not None:
             print(f"warning: cutting the torn last line of {out} (an interrupted run); that prompt is redone")
             with out.open("r+b") as f:
                 f.truncate(cut)
-        t0, new_tokens = time.perf_counter(), 0  # answered tokens/s, compiles included
+        t0 = time.perf_counter()
         with out.open("a") as f, tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
-            for length, rows in batches([len(e[2]) for e in todo], prompt_len, batch_size):
-                chunk = [todo[r] for r in rows]
-                ids = [e[2] for e in chunk]
-                ids += [ids[0]] * (batch_size - len(ids))  # fixed batch shape: one compile per length bucket
-                tokens, lengths = pad_prompts(ids, length=length, pad_id=pad)
-                check_fits(lengths, max_new_tokens, length + max_new_tokens)
-                rng = jax.random.fold_in(jax.random.key(seed), zlib.crc32(chunk[0][0].encode()))
-                result = generate(params, tokens, lengths, rng, cache_size=length + max_new_tokens, **kw)
-                rows_out, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
-                for (key, prompt, _), row, n in zip(chunk, rows_out, counts, strict=False):
-                    answer = [int(t) for t in row[:n]]
-                    f.write(json.dumps({"id": key, "conversations": [
-                        {"from": "human", "value": prompt},
-                        {"from": "gpt", "value": tok.decode(answer, skip_special_tokens=True)}],
-                        "answer_ids": answer, "stop": "eos" if answer and answer[-1] in eos else "length"}) + "\n")
+            for a in answer_in_chunks(todo, run, batch_size, min(chunk, max_new_tokens), max_new_tokens, eos):
+                f.write(json.dumps({"id": a.key, "conversations": [
+                    {"from": "human", "value": a.prompt},
+                    {"from": "gpt", "value": tok.decode(a.answer, skip_special_tokens=True)}],
+                    "answer_ids": a.answer, "stop": "eos" if a.answer[-1] in eos else "length"}) + "\n")
                 f.flush()
-                bar.update(len(chunk))
-                new_tokens += int(counts[: len(chunk)].sum())
-                bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - t0):.1f}")
+                bar.update(1)
         return len(todo)
