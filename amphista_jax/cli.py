@@ -273,12 +273,26 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from amphista_jax.train.distill import distill
+    from amphista_jax.train.distill import distill, merge_answers
 
+    if (args.prompts is None) == (args.merge is None):
+        raise UsageError("pass --prompts (answer them) or --merge FILE ... (join the shards of a run), not both or "
+                         "neither")
+    if args.merge:
+        print(f"{merge_answers(args.merge, args.out)} answers in {args.out}")
+        return 0
     distill(args.model, resolve_data(args.prompts), args.out, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, chat=args.chat,
-            temperature=args.temperature, seed=args.seed, limit=args.limit, chunk=args.chunk)
+            temperature=args.temperature, seed=args.seed, limit=args.limit, chunk=args.chunk, shard=args.shard)
     return 0
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """`I/N` -> (I, N), 0 <= I < N."""
+    i, sep, n = text.partition("/")
+    if not (sep and i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N with 0 <= I < N, e.g. 0/2 and 1/2 for two processes")
+    return int(i), int(n)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -426,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", help="answer prompts with the target to make self-distillation data")
     d.add_argument("--model", default=None)
-    d.add_argument("--prompts", required=True, help="JSONL of prompts (prompt / turns / conversations), or a fetched "
+    d.add_argument("--prompts", default=None, help="JSONL of prompts (prompt / turns / conversations), or a fetched "
                    "data set: sharegpt, mt-bench")
     d.add_argument("--out", required=True, help="ShareGPT JSONL to append to (resumable)")
     d.add_argument("--batch-size", type=int, default=64, help="rows answered together (shortest prompts first)")
@@ -434,6 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=256, help="longer prompts (in tokens, after the chat template) "
                    "are skipped and counted, never cut")
     d.add_argument("--limit", type=int, default=0, help="answer the first N prompts that fit (0 = all)")
+    d.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="answer every N-th prompt from the I-th "
+                   "(one process's share; join the shards' --out files with --merge)")
+    d.add_argument("--merge", nargs="+", default=None, metavar="FILE", help="join the --out files of a run's shards "
+                   "into a new --out")
     d.add_argument("--chunk", type=int, default=64, help="new tokens per batch pass: stopped rows are refilled with "
                    "the next prompts between passes")
     d.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -473,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # the embedded model, a fetched name (`smollm2`, fetched on first use) or a path; the demo resolves its own
         # default (`demo.demo_target`: the embedded model when the default cannot be fetched)
-        if hasattr(args, "model") and not (args.command == "demo" and args.model is None):
+        if hasattr(args, "model") and not (args.command == "demo" and args.model is None) \
+                and not getattr(args, "merge", None):  # joining answers needs no model
             args.model = resolve_model(args.model)
         return args.func(args)
     except UserError as e:

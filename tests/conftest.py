@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
             if item.callspec.id not in keep:
                 item.add_marker(pytest.mark.slow)
             unknown = keep - {i.callspec.id for i in items if getattr(i, "function", None) is item.function}
-            if unknown:
+            if unknown and not any("::" in arg for arg in config.args):  # a node id collects only its own cases
                 raise pytest.UsageError(f"{item.function.__name__}: default_cases names no case {sorted(unknown)}")
 
 

@@ -12,6 +12,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from amphista_jax.assets import default_model_dir
 from amphista_jax.decode import generate, pad_prompts
@@ -106,3 +107,30 @@ def test_answers_in_chunks_equal_answers_in_one_pass(tmp_path):
     assert distill(MODEL, str(prompts), str(chunked), chunk=3, **kw) == 5
     assert distill(MODEL, str(prompts), str(whole), chunk=12, **kw) == 5
     assert _answers(chunked) == _answers(whole)
+
+
+def test_two_shards_merge_to_one_runs_answers(tmp_path, capsys):
+    """Two processes answer disjoint shards (`--shard 0/2`, `1/2`) into their own files; `--merge` joins them into
+    what one process answers. Merging an answer twice, onto an existing file, or a bad shard is one line."""
+    from amphista_jax.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    _write_prompts(prompts)
+    common = ["distill", "--model", MODEL, "--prompts", str(prompts), "--no-chat", "--batch-size", "2",
+              "--max-new-tokens", "6", "--prompt-len", "64"]
+    for i in (0, 1):
+        assert main([*common, "--shard", f"{i}/2", "--out", str(tmp_path / f"shard{i}.jsonl")]) == 0
+    assert main([*common, "--out", str(tmp_path / "one.jsonl")]) == 0
+    shards = [str(tmp_path / f"shard{i}.jsonl") for i in (0, 1)]
+    assert not set(_answers(tmp_path / "shard0.jsonl")) & set(_answers(tmp_path / "shard1.jsonl"))
+    assert main(["distill", "--merge", *shards, "--out", str(tmp_path / "merged.jsonl")]) == 0
+    assert _answers(tmp_path / "merged.jsonl") == _answers(tmp_path / "one.jsonl")
+    capsys.readouterr()
+    for args, needle in (([shards[0], shards[0]], "is in both"), (shards, "exists: merge writes a new file")):
+        out = tmp_path / ("merged.jsonl" if "exists" in needle else "again.jsonl")
+        assert main(["distill", "--merge", *args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err
+    with pytest.raises(SystemExit):
+        main([*common, "--shard", "2/2", "--out", str(tmp_path / "x.jsonl")])
+    assert "expected I/N with 0 <= I < N" in capsys.readouterr().err

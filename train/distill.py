@@ -38,7 +38,7 @@ from tqdm import tqdm
 from amphista_jax.decode import check_fits, generate, pad_prompts
 from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
 from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.output_lock import file_lock, lock_beside
+from amphista_jax.output_lock import file_lock, lock_beside, write_atomic
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.data import DataError, DataReport, normalize_messages, read_records
@@ -197,9 +197,11 @@ def answer_in_chunks(todo: list[Answering], run: Callable[[list[list[int]], int]
 
 def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, max_new_tokens: int = 256,
             prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0,
-            limit: int = 0, chunk: int = 64) -> int:
+            limit: int = 0, chunk: int = 64, shard: tuple[int, int] = (0, 1)) -> int:
     """Answer every prompt (the first `limit` that fit, with `limit`) not yet in `out_file`, `chunk` new tokens per
-    batch pass (`answer_in_chunks`); returns how many were answered in this run."""
+    batch pass (`answer_in_chunks`); with `shard` (i, n) only every n-th of them from the i-th, so n processes
+    answer disjoint shards into their own files (`merge_answers` joins them). Returns how many were answered in
+    this run."""
     check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature, limit,
                        chunk)
     out = Path(out_file)
@@ -218,8 +220,10 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
             encoded.append(Answering(key, prompt, ids))
             if limit and len(encoded) == limit:
                 break
+        encoded = encoded[shard[0]::shard[1]]
         todo = [a for a in encoded if a.key not in done]
-        print(f"{len(encoded)} prompts of at most {prompt_len} tokens ({too_long} longer ones skipped"
+        print(f"{'' if shard[1] == 1 else f'shard {shard[0]}/{shard[1]}: '}"
+              f"{len(encoded)} prompts of at most {prompt_len} tokens ({too_long} longer ones skipped"
               f"{'' if not limit else f' before the first {limit}'}); {len(encoded) - len(todo)} already answered "
               f"in {out}; {len(todo)} to go")
         if not todo:
@@ -259,3 +263,29 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
                 f.flush()
                 bar.update(1)
         return len(todo)
+
+
+def merge_answers(inputs: list[str], out_file: str) -> int:
+    """Join distill outputs (the shards of one run, `distill(shard=...)`) into a new `out_file`, every complete answer
+    once; refuses an input that is not a distill output, an id answered in two inputs, and an existing `out_file`.
+    Returns how many answers it holds."""
+    out = Path(out_file)
+    if out.exists():
+        raise OutputExistsError(f"--out {out} exists: merge writes a new file; pick another --out")
+    lines, seen = [], {}
+    for name in inputs:
+        path = Path(name)
+        if not path.is_file():
+            raise UsageError(f"--merge {path} does not exist: pass the files distill --shard wrote")
+        ids, cut = _answered_ids(path)
+        data = path.read_bytes()
+        for raw in (data if cut is None else data[:cut]).splitlines():
+            key = _record_id(raw)
+            if key in seen:
+                raise UsageError(f"answer {key!r} is in both {seen[key]} and {path}: merge the shards of one run, "
+                                 "each once")
+            seen[key] = path
+            lines.append(raw.decode() + "\n")
+    check_writable_dir(out.parent, "--out directory")
+    write_atomic(out, "".join(lines))
+    return len(lines)
