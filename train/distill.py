@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from amphista_jax.decode import check_fits, generate, pad_prompts
 from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
+from amphista_jax.generator import bucket
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.output_lock import file_lock, lock_beside, write_atomic
 from amphista_jax.sampling import SamplingConfig
@@ -154,12 +155,9 @@ def check_distill_args(model: str, prompts_file: str, out_file: str, batch_size:
     check_writable_dir(Path(out_file).parent, "--out directory")
 
 
-MIN_BUCKET = 16  # the shortest padded prompt length
-
-
 def length_buckets(lengths: list[int], prompt_len: int) -> list[int]:
-    """Each prompt's padded length: the next power of two (at least `MIN_BUCKET`), capped at `prompt_len`."""
-    return [min(prompt_len, max(MIN_BUCKET, 1 << (n - 1).bit_length())) for n in lengths]
+    """Each prompt's padded length: the Generator's length bucket (`generator.bucket`), capped at `prompt_len`."""
+    return [min(prompt_len, bucket(n)) for n in lengths]
 
 
 @dataclasses.dataclass
