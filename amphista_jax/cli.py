@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from amphista_jax.assets import REAL_TARGET, shipped_heads
 from amphista_jax.drafters import DRAFTERS
@@ -15,6 +16,7 @@ from amphista_jax.errors import (
     BAD_INPUT_EXIT,
     ENVIRONMENT_ERRNOS,
     ENVIRONMENT_EXIT,
+    DecodeSpecError,
     MachineRefusal,
     UsageError,
     UserError,
@@ -33,23 +35,35 @@ TREE_HELP = ("`auto` (the tree searched for the heads on this device, per batch 
              "`dynamic-TxDxK` (EAGLE-2's tree)")
 
 
+def _flags(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`command` with the decode spec's typed errors (`DecodeSpecError`) said in the words of its flags."""
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except DecodeSpecError as e:
+            raise UsageError(f"--{e.field.replace('_', '-')} {e.value}: {e.rule}") from None
+
+    return run
+
+
+@_flags
 def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import numpy as np
 
-    from amphista_jax.decode import check_fits
+    from amphista_jax.decode_spec import check_decode_settings
     from amphista_jax.generator import Generator, bucket, print_notes
+    from amphista_jax.prompt_checks import check_fits
+    from amphista_jax.sampling import SamplingConfig
     from amphista_jax.tokenizer import colour_drafts
     from amphista_jax.verify import AcceptanceConfig
 
     # Everything that can be checked before loading weights is checked here or in Generator.load.
     mesh = _mesh(args.mesh)
-    sampling = _sampling(args)
     acceptance = AcceptanceConfig(args.acceptance)
-    acceptance.resolve(sampling)
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    check_decode_settings(args.max_new_tokens, SamplingConfig(args.temperature, args.top_k, args.top_p), acceptance)
     if args.draft_model and (args.draft or args.heads):
         raise UsageError("--draft-model drafts on its own: drop --draft / --heads (or drop --draft-model)")
     if args.heads and (method := _check_heads(args.heads).name) != (args.draft or method):
@@ -58,8 +72,6 @@ def _generate(args: argparse.Namespace) -> int:
                          mesh=mesh,
                          attention=args.attention, draft_model=args.draft_model, seed=args.seed)
     print_notes(gen)
-    if args.top_k > gen.config.vocab_size:
-        raise UsageError(f"--top-k {args.top_k}: larger than the vocabulary ({gen.config.vocab_size} tokens)")
     ids = gen.encode(args.prompt, chat=args.chat)
     if args.max_len:  # the cache the user allows: the prompt, the new tokens and the tree's scratch slots
         check_fits(np.array([bucket(len(ids))]), args.max_new_tokens + gen.cache_size(0, 0), args.max_len, gen.config)
@@ -74,18 +86,6 @@ def _generate(args: argparse.Namespace) -> int:
           f"decoding forwards, tau = {out.tau[0]:.2f} tokens/forward; compile {first.compile_seconds:.1f}s]",
           file=sys.stderr)
     return 0
-
-
-def _sampling(args: argparse.Namespace):
-    """--temperature / --top-k / --top-p as a `SamplingConfig`, or a one-line error naming the flag."""
-    from amphista_jax.sampling import SamplingConfig
-
-    for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0 = greedy)"),
-                                  ("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0 = no top-k filter)"),
-                                  ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")):
-        if not ok or value != value:  # NaN fails every rule
-            raise UsageError(f"{flag} {value}: must be {rule}")
-    return SamplingConfig(args.temperature, args.top_k, args.top_p)
 
 
 def _check_heads(heads: str):
@@ -182,13 +182,16 @@ def _tree_search(args: argparse.Namespace) -> int:
     return 0
 
 
+@_flags
 def _demo(args: argparse.Namespace) -> int:
+    from amphista_jax.decode_spec import check_decode_settings
     from amphista_jax.demo import demo_heads, demo_prompt, demo_target, format_result, humaneval_prompt, run_demo
+    from amphista_jax.sampling import SamplingConfig
+    from amphista_jax.verify import AcceptanceConfig
 
     if args.runs < 1:
         raise UsageError(f"--runs {args.runs}: the demo needs at least one timed run per decoder")
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    check_decode_settings(args.max_new_tokens, SamplingConfig(), AcceptanceConfig())
     if args.heads:
         _check_heads(args.heads)
     task = humaneval_prompt(args.task) if args.task is not None else None  # checked before anything is fetched

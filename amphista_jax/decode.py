@@ -1,17 +1,18 @@
 """Generation: prefill, then a `lax.while_loop` of steps, all inside one `jax.jit` with static shapes.
 
-`generate` is the autoregressive baseline every speed-up is measured against; `speculative_generate` is
-`spec_init` (prefill of the target and the drafter) followed by `spec_step` (propose, verify, accept,
-compact, commit, emit) until every row is done. Shapes are fixed by (batch, prompt_len, cache_size,
-max_new_tokens) and, for speculative decoding, the tree budget (N nodes, depth D): a tree's content (its
-tokens and, for drafters that build trees on device, its shape) is data, so a new batch of prompts of the
-same padded shape reuses the compiled program. Rows of a batch have their own prompt lengths
-(`prompt_lengths [B]`): the prompts are right-padded and each row continues from its own length, with no
-re-padding.
+`decode` is the one entry: its static argument is a `DecodeSpec` (decode_spec.py), and its `init` and `step`
+cover autoregressive decoding (no drafter: `ar_init`, `ar_step`, the baseline every speed-up is measured
+against) and speculative decoding (`spec_init`: prefill of the target and the drafter; `spec_step`: propose,
+verify, accept, compact, commit, emit) until every row is done. `generate` and `speculative_generate` are thin
+wrappers that make the spec from keywords; `start` / `advance` run the same steps in chunks (streaming).
+Shapes are fixed by (batch, prompt_len, cache_size, max_new_tokens) and, for speculative decoding, the tree budget
+(N nodes, depth D): a tree's content (its tokens and, for drafters that build trees on device, its shape) is data,
+so a new batch of prompts of the same padded shape reuses the compiled program. Rows of a batch have their own
+prompt lengths (`prompt_lengths [B]`): the prompts are right-padded and each row continues from its own length, with
+no re-padding.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,23 +23,16 @@ import numpy as np
 from flax import struct
 
 from amphista_jax.cache import KVCache, compact, constrain_caches
+from amphista_jax.decode_spec import DEFAULT_ACCEPTANCE, GREEDY, DecodeSpec
 from amphista_jax.drafters.base import DraftContext, Drafter, PrefillContext, Proposal, accepted_tokens
-from amphista_jax.errors import UserError
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, Transformer, new_cache, target_model
-from amphista_jax.prompt_checks import HostChecked
+from amphista_jax.models.llama import Output, Transformer, new_cache
+from amphista_jax.prompt_checks import HostChecked, PromptTooLongError
 from amphista_jax.sampling import SamplingConfig, select_token
 from amphista_jax.target import Extras, Target, forward
 from amphista_jax.trees import Tree, tree_statistics
 from amphista_jax.verify import AcceptanceConfig, Verdict, verify
-
-GREEDY = SamplingConfig()
-DEFAULT_ACCEPTANCE = AcceptanceConfig()
-
-
-class PromptTooLongError(UserError, ValueError):
-    """A prompt that does not fit in the cache together with the tokens to generate."""
 
 
 @struct.dataclass
@@ -85,25 +79,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None, pad
     return out, lengths
 
 
-def check_fits(prompt_lengths: np.ndarray, max_new_tokens: int, cache_size: int,
-               config: ModelConfig | None = None) -> None:
-    """Raise `PromptTooLongError` unless every prompt plus `max_new_tokens` fits in `cache_size` slots and,
-    given the target's `config`, in the positions it was trained for."""
-    longest = int(np.max(prompt_lengths))
-    if max_new_tokens < 1:
-        raise PromptTooLongError(f"max_new_tokens={max_new_tokens}: must be >= 1")
-    if config is not None and longest + max_new_tokens > config.max_positions:
-        raise PromptTooLongError(
-            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} reaches position "
-            f"{longest + max_new_tokens} but the model was trained for {config.max_positions} positions "
-            "(max_position_embeddings with its rope scaling): shorten the prompt or lower --max-new-tokens")
-    if longest + max_new_tokens > cache_size:
-        raise PromptTooLongError(
-            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs {longest + max_new_tokens} "
-            f"cache slots but the cache has {cache_size}: shorten the prompt, lower --max-new-tokens or raise "
-            "--max-len")
-
-
 def prefill(
     model: Transformer, params: dict, prompt: jax.Array, prompt_lengths: jax.Array, cache: KVCache,
     extras: Extras | None = None, captures: tuple[int, ...] = (),
@@ -133,8 +108,6 @@ def _check_static_fit(prompt_len: int, max_new_tokens: int, scratch: int, cache_
     """Trace-time guard: every cache write must land inside the cache (XLA would otherwise clamp the write
     onto committed slots). Sized on the padded prompt length, which bounds every row's length; `scratch`:
     the slots a verify forward writes past the committed ones (tree nodes and extras)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"{max_new_tokens=} must be >= 1")
     need = prompt_len + max_new_tokens + scratch
     if need > cache_size:
         raise PromptTooLongError(
@@ -150,36 +123,15 @@ def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return (tokens[..., None] == jnp.asarray(eos_ids, tokens.dtype)).any(-1)
 
 
-@HostChecked
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "cache_size", "sampling", "eos_ids", "pad_id",
-                                             "attention"))
-def generate(
-    params: dict,
-    prompt: jax.Array,  # [B, T] right-padded prompts
-    prompt_lengths: jax.Array,  # [B]
-    rng: jax.Array,
-    *,
-    config: ModelConfig,
-    max_new_tokens: int,
-    cache_size: int,
-    sampling: SamplingConfig = GREEDY,
-    eos_ids: tuple[int, ...] = (),
-    pad_id: int = 0,
-    attention: str = "xla",
-) -> GenerateOutput:
-    """Autoregressive generation of up to `max_new_tokens` per row; a row stops after an EOS token.
-
-    Needs `cache_size >= prompt.shape[1] + max_new_tokens` (checked at trace time). `params` in either layer
-    layout; the `split_layers` one (what `hf.load_params(layout="split")` reads) decodes 2-3x faster on XLA:CPU
-    at 132M-500M parameters (docs/ar_decode.md).
-    """
-    _check_static_fit(prompt.shape[1], max_new_tokens, 0, cache_size)
-    model = target_model(config, params, attention)
-    state = ar_init(model, params, prompt, prompt_lengths, rng, cache_size, max_new_tokens, sampling, eos_ids, pad_id)
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                               lambda s: ar_step(model, params, s, sampling, eos_ids, pad_id), state)
-    one_per_step = (jnp.arange(max_new_tokens)[None] < final.num_tokens[:, None] - 1).astype(jnp.int32)
-    return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step, jnp.zeros_like(final.tokens, bool))
+def generate(params: dict, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array, *, config: ModelConfig,
+             max_new_tokens: int, cache_size: int, sampling: SamplingConfig = GREEDY, eos_ids: tuple[int, ...] = (),
+             pad_id: int = 0, attention: str = "xla") -> GenerateOutput:
+    """Autoregressive generation of up to `max_new_tokens` per row of right-padded `prompt [B, T]`; a row stops
+    after an EOS token: `decode` with no drafter. Needs `cache_size >= T + max_new_tokens`. `params` in either
+    layer layout; the `split_layers` one (what `hf.load_params(layout="split")` reads) decodes 2-3x faster on
+    XLA:CPU at 132M-500M parameters (docs/ar_decode.md)."""
+    spec = DecodeSpec(config, None, None, max_new_tokens, sampling, DEFAULT_ACCEPTANCE, eos_ids, pad_id, attention)
+    return decode(params, None, prompt, prompt_lengths, rng, spec=spec, cache_size=cache_size)
 
 
 def ar_init(model: Transformer, params: dict, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
@@ -218,31 +170,6 @@ def ar_step(model: Transformer, params: dict, s: ARState, sampling: SamplingConf
     return ARState(out.cache.advance(~s.done), nxt, tokens, num_tokens, done, s.steps + 1, s.rng)
 
 
-@dataclasses.dataclass(frozen=True)
-class SpecSettings:
-    """The static settings of speculative decoding (hashable: static under `jax.jit`); with no drafter, of
-    autoregressive decoding in `start` / `advance`."""
-
-    config: ModelConfig
-    drafter: Drafter | None  # None: autoregressive decoding (`start` / `advance`)
-    tree: Tree | None  # a static tree the drafter fills, or the budget of the trees it builds
-    max_new_tokens: int
-    sampling: SamplingConfig = GREEDY
-    acceptance: AcceptanceConfig = DEFAULT_ACCEPTANCE
-    eos_ids: tuple[int, ...] = ()
-    pad_id: int = 0
-    attention: str = "xla"
-
-    @property
-    def stat_shape(self) -> tuple[int, int]:
-        """(D, R) of the tree statistics."""
-        return max(self.tree.depth, 1), self.tree.num_ranks
-
-    def model(self, params: dict) -> Transformer:
-        """The target model that applies `params` (either layer layout)."""
-        return target_model(self.config, params, self.attention)
-
-
 @struct.dataclass
 class SpecState:
     """Everything one speculative step reads and writes (the `while_loop` carry)."""
@@ -263,39 +190,38 @@ class SpecState:
 
 
 def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
-              cache_size: int, settings: SpecSettings) -> SpecState:
+              cache_size: int, spec: DecodeSpec) -> SpecState:
     """Prefill the target and the drafter on the right-padded prompts `[B, T]`; the first token comes from
     the target."""
-    st = settings
     b, t = prompt.shape
     dtype = jax.tree.leaves(params)[0].dtype
-    frozen = Target(st.config, params)
-    extras = st.drafter.prefill_extras(draft_params, frozen, prompt, prompt_lengths)
+    frozen = Target(spec.config, params)
+    extras = spec.drafter.prefill_extras(draft_params, frozen, prompt, prompt_lengths)
     if extras is not None and t + extras.count > cache_size:
         raise PromptTooLongError(f"padded prompt length {t} + {extras.count} prefill extras > {cache_size=}: raise "
                                  "the cache size (--max-len)")
-    out, cache, hidden, logits = prefill(st.model(params), params, prompt, prompt_lengths,
-                                         constrain_caches(new_cache(st.config, b, cache_size, dtype)), extras,
-                                         st.drafter.captured_layers(st.config))
-    first = select_token(logits, jax.random.fold_in(rng, 0), st.sampling)
-    draft_state = st.drafter.prefill(draft_params, frozen, PrefillContext(out, prompt, prompt_lengths, first),
-                                     constrain_caches(st.drafter.init_state(st.config, b, cache_size)))
+    out, cache, hidden, logits = prefill(spec.model(params), params, prompt, prompt_lengths,
+                                         constrain_caches(new_cache(spec.config, b, cache_size, dtype)), extras,
+                                         spec.drafter.captured_layers(spec.config))
+    first = select_token(logits, jax.random.fold_in(rng, 0), spec.sampling)
+    draft_state = spec.drafter.prefill(draft_params, frozen, PrefillContext(out, prompt, prompt_lengths, first),
+                                     constrain_caches(spec.drafter.init_state(spec.config, b, cache_size)))
     # The verify forward writes N + E scratch slots after the committed ones (E: the proposal's extras).
     ctx = DraftContext(hidden, first, cache.lengths, draft_state)
-    shape = jax.eval_shape(lambda: st.drafter.propose(draft_params, frozen, ctx, st.tree, rng))
-    scratch, extras = scratch_slots(st.drafter, st.tree), shape.extras.count if shape.extras else 0
-    if st.tree.num_nodes + extras != scratch:
+    shape = jax.eval_shape(lambda: spec.drafter.propose(draft_params, frozen, ctx, spec.tree, rng))
+    scratch, extras = scratch_slots(spec.drafter, spec.tree), shape.extras.count if shape.extras else 0
+    if spec.tree.num_nodes + extras != scratch:
         raise ValueError(f"the drafter's proposals carry {extras} extras but its num_extras(tree) says "
-                         f"{scratch - st.tree.num_nodes}")
-    _check_static_fit(t, st.max_new_tokens, scratch, cache_size)
-    stats = jnp.zeros((b, st.stat_shape[0] * st.stat_shape[1]), jnp.int32)
+                         f"{scratch - spec.tree.num_nodes}")
+    _check_static_fit(t, spec.max_new_tokens, scratch, cache_size)
+    stats = jnp.zeros((b, spec.stat_shape[0] * spec.stat_shape[1]), jnp.int32)
     return SpecState(
         cache=cache, draft_state=draft_state, root=first, hidden=hidden,
-        tokens=jnp.full((b, st.max_new_tokens), st.pad_id, jnp.int32).at[:, 0].set(first),
-        drafted=jnp.zeros((b, st.max_new_tokens), bool),
+        tokens=jnp.full((b, spec.max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(first),
+        drafted=jnp.zeros((b, spec.max_new_tokens), bool),
         num_tokens=jnp.ones((b,), jnp.int32),
-        done=is_stop(first, st.eos_ids) | (st.max_new_tokens <= 1),
-        accept_lengths=jnp.zeros((b, st.max_new_tokens), jnp.int32),
+        done=is_stop(first, spec.eos_ids) | (spec.max_new_tokens <= 1),
+        accept_lengths=jnp.zeros((b, spec.max_new_tokens), jnp.int32),
         node_tries=stats, node_hits=stats, steps=jnp.zeros((), jnp.int32), rng=rng)
 
 
@@ -317,49 +243,46 @@ def _step_key(s: SpecState, part: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(s.rng, s.steps + 1), part)
 
 
-def spec_propose(params: dict, draft_params: Any, s: SpecState, settings: SpecSettings) -> Proposal:
+def spec_propose(params: dict, draft_params: Any, s: SpecState, spec: DecodeSpec) -> Proposal:
     """Step part 1: the drafter proposes each row's tree and its tokens (within the static budget)."""
-    st = settings
     ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)
-    proposal = st.drafter.propose(draft_params, Target(st.config, params), ctx, st.tree, _step_key(s, 0))
-    _check_proposal(proposal, st.tree, s.root.shape[0])
+    proposal = spec.drafter.propose(draft_params, Target(spec.config, params), ctx, spec.tree, _step_key(s, 0))
+    _check_proposal(proposal, spec.tree, s.root.shape[0])
     return proposal
 
 
-def spec_verify(params: dict, s: SpecState, proposal: Proposal, settings: SpecSettings) -> tuple[Output, Verdict]:
+def spec_verify(params: dict, s: SpecState, proposal: Proposal, spec: DecodeSpec) -> tuple[Output, Verdict]:
     """Step part 2: one target forward over every node under the tree's ancestor mask (positions = length +
     depth; extras ride along), then the acceptance rule picks each row's path and bonus token."""
-    st = settings
     tree = proposal.tree
     positions = s.cache.lengths[:, None] + tree.depth
-    verified = forward(st.model(params), params, proposal.tokens, positions, s.cache, tree.mask, proposal.extras,
-                       captures=st.drafter.captured_layers(st.config))
-    verdict = verify(proposal.tokens, verified.logits[:, :st.tree.num_nodes], tree, st.sampling, st.acceptance,
+    verified = forward(spec.model(params), params, proposal.tokens, positions, s.cache, tree.mask, proposal.extras,
+                       captures=spec.drafter.captured_layers(spec.config))
+    verdict = verify(proposal.tokens, verified.logits[:, :spec.tree.num_nodes], tree, spec.sampling, spec.acceptance,
                      _step_key(s, 1), proposal.q)
     return verified, verdict
 
 
 def spec_commit(params: dict, draft_params: Any, s: SpecState, proposal: Proposal, verified: Output,
-                verdict: Verdict, settings: SpecSettings) -> SpecState:
+                verdict: Verdict, spec: DecodeSpec) -> SpecState:
     """Step part 3: compact the accepted path's keys/values into the committed cache, the drafter's commit,
     emit the path's tokens and the bonus token up to an EOS or `max_new_tokens`, and mark finished rows.
     Rows already done change nothing but stay in the batch."""
-    st = settings
-    depth = st.tree.depth
+    depth = spec.tree.depth
     n_acc = jnp.where(s.done, 0, verdict.n_accepted)
     verdict = verdict.replace(n_accepted=jnp.maximum(n_acc, 1))
     cache = compact(verified.cache, verdict.accepted_nodes, n_acc)
-    draft_state, hidden = st.drafter.commit(draft_params, Target(st.config, params), proposal, verdict, verified,
+    draft_state, hidden = spec.drafter.commit(draft_params, Target(spec.config, params), proposal, verdict, verified,
                                             s.draft_state)
     # Emitted this step: the accepted draft tokens (path nodes 1..n-1), then the bonus token.
     emit = accepted_tokens(proposal, verdict.replace(n_accepted=n_acc))  # [B, D+1]
     idx = jnp.arange(depth + 1)[None]
-    stop = is_stop(emit, st.eos_ids) & (idx < n_acc[:, None])
+    stop = is_stop(emit, spec.eos_ids) & (idx < n_acc[:, None])
     hit = stop.any(1)
     first_stop = jnp.where(hit, jnp.argmax(stop, 1) + 1, depth + 1)  # tokens up to and including an EOS
-    count = jnp.minimum(jnp.minimum(n_acc, first_stop), st.max_new_tokens - s.num_tokens)
+    count = jnp.minimum(jnp.minimum(n_acc, first_stop), spec.max_new_tokens - s.num_tokens)
     count = jnp.where(s.done, 0, count)
-    dest = jnp.where(idx < count[:, None], s.num_tokens[:, None] + idx, st.max_new_tokens)
+    dest = jnp.where(idx < count[:, None], s.num_tokens[:, None] + idx, spec.max_new_tokens)
     scatter = jax.vmap(lambda row, d, e: row.at[d].set(e, mode="drop"))
     num_tokens = s.num_tokens + count
     # Tree-search statistics: nodes whose parent is on the accepted path were tried; on it, hit.
@@ -369,52 +292,73 @@ def spec_commit(params: dict, draft_params: Any, s: SpecState, proposal: Proposa
         cache=cache, draft_state=draft_state, root=verdict.bonus, hidden=hidden,
         tokens=scatter(s.tokens, dest, emit), drafted=scatter(s.drafted, dest, idx < n_acc[:, None] - 1),
         num_tokens=num_tokens,
-        done=s.done | (hit & (first_stop <= count)) | (num_tokens >= st.max_new_tokens),
+        done=s.done | (hit & (first_stop <= count)) | (num_tokens >= spec.max_new_tokens),
         accept_lengths=s.accept_lengths.at[:, s.steps].set(count, mode="drop"),
         node_tries=s.node_tries + tried * live, node_hits=s.node_hits + hits * live, steps=s.steps + 1, rng=s.rng)
 
 
-def spec_step(params: dict, draft_params: Any, s: SpecState, settings: SpecSettings) -> SpecState:
+def spec_step(params: dict, draft_params: Any, s: SpecState, spec: DecodeSpec) -> SpecState:
     """One speculative step: propose (`spec_propose`), verify forward and accept (`spec_verify`), compact,
     commit, emit and stop (`spec_commit`). Pure: the `while_loop` of `speculative_generate` only iterates it."""
-    proposal = spec_propose(params, draft_params, s, settings)
-    verified, verdict = spec_verify(params, s, proposal, settings)
-    return spec_commit(params, draft_params, s, proposal, verified, verdict, settings)
+    proposal = spec_propose(params, draft_params, s, spec)
+    verified, verdict = spec_verify(params, s, proposal, spec)
+    return spec_commit(params, draft_params, s, proposal, verified, verdict, spec)
+
+
+def speculative_generate(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array,
+                         rng: jax.Array, *, config: ModelConfig, drafter: Drafter, tree: Tree, max_new_tokens: int,
+                         cache_size: int, sampling: SamplingConfig = GREEDY,
+                         acceptance: AcceptanceConfig = DEFAULT_ACCEPTANCE, eos_ids: tuple[int, ...] = (),
+                         pad_id: int = 0, attention: str = "xla") -> GenerateOutput:
+    """Draft-tree / verify generation: `decode` with `drafter` on `tree`; greedy output equals `generate`'s token
+    for token. Needs `cache_size >= T + max_new_tokens + scratch_slots(drafter, tree)` (the tree's nodes and the
+    drafter's extras; checked at trace time)."""
+    spec = DecodeSpec(config, drafter, tree, max_new_tokens, sampling, acceptance, eos_ids, pad_id, attention)
+    return decode(params, draft_params, prompt, prompt_lengths, rng, spec=spec, cache_size=cache_size)
+
+
+def init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array,
+         cache_size: int, spec: DecodeSpec) -> ARState | SpecState:
+    """The state after the prefill (the first token emitted): `ar_init` without a drafter, else `spec_init`
+    (`draft_params` in the drafter's decode layout, `Drafter.decode_params`)."""
+    if spec.drafter is None:
+        _check_static_fit(prompt.shape[1], spec.max_new_tokens, 0, cache_size)
+        return ar_init(spec.model(params), params, prompt, prompt_lengths, rng, cache_size, spec.max_new_tokens,
+                       spec.sampling, spec.eos_ids, spec.pad_id)
+    return spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, spec)
+
+
+def step(params: dict, draft_params: Any, state: ARState | SpecState, spec: DecodeSpec) -> ARState | SpecState:
+    """One decode step: `ar_step` without a drafter, else `spec_step`."""
+    if spec.drafter is None:
+        return ar_step(spec.model(params), params, state, spec.sampling, spec.eos_ids, spec.pad_id)
+    return spec_step(params, draft_params, state, spec)
+
+
+def output(final: ARState | SpecState, spec: DecodeSpec) -> GenerateOutput:
+    """The host-facing result of a finished decode."""
+    if spec.drafter is None:
+        one_per_step = (jnp.arange(spec.max_new_tokens)[None] < final.num_tokens[:, None] - 1).astype(jnp.int32)
+        return GenerateOutput(final.tokens, final.num_tokens, final.steps, one_per_step,
+                              jnp.zeros_like(final.tokens, bool))
+    stats = (final.tokens.shape[0],) + spec.stat_shape
+    return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths, final.drafted,
+                          final.node_tries.reshape(stats), final.node_hits.reshape(stats))
 
 
 @HostChecked
-@functools.partial(jax.jit, static_argnames=(
-    "config", "drafter", "tree", "max_new_tokens", "cache_size", "sampling", "acceptance", "eos_ids", "pad_id",
-    "attention"))
-def speculative_generate(
-    params: dict,
-    draft_params: Any,
-    prompt: jax.Array,  # [B, T]
-    prompt_lengths: jax.Array,  # [B]
-    rng: jax.Array,
-    *,
-    config: ModelConfig,
-    drafter: Drafter,
-    tree: Tree,
-    max_new_tokens: int,
-    cache_size: int,
-    sampling: SamplingConfig = GREEDY,
-    acceptance: AcceptanceConfig = DEFAULT_ACCEPTANCE,
-    eos_ids: tuple[int, ...] = (),
-    pad_id: int = 0,
-    attention: str = "xla",
-) -> GenerateOutput:
-    """Draft-tree / verify generation (`spec_init`, then `spec_step` until every row is done); greedy output
-    equals `generate`'s token for token. Needs `cache_size >= prompt.shape[1] + max_new_tokens +
-    scratch_slots(drafter, tree)` (the tree's nodes and the drafter's extras; checked at trace time)."""
-    settings = SpecSettings(config, drafter, tree, max_new_tokens, sampling, acceptance, eos_ids, pad_id, attention)
-    draft_params = drafter.decode_params(draft_params)
-    state = spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, settings)
-    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                               lambda s: spec_step(params, draft_params, s, settings), state)
-    stats = (prompt.shape[0],) + settings.stat_shape
-    return GenerateOutput(final.tokens, final.num_tokens, final.steps, final.accept_lengths, final.drafted,
-                          final.node_tries.reshape(stats), final.node_hits.reshape(stats))
+@functools.partial(jax.jit, static_argnames=("spec", "cache_size"))
+def decode(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array, *,
+           spec: DecodeSpec, cache_size: int) -> GenerateOutput:
+    """The one decode entry: prefill (`init`), then `step` until every row of right-padded `prompt [B, T]` is
+    done, for AR (`spec.drafter` None, `draft_params` None) and speculative decoding alike. Greedy speculative
+    output equals AR's token for token. `cache_size` slots hold the prompt, the new tokens and a verify forward's
+    scratch slots (checked at trace time)."""
+    if spec.drafter is not None:
+        draft_params = spec.drafter.decode_params(draft_params)
+    state = init(params, draft_params, prompt, prompt_lengths, rng, cache_size, spec)
+    final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(params, draft_params, s, spec), state)
+    return output(final, spec)
 
 
 def _advance(step: Callable[[Any], Any], state: Any, steps: int) -> Any:
@@ -427,27 +371,18 @@ def _advance(step: Callable[[Any], Any], state: Any, steps: int) -> Any:
                               (jnp.zeros((), jnp.int32), state))[1]
 
 
-@functools.partial(jax.jit, static_argnames=("settings", "cache_size"))
+@functools.partial(jax.jit, static_argnames=("spec", "cache_size"))
 def start(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax.Array, rng: jax.Array, *,
-          settings: SpecSettings, cache_size: int) -> ARState | SpecState:
-    """The state after the prefill (the first token emitted) of `generate` (no drafter in `settings`) or
-    `speculative_generate`; `advance` then runs its steps in chunks, with the same tokens as one whole call.
-    `draft_params` in the drafter's decode layout (`drafter.decode_params`, made once by the caller)."""
-    st = settings
-    if st.drafter is None:
-        _check_static_fit(prompt.shape[1], st.max_new_tokens, 0, cache_size)
-        return ar_init(st.model(params), params, prompt, prompt_lengths, rng, cache_size, st.max_new_tokens,
-                       st.sampling, st.eos_ids, st.pad_id)
-    return spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, st)
+          spec: DecodeSpec, cache_size: int) -> ARState | SpecState:
+    """`decode`'s state after the prefill (`init`, jitted); `advance` then runs its steps in chunks, with the same
+    tokens as one whole `decode`. `draft_params` in the drafter's decode layout (`drafter.decode_params`, made once
+    by the caller)."""
+    return init(params, draft_params, prompt, prompt_lengths, rng, cache_size, spec)
 
 
-@functools.partial(jax.jit, static_argnames=("settings", "steps"))
-def advance(params: dict, draft_params: Any, state: ARState | SpecState, *, settings: SpecSettings,
+@functools.partial(jax.jit, static_argnames=("spec", "steps"))
+def advance(params: dict, draft_params: Any, state: ARState | SpecState, *, spec: DecodeSpec,
             steps: int) -> ARState | SpecState:
     """Up to `steps` more decode steps of a `start`ed generation (fewer once every row is done); `draft_params` as
     `start`'s."""
-    st = settings
-    if st.drafter is None:
-        return _advance(lambda s: ar_step(st.model(params), params, s, st.sampling, st.eos_ids, st.pad_id), state,
-                        steps)
-    return _advance(lambda s: spec_step(params, draft_params, s, st), state, steps)
+    return _advance(lambda s: step(params, draft_params, s, spec), state, steps)

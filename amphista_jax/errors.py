@@ -24,6 +24,19 @@ class UsageError(UserError, ValueError):
     """A command-line argument that cannot work."""
 
 
+class GeneratorError(UserError, ValueError):
+    """A `Generator` call that cannot work as asked."""
+
+
+class DecodeSpecError(GeneratorError):
+    """A decode setting out of range (`decode_spec.DecodeSpec`): `field` is the setting's name, `value` what was
+    given, `rule` what it must be; a front-end names its own flag for `field` (`--top-k` for `top_k`)."""
+
+    def __init__(self, field: str, value: object, rule: str):
+        self.field, self.value, self.rule = field, value, rule
+        super().__init__(f"{field}={value!r}: {rule}")
+
+
 class MachineRefusal(UserError, OSError):
     """The machine refuses what the command needs (a read-only or forbidden path, too little free space): the CLI
     exits with `ENVIRONMENT_EXIT`, as it does for the OSErrors of `ENVIRONMENT_ERRNOS`."""

@@ -3,12 +3,15 @@
     from amphista_jax import Generator
 
     gen = Generator.load(heads="hydra")                  # the embedded model and its shipped Hydra heads
+    ar = Generator.load()                                # the same model, autoregressive ...
+    eagle = ar.with_drafter("eagle", tree="chain-4")     # ... and a drafter attached to its loaded weights
     out = gen.generate(["def fib(n):", "import os\\n"], max_new_tokens=32)
     out.texts, out.tau, out.tokens_per_s                 # completions, tokens per target forward, speed
     for piece in gen.stream("def add(a, b):"):           # text as it is committed
         print(piece, end="")
 
-`Generator` owns what every front-end needs (the CLI, the demo, tree search and evaluation are thin users of it):
+`Generator` is the only way in: the CLI, the demo, tree search, evaluation and the benchmarks build theirs with
+`load` and `with_drafter` and never assemble one by hand. It owns what every front-end needs:
 tokenisation with the chat template for messages, stop ids, right-padding into prompt-length buckets (so calls of
 other lengths reuse the compiled program of their bucket), cache sizing with the drafter's scratch slots, the
 tree checked against the drafter and the target before anything compiles, ahead-of-time compiled programs cached
@@ -29,34 +32,24 @@ from typing import Any
 import jax
 import numpy as np
 
-from amphista_jax.decode import (
-    GenerateOutput,
-    SpecSettings,
-    advance,
-    check_fits,
-    generate,
-    pad_prompts,
-    scratch_slots,
-    speculative_generate,
-    start,
-)
-from amphista_jax.drafters import VARIANTS, Drafter
-from amphista_jax.errors import UserError
-from amphista_jax.fetch import resolve_model, shipped_target
+from amphista_jax.decode import GenerateOutput, advance, decode, pad_prompts, scratch_slots, start
+from amphista_jax.decode_spec import GREEDY, DecodeSpec
+from amphista_jax.drafter_source import DrafterSource, TreeChoice, choose_tree, load_draft_params, read_source
+from amphista_jax.drafters import Drafter
+from amphista_jax.errors import GeneratorError
+from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.prompt_checks import check_draft_params, check_prompts
+from amphista_jax.prompt_checks import check_decode_inputs
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.target import Target
-from amphista_jax.tree_names import AUTO, TreePolicy, get_tree, read_policy, resolve_tree
+from amphista_jax.tree_names import AUTO, TreePolicy
 from amphista_jax.trees import Tree
 from amphista_jax.verify import AcceptanceConfig
 
+__all__ = ["Generation", "Generator", "GeneratorError", "bucket"]
+
 MIN_BUCKET = 16  # prompts pad to the next power of two >= this many tokens
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]  # text, chat messages, or token ids
-
-
-class GeneratorError(UserError, ValueError):
-    """A `Generator` call that cannot work as asked."""
 
 
 def bucket(length: int) -> int:
@@ -87,10 +80,13 @@ class Generation:
         return self.new_tokens / max(self.seconds, 1e-9)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class Generator:
-    """A loaded target, optionally a drafter with its tree, and the programs compiled for them. Build it with
-    `Generator.load`; `autoregressive()` and `with_tree()` share the loaded weights."""
+    """A loaded target, optionally a drafter with its tree, and the programs compiled for them: the only way in.
+    `Generator.load(model)` loads the target; `with_drafter(heads | method | draft model, tree=...)` attaches a
+    drafter, `with_tree` another tree and `autoregressive()` none, each a new generator sharing the loaded weights
+    (`Generator.load(model, heads, tree)` is both steps in one call). A target whose params are in hand (a test's
+    or a benchmark's random weights) is `Generator(config, params, tokenizer, eos_ids)`."""
 
     config: ModelConfig
     params: dict
@@ -105,73 +101,67 @@ class Generator:
     heads_dir: str | None = None
     attention: str = "xla"
     mesh: jax.sharding.Mesh | None = None
-    notes: list[str] = dataclasses.field(default_factory=list)  # what `load` chose for you, and why
+    notes: tuple[str, ...] = ()  # what `load` / `with_drafter` chose for you, and why
     policy: TreePolicy | None = None  # `tree="auto"` after a per-batch tree search: the tree at each batch size
     programs: dict[tuple, Any] = dataclasses.field(default_factory=dict, repr=False)
     variants: dict[Tree | None, Generator] = dataclasses.field(default_factory=dict, repr=False)  # `for_batch`'s
 
     @classmethod
-    def load(cls, model: str | Path | None = None, heads: str | Path | None = None, tree: str | Tree = AUTO, *,
-             dtype: str = "float32", mesh: jax.sharding.Mesh | None = None, attention: str = "xla",
-             draft_model: str | Path | None = None, seed: int = 0) -> Generator:
+    def load(cls, model: str | Path | None = None, heads: str | Path | Drafter | None = None,
+             tree: str | Tree = AUTO, *, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None,
+             attention: str = "xla", draft_model: str | Path | None = None, seed: int = 0) -> Generator:
         """Load the target `model` (a Hugging Face directory, a fetched name such as `smollm2`, or None for the
-        embedded default) in the decode layout, and a drafter: `heads` is a draft-head directory, a method name
-        (its shipped heads for the embedded model, else untrained heads initialised from the target; a method with
-        nothing to train, such as `prompt_lookup`, is ready as it is) or None
-        (autoregressive); `draft_model` a small checkpoint of the target's family. `tree` is a tree name
-        (`auto`: the tree searched for these heads on this device class, else their paper's), a JSON file of
-        paths or a `TreeSpec` / `TreeBudget`. Where tree search picked a tree per batch size, `auto` follows it at
-        every call: the tree for the batch at hand, or autoregressive decoding where no tree was predicted to beat
-        it (`for_batch`). Everything that can be checked before reading weights is."""
-        from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
-        from amphista_jax.drafters.io import load_draft, read_draft_meta
+        embedded default) in the decode layout, then attach `heads` or `draft_model` as `with_drafter` does (None:
+        autoregressive). The drafter and its tree are read and checked before any weights load."""
         from amphista_jax.models.hf import load_config, load_params
-        from amphista_jax.sharding import param_shardings, place_for_decoding
+        from amphista_jax.sharding import param_shardings
         from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
 
         model_dir = resolve_model(None if model is None else str(model))
         config = load_config(model_dir)
         if heads is not None and draft_model is not None:
             raise GeneratorError("give heads or draft_model, not both: a draft model drafts on its own")
-        heads_dir, untrained, notes = _heads_source(heads, model_dir)
-        drafter: Drafter | None = None
-        if heads_dir is not None:
-            drafter = read_draft_meta(heads_dir).drafter
-        elif untrained is not None:
-            drafter = untrained
-        elif draft_model is not None:
-            draft_config = load_config(draft_model)
-            check_vocabularies(draft_config, config, str(draft_model))
-            drafter = DraftModel(draft_config)
-        spec, tree_name, policy = None, "-", None
-        if drafter is not None and isinstance(tree, str) and (policy := read_policy(heads_dir, tree)) is not None:
-            trees = [t for _, t in policy.by_batch if t is not None]
-            for t in trees:
-                drafter.check_tree(t, config.vocab_size)
-            spec, tree_name = policy.at(1) or (trees[0] if trees else get_tree(drafter.paper_tree)), tree
-            notes.append(f"tree {tree}: searched per batch size" + (f" on {jax.default_backend()}" if tree == AUTO
-                                                                    else "") + f": {policy.describe()}")
-        elif drafter is not None:  # a draft model has no searched tree: `auto` is its paper's tree, said nowhere
-            spec, tree_name, note = _resolve_tree(tree, heads_dir, drafter)
-            notes += [note] if note and draft_model is None else []
-            drafter.check_tree(spec, config.vocab_size)
+        source = heads if draft_model is None else Path(draft_model)
+        attach = None
+        if source is not None:
+            found = read_source(source, model_dir, config)
+            attach = found, choose_tree(tree, found, config.vocab_size)
         tokenizer = load_tokenizer(model_dir)
         shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
         params, config = load_params(model_dir, dtype=dtype, shardings=shardings, layout="split")
-        draft_params, method = None, "ar"
-        if draft_model is not None:
-            drafter, draft_params = DraftModel.from_pretrained(draft_model, config, model_dir, dtype)
-            method, heads_dir = "draft_model", str(draft_model)
-        elif heads_dir is not None:
-            method, drafter, draft_params = load_draft(heads_dir, config, params)
-        elif drafter is not None:
-            method = drafter.name
-            draft_params = jax.jit(drafter.init)(jax.random.key(seed), Target(config, params))
-        if mesh is not None:
-            params, draft_params = place_for_decoding(mesh, config, params, drafter, draft_params)
-        return cls(config, params, tokenizer, stop_token_ids(model_dir, tokenizer, config), drafter, draft_params,
-                   spec, tree_name, method, str(model_dir), None if heads_dir is None else str(heads_dir), attention,
-                   mesh, notes, policy)
+        gen = cls(config, params, tokenizer, stop_token_ids(model_dir, tokenizer, config), model_dir=str(model_dir),
+                  attention=attention, mesh=mesh)
+        return gen if attach is None else gen._attach(*attach, seed)
+
+    def with_drafter(self, source: str | Path | Drafter | DrafterSource, tree: str | Tree | TreeChoice = AUTO, *,
+                     settings: dict[str, Any] | None = None, draft_params: Any = None, seed: int = 0) -> Generator:
+        """This target with a drafter (`drafter_source.read_source`): a draft-head directory, a method name (its
+        heads shipped for this target, else untrained), `<method>:untrained`, a draft model's directory, or a
+        `Drafter` with its `draft_params` (None: initialised with `seed`); `settings` change its decoding
+        settings. `tree` as `drafter_source.choose_tree` reads it: a name (`auto`: the tree searched for these
+        heads on this device class, per batch size where one was searched, else their paper's), a JSON file of
+        paths, a `TreeSpec` / `TreeBudget`. Drafter and tree are checked against the target before any params
+        load; the new generator shares this one's weights."""
+        found = source if isinstance(source, DrafterSource) else read_source(
+            source, self.model_dir, self.config, settings, draft_params)
+        return self._attach(found, choose_tree(tree, found, self.config.vocab_size), seed)
+
+    def _attach(self, source: DrafterSource, choice: TreeChoice, seed: int) -> Generator:
+        drafter, draft_params = load_draft_params(source, Target(self.config, self.params), self.model_dir,
+                                                  self.dtype, seed)
+        if self.mesh is not None:
+            from amphista_jax.sharding import place_for_decoding
+
+            draft_params = place_for_decoding(self.mesh, self.config, self.params, drafter, draft_params)[1]
+        return dataclasses.replace(self, drafter=drafter, draft_params=draft_params, tree=choice.tree,
+                                   tree_name=choice.name, method=source.method, heads_dir=source.path,
+                                   notes=tuple(n for n in (source.note, choice.note) if n), policy=choice.policy,
+                                   programs={}, variants={})
+
+    @property
+    def dtype(self) -> str:
+        """The target's parameter dtype (`float32`, `bfloat16`)."""
+        return jax.tree.leaves(self.params)[0].dtype.name
 
     @property
     def pad_id(self) -> int:
@@ -180,16 +170,16 @@ class Generator:
     def autoregressive(self) -> Generator:
         """The plain autoregressive decoder of the same target (the baseline every speed-up is measured on)."""
         return dataclasses.replace(self, drafter=None, draft_params=None, tree=None, tree_name="-", method="ar",
-                                   heads_dir=None, notes=[], policy=None, programs={}, variants={})
+                                   heads_dir=None, notes=(), policy=None, programs={}, variants={})
 
     def with_tree(self, tree: str | Tree) -> Generator:
-        """The same target and drafter on another tree (checked against the drafter and the target)."""
+        """The same target and drafter on another tree (`drafter_source.choose_tree`, checked against both)."""
         if self.drafter is None:
             raise GeneratorError("autoregressive decoding has no tree: load heads or a draft model")
-        spec, name, note = _resolve_tree(tree, self.heads_dir, self.drafter)
-        self.drafter.check_tree(spec, self.config.vocab_size)
-        return dataclasses.replace(self, tree=spec, tree_name=name, notes=[note] if note else [], policy=None,
-                                   programs={}, variants={})
+        choice = choose_tree(tree, DrafterSource(self.method, self.drafter, self.heads_dir), self.config.vocab_size)
+        return dataclasses.replace(self, tree=choice.tree, tree_name=choice.name,
+                                   notes=(choice.note,) if choice.note else (), policy=choice.policy, programs={},
+                                   variants={})
 
     def for_batch(self, batch: int) -> Generator:
         """This generator as it decodes `batch` rows: under a tree policy (`tree="auto"` after a per-batch tree
@@ -201,7 +191,7 @@ class Generator:
             return self
         if tree not in self.variants:
             self.variants[tree] = self.autoregressive() if tree is None else dataclasses.replace(
-                self, tree=tree, tree_name=f"{self.tree_name} (batch {batch})", notes=[], policy=None, programs={},
+                self, tree=tree, tree_name=f"{self.tree_name} (batch {batch})", notes=(), policy=None, programs={},
                 variants={})
         return self.variants[tree]
 
@@ -240,19 +230,17 @@ class Generator:
 
     # -- programs ---------------------------------------------------------------------------------------------
 
-    def settings(self, max_new_tokens: int, sampling: SamplingConfig, acceptance: AcceptanceConfig | None = None,
-                 stop_at_eos: bool = True, adapt: bool = True) -> SpecSettings:
-        """The static settings of one decode (AR when there is no drafter). With `adapt`, the drafter as it
-        decodes at this temperature (`Drafter.sampling_at`); without, as it is (a caller that set it already)."""
-        if max_new_tokens < 1:
-            raise GeneratorError(f"max_new_tokens={max_new_tokens}: must be >= 1")
-        acceptance = acceptance or AcceptanceConfig()
-        acceptance.resolve(sampling)
+    def spec(self, max_new_tokens: int, sampling: SamplingConfig = GREEDY, acceptance: AcceptanceConfig | None = None,
+             stop_at_eos: bool = True, adapt: bool = True) -> DecodeSpec:
+        """The decode spec of one call (AR when there is no drafter), checked as it is made. With `adapt`, the
+        drafter as it decodes at this temperature (`Drafter.sampling_at`); without, as it is (a caller that set
+        it already)."""
         drafter = self.drafter
         if drafter is not None and adapt:
             drafter = drafter.sampling_at(sampling.temperature, self.tree)
-        return SpecSettings(self.config, drafter, self.tree, max_new_tokens, sampling, acceptance,
-                            self.eos_ids if stop_at_eos else (), self.pad_id, self.attention)
+        return DecodeSpec(self.config, drafter, self.tree if drafter is not None else None, max_new_tokens, sampling,
+                          acceptance or AcceptanceConfig(), self.eos_ids if stop_at_eos else (), self.pad_id,
+                          self.attention)
 
     def cache_size(self, prompt_len: int, max_new_tokens: int) -> int:
         """Slots of a cache for padded prompts of `prompt_len` tokens: the prompt, the new tokens and the scratch
@@ -260,27 +248,22 @@ class Generator:
         scratch = 0 if self.drafter is None else scratch_slots(self.drafter, self.tree)
         return prompt_len + max_new_tokens + scratch
 
-    def program(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings, cache_size: int | None = None
+    def _draft_params(self, spec: DecodeSpec) -> Any:
+        return None if spec.drafter is None else self.draft_params
+
+    def program(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, cache_size: int | None = None
                 ) -> tuple[Any, float]:
-        """(the compiled program for the shape of `tokens [B, T]`, these settings and cache size (default: sized
-        by `cache_size()`), seconds spent compiling it now: 0 when cached). Call it as `program(params,
-        [draft_params,] tokens, lengths, rng)` (`run`)."""
-        cache_size = cache_size or self.cache_size(tokens.shape[1], settings.max_new_tokens)
-        key = (tokens.shape, settings, cache_size)
+        """(the compiled `decode` program for the shape of `tokens [B, T]`, this spec and cache size (default:
+        sized by `cache_size()`), seconds spent compiling it now: 0 when cached). Call it as `program(params,
+        draft_params or None, tokens, lengths, rng)` (`run`)."""
+        cache_size = cache_size or self.cache_size(tokens.shape[1], spec.max_new_tokens)
+        key = (tokens.shape, spec, cache_size)
         if key in self.programs:
             return self.programs[key], 0.0
         t0 = time.perf_counter()
-        static = dict(config=self.config, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
-                      eos_ids=settings.eos_ids, pad_id=settings.pad_id, attention=settings.attention,
-                      cache_size=cache_size)
-        rng = jax.random.key(0)
         with self.on_mesh():
-            if settings.drafter is None:
-                lowered = generate.lower(self.params, tokens, lengths, rng, **static)
-            else:
-                lowered = speculative_generate.lower(self.params, self.draft_params, tokens, lengths, rng,
-                                                     drafter=settings.drafter, tree=settings.tree,
-                                                     acceptance=settings.acceptance, **static)
+            lowered = decode.lower(self.params, self._draft_params(spec), tokens, lengths, jax.random.key(0),
+                                   spec=spec, cache_size=cache_size)
             self.programs[key] = lowered.compile()
         return self.programs[key], time.perf_counter() - t0
 
@@ -291,21 +274,17 @@ class Generator:
         for variant in self.variants.values():
             variant.release_programs()
 
-    def run(self, tokens: np.ndarray, lengths: np.ndarray, settings: SpecSettings, rng: jax.Array | int = 0,
+    def run(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, rng: jax.Array | int = 0,
             cache_size: int | None = None) -> tuple[GenerateOutput, float, float]:
         """Decode right-padded `tokens [B, T]` of `lengths [B]` with the compiled program of their shape: (output
         on the host, seconds, compile seconds). `generate` pads and buckets first; evaluation calls this with its
         own padding. `rng`: a key, or the seed of one; `cache_size`: see `program`."""
-        check_prompts(tokens, lengths, self.config.vocab_size)
-        if settings.drafter is not None:
-            check_draft_params(settings.drafter, self.draft_params, self.config, self.params)
-        check_fits(lengths, settings.max_new_tokens, tokens.shape[1] + settings.max_new_tokens, self.config)
-        compiled, compile_s = self.program(tokens, lengths, settings, cache_size)
-        args = (self.params,) + (() if settings.drafter is None else (self.draft_params,))
+        check_decode_inputs(spec, self.params, self._draft_params(spec), tokens, lengths)
+        compiled, compile_s = self.program(tokens, lengths, spec, cache_size)
         rng = jax.random.key(rng) if isinstance(rng, int) else rng
         with self.on_mesh():
             t0 = time.perf_counter()
-            out = jax.block_until_ready(compiled(*args, tokens, lengths, rng))
+            out = jax.block_until_ready(compiled(self.params, self._draft_params(spec), tokens, lengths, rng))
             seconds = time.perf_counter() - t0
         return jax.device_get(out), seconds, compile_s
 
@@ -324,13 +303,13 @@ class Generator:
         template too): greedy at `temperature` 0, else sampled (lossless rejection sampling by default). Rows stop
         at a stop token (unless `stop_at_eos` is False) or after `max_new_tokens`. `cache_size` overrides the
         cache's slots (default: the prompt bucket, the new tokens and the tree's scratch slots)."""
-        sampling = _sampling(temperature, top_k, top_p, self.config.vocab_size)
+        sampling = SamplingConfig(temperature, top_k, top_p)
         ids = self._batch(prompts, chat)
         gen = self.for_batch(len(ids))
-        settings = gen.settings(max_new_tokens, sampling, acceptance, stop_at_eos)
+        spec = gen.spec(max_new_tokens, sampling, acceptance, stop_at_eos)
         tokens, lengths = pad_prompts(ids, length=bucket(max(len(i) for i in ids)), pad_id=self.pad_id)
-        out, seconds, compile_s = gen.run(tokens, lengths, settings, seed, cache_size)
-        return gen._generation(out, seconds, compile_s, settings.eos_ids)
+        out, seconds, compile_s = gen.run(tokens, lengths, spec, seed, cache_size)
+        return gen._generation(out, seconds, compile_s, spec.eos_ids)
 
     def _generation(self, out: GenerateOutput, seconds: float, compile_s: float, eos_ids: tuple[int, ...]
                     ) -> Generation:
@@ -356,14 +335,13 @@ class Generator:
                                                 top_k=top_k, top_p=top_p, seed=seed, chat=chat, acceptance=acceptance,
                                                 steps_per_chunk=steps_per_chunk)
             return
-        settings = self.settings(max_new_tokens, _sampling(temperature, top_k, top_p, self.config.vocab_size),
-                                 acceptance)
+        spec = self.spec(max_new_tokens, SamplingConfig(temperature, top_k, top_p), acceptance)
         ids = self.encode(prompt, chat)
         tokens, lengths = pad_prompts([ids], length=bucket(len(ids)), pad_id=self.pad_id)
-        check_fits(lengths, max_new_tokens, tokens.shape[1] + max_new_tokens, self.config)
+        check_decode_inputs(spec, self.params, self._draft_params(spec), tokens, lengths)
         with self.on_mesh():  # the drafter's decode layout, made once for every chunk
             draft_params = None if self.drafter is None else jax.jit(self.drafter.decode_params)(self.draft_params)
-            state = start(self.params, draft_params, tokens, lengths, jax.random.key(seed), settings=settings,
+            state = start(self.params, draft_params, tokens, lengths, jax.random.key(seed), spec=spec,
                           cache_size=self.cache_size(tokens.shape[1], max_new_tokens))
         shown = ""
         while True:
@@ -376,47 +354,7 @@ class Generator:
             if done:
                 return
             with self.on_mesh():
-                state = advance(self.params, draft_params, state, settings=settings, steps=steps_per_chunk)
-
-
-def _heads_source(heads: str | Path | None, model_dir: str) -> tuple[str | None, Drafter | None, list[str]]:
-    """(heads directory, untrained drafter, notes) of `Generator.load`'s `heads`."""
-    from amphista_jax.assets import shipped_heads, shipped_heads_dir
-
-    if heads is None:
-        return None, None, []
-    name = str(heads)
-    if isinstance(heads, Path) or (name not in VARIANTS and Path(heads).is_dir()):  # a method name wins over ./name
-        return str(heads), None, []
-    target = shipped_target(model_dir)
-    shipped = name.replace("++", "-plus")
-    if target and shipped in shipped_heads(target):
-        return str(shipped_heads_dir(shipped, target)), None, [f"using the {name} heads shipped for {target}"]
-    if name in VARIANTS:
-        drafter = VARIANTS[name]
-        untrained = (f"no trained heads for this model: using untrained {name} heads (expect tau ~1)"
-                     if name != "draft_model" else "no trained draft model for this model: drafting with its first "
-                     f"{drafter.layers} layers, untrained")
-        return None, drafter, [untrained] if drafter.trainable else []
-    raise GeneratorError(f"heads {name!r} is neither a draft-head directory nor a method ({', '.join(VARIANTS)})")
-
-
-def _resolve_tree(tree: str | Tree, heads_dir: str | None, drafter: Drafter) -> tuple[Tree, str, str | None]:
-    """(the tree, its name, a note on how `auto` was resolved or None)."""
-    if not isinstance(tree, str):
-        return tree, str(tree), None
-    spec, note = resolve_tree(tree, heads_dir, drafter.paper_tree)
-    return spec, tree, note
-
-
-def _sampling(temperature: float, top_k: int, top_p: float, vocab_size: int) -> SamplingConfig:
-    """The sampling settings, or a `GeneratorError` naming the bad one."""
-    for name, value, ok, rule in (("temperature", temperature, temperature >= 0, ">= 0 (0 = greedy)"),
-                                  ("top_k", top_k, 0 <= top_k <= vocab_size, f"in [0, {vocab_size}] (0 = off)"),
-                                  ("top_p", top_p, 0 < top_p <= 1, "in (0, 1]")):
-        if not ok or value != value:  # NaN fails every rule
-            raise GeneratorError(f"{name}={value}: must be {rule}")
-    return SamplingConfig(float(temperature), int(top_k), float(top_p))
+                state = advance(self.params, draft_params, state, spec=spec, steps=steps_per_chunk)
 
 
 def _kinds(items: Any) -> str:

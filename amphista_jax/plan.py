@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from amphista_jax.accelerators import GIB, Accelerator
-from amphista_jax.decode import scratch_slots, speculative_generate
+from amphista_jax.decode import decode, scratch_slots
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters.base import Drafter
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
@@ -130,9 +131,9 @@ def decode_plan(config: ModelConfig, drafter: Drafter, tree: Tree, mesh: Mesh | 
                                    "lengths": batch_sharding(mesh, (batch,)), "rng": NamedSharding(mesh, P())})
     cache_size = prompt_len + max_new_tokens + scratch_slots(drafter, tree)
     with on_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        compiled = speculative_generate.lower(
-            params, draft, prompt["tokens"], prompt["lengths"], prompt["rng"], config=config, drafter=drafter,
-            tree=tree, max_new_tokens=max_new_tokens, cache_size=cache_size).compile()
+        spec = DecodeSpec(config, drafter, tree, max_new_tokens)
+        compiled = decode.lower(params, draft, prompt["tokens"], prompt["lengths"], prompt["rng"], spec=spec,
+                                cache_size=cache_size).compile()
     return compiled_plan("decode", compiled, {"target params": params, "draft params": draft, "batch": prompt},
                          mesh_devices(mesh), capacity, where)
 

@@ -1,7 +1,8 @@
-"""Host-side checks of what the jitted decode functions take (`decode.generate`, `decode.speculative_generate`,
-`Generator.run`): inside `jax.jit` a bad length or token id is not an error but a garbage completion, and another
-drafter's params fail deep inside the trace, so prompts are checked before tracing and refused with a typed
-`PromptError`, draft params against their drafter with a `DraftParamsError`."""
+"""Host-side checks of what the jitted decode entry takes (`decode.decode`, its wrappers and `Generator.run`, calls
+and `.lower` alike): inside `jax.jit` a bad length or token id is not an error but a garbage completion, and another
+drafter's params fail deep inside the trace, so `check_decode_inputs` runs before tracing and refuses with a typed
+`PromptError`, `PromptTooLongError` or `DraftParamsError`. The decode settings themselves are checked where they
+are made (`decode_spec.DecodeSpec`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ import jax
 import numpy as np
 
 from amphista_jax.errors import UserError
+from amphista_jax.models.config import ModelConfig
+
+
+class PromptTooLongError(UserError, ValueError):
+    """A prompt that does not fit in the cache together with the tokens to generate."""
 
 
 class PromptError(UserError, ValueError):
@@ -24,15 +30,15 @@ def check_prompts(prompt: Any, prompt_lengths: Any, vocab_size: int) -> None:
     """Raise `PromptError` (naming the fix) unless right-padded `prompt [B, T]` and `prompt_lengths [B]` are
     integer arrays whose lengths are in `[1, T]` and whose tokens (within each row's length) are ids of a
     `vocab_size`-token model. Values under tracing are not checked (shapes and dtypes still are)."""
-    shape, dtype = np.shape(prompt), getattr(prompt, "dtype", np.asarray(prompt).dtype)
+    shape, dtype = _shape_dtype(prompt)
     if len(shape) != 2 or not np.issubdtype(dtype, np.integer):
         raise PromptError(f"prompts must be a [batch, length] integer array of token ids, not {dtype} of shape "
                           f"{shape}: pad them with decode.pad_prompts(list of token-id lists)")
-    lshape, ldtype = np.shape(prompt_lengths), getattr(prompt_lengths, "dtype", np.asarray(prompt_lengths).dtype)
+    lshape, ldtype = _shape_dtype(prompt_lengths)
     if lshape != shape[:1] or not np.issubdtype(ldtype, np.integer):
         raise PromptError(f"prompt_lengths must be {shape[0]} integers (one per prompt row), not {ldtype} of shape "
                           f"{lshape}: pass the lengths pad_prompts returned with these prompts")
-    if any(isinstance(x, jax.core.Tracer) for x in (prompt, prompt_lengths)):
+    if not all(_concrete(x) for x in (prompt, prompt_lengths)):
         return
     tokens, lengths = np.asarray(prompt), np.asarray(prompt_lengths)
     if lengths.min() < 1 or lengths.max() > shape[1]:
@@ -43,6 +49,39 @@ def check_prompts(prompt: Any, prompt_lengths: Any, vocab_size: int) -> None:
         bad = int(inside.max() if inside.max() >= vocab_size else inside.min())
         raise PromptError(f"prompt token id {bad} is outside the model's {vocab_size}-token vocabulary: encode the "
                           "prompts with this model's own tokenizer")
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of an array, a nested list or an abstract `jax.ShapeDtypeStruct`."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return tuple(x.shape), np.dtype(x.dtype)
+    a = np.asarray(x)
+    return a.shape, a.dtype
+
+
+def _concrete(x: Any) -> bool:
+    """Whether `x` holds values (not a tracer nor an abstract shape)."""
+    return not isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct)
+
+
+def check_fits(prompt_lengths: np.ndarray, max_new_tokens: int, cache_size: int,
+               config: ModelConfig | None = None) -> None:
+    """Raise `PromptTooLongError` unless every prompt plus `max_new_tokens` fits in `cache_size` slots and,
+    given the target's `config`, in the positions it was trained for."""
+    longest = int(np.max(prompt_lengths))
+    if max_new_tokens < 1:
+        raise PromptTooLongError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if config is not None and longest + max_new_tokens > config.max_positions:
+        raise PromptTooLongError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} reaches position "
+            f"{longest + max_new_tokens} but the model was trained for {config.max_positions} positions "
+            "(max_position_embeddings with its rope scaling): shorten the prompt or lower --max-new-tokens")
+    if longest + max_new_tokens > cache_size:
+        raise PromptTooLongError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs {longest + max_new_tokens} "
+            f"cache slots but the cache has {cache_size}: shorten the prompt, lower --max-new-tokens or raise "
+            "--max-len")
+
 
 
 class DraftParamsError(UserError, ValueError):
@@ -85,20 +124,40 @@ def check_draft_params(drafter: Any, draft_params: Any, config: Any, params: Any
                            "made for this drafter, e.g. both from drafters.io.load_draft(heads_dir, ...)")
 
 
+def check_decode_inputs(spec: Any, params: Any, draft_params: Any, prompt: Any, prompt_lengths: Any,
+                        draft: bool = True) -> None:
+    """Every host check of one decode's inputs, for every door (`decode.decode` called or lowered, its wrappers,
+    `Generator.run` and `stream`): the prompts (`check_prompts`), their positions against the target's
+    (`check_fits`; the cache itself is checked at trace time) and, with `draft`, the draft params against
+    `spec.drafter` (`check_draft_params`). Abstract prompts (`jax.ShapeDtypeStruct`s) are checked for shapes and
+    dtypes only."""
+    check_prompts(prompt, prompt_lengths, spec.config.vocab_size)
+    if _concrete(prompt_lengths):
+        check_fits(np.asarray(prompt_lengths), spec.max_new_tokens, _shape_dtype(prompt)[0][1] + spec.max_new_tokens,
+                   spec.config)
+    if draft and spec.drafter is not None:
+        check_draft_params(spec.drafter, draft_params, spec.config, params)
+
+
 class HostChecked:
-    """A jitted decode entry point that checks its prompts on the host first (`check_prompts`); `lower` (abstract
-    shapes: how `plan` and `Generator` compile it) passes straight through."""
+    """The jitted decode entry with `check_decode_inputs` run first, whether it is called or lowered. `lower` (how
+    `plan` and `Generator` compile it, often under a mesh, on abstract shapes) checks the prompts only: lowering
+    traces the draft params against the drafter anyway, and `Generator.run` checks them before it lowers."""
 
     def __init__(self, jitted: Any):
-        self.jitted, self.lower = jitted, jitted.lower
+        self.jitted = jitted
         self.signature = inspect.signature(jitted)
         functools.update_wrapper(self, jitted)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # static arguments must hash: a list of stop ids is taken as the tuple it means
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    def _check(self, args: tuple, kwargs: dict, draft: bool) -> None:
         bound = self.signature.bind(*args, **kwargs).arguments
-        check_prompts(bound["prompt"], bound["prompt_lengths"], bound["config"].vocab_size)
-        if "drafter" in bound:
-            check_draft_params(bound["drafter"], bound["draft_params"], bound["config"], bound["params"])
+        check_decode_inputs(bound["spec"], bound["params"], bound["draft_params"], bound["prompt"],
+                            bound["prompt_lengths"], draft)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check(args, kwargs, draft=True)
         return self.jitted(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        self._check(args, kwargs, draft=False)
+        return self.jitted.lower(*args, **kwargs)

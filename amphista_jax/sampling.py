@@ -6,8 +6,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from amphista_jax.errors import UsageError
+from amphista_jax.errors import DecodeSpecError
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,12 +25,20 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"{self.temperature=} must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise UsageError(f"{self.top_k=} must be >= 0 (0 = no top-k filter)")
-        if not 0 < self.top_p <= 1:
-            raise UsageError(f"{self.top_p=} must be in (0, 1]")
+        """The one home of the sampling settings' ranges (NaN fails every rule); a `DecodeSpecError` names the bad
+        one. Values are kept as float / int / float."""
+        for name, ok, rule in (("temperature", lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
+                               ("top_k", lambda v: _whole(v) and v >= 0, "must be a whole number >= 0 (0 = off)"),
+                               ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")):
+            value = getattr(self, name)
+            try:
+                good = not isinstance(value, bool) and ok(value) and value == value
+            except TypeError:
+                good = False
+            if not good:
+                raise DecodeSpecError(name, value, rule)
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:

@@ -116,14 +116,14 @@ def collect_rates(gen: Generator, prompts: Sequence[Sequence[int]], max_new_toke
                   progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Summed `(node_tries, node_hits) [D, R]` of greedy speculative decoding of `prompts` with `gen`'s tree."""
     tokens, lengths = pad_prompts(prompts, pad_id=gen.pad_id, multiple=64)
-    settings = gen.settings(max_new_tokens, SamplingConfig())
+    spec = gen.spec(max_new_tokens, SamplingConfig())
     tries = hits = 0
     for i in range(0, len(prompts), batch_size):
         rows, lens = tokens[i: i + batch_size], lengths[i: i + batch_size]
         short = batch_size - len(rows)  # a full last batch: one compile
         rows, lens = np.pad(rows, ((0, short), (0, 0)), constant_values=gen.pad_id), np.pad(lens, (0, short),
                                                                                             constant_values=1)
-        out = gen.run(rows, lens, settings)[0]
+        out = gen.run(rows, lens, spec)[0]
         keep = slice(0, batch_size - short)
         tries = tries + np.asarray(out.node_tries)[keep].sum(0)
         hits = hits + np.asarray(out.node_hits)[keep].sum(0)
@@ -154,9 +154,9 @@ class StepClock:
 
     def decode(self, gen: Generator, new_tokens: int) -> tuple[float, int]:
         """(fastest seconds, decode steps) of `gen` writing `new_tokens` tokens."""
-        settings = gen.settings(new_tokens, SamplingConfig(), stop_at_eos=False)
-        gen.run(self.tokens, self.lengths, settings, cache_size=self.cache_size)  # compile + warm-up
-        results = [gen.run(self.tokens, self.lengths, settings, cache_size=self.cache_size) for _ in range(self.runs)]
+        spec = gen.spec(new_tokens, SamplingConfig(), stop_at_eos=False)
+        gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size)  # compile + warm-up
+        results = [gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size) for _ in range(self.runs)]
         return min(r[1] for r in results), int(results[-1][0].steps)
 
     def step_seconds(self, gen: Generator, prefill_s: float) -> float:
@@ -208,9 +208,9 @@ def measure_speedup(gen: Generator, prompts: Sequence[Sequence[int]], batch: int
     cache_size = gen.cache_size(tokens.shape[1], max_new_tokens)
 
     def seconds(g: Generator) -> float:
-        settings = g.settings(max_new_tokens, SamplingConfig())
-        g.run(tokens, lengths, settings, cache_size=cache_size)  # compile + warm-up
-        return float(np.median([g.run(tokens, lengths, settings, cache_size=cache_size)[1] for _ in range(runs)]))
+        spec = g.spec(max_new_tokens, SamplingConfig())
+        g.run(tokens, lengths, spec, cache_size=cache_size)  # compile + warm-up
+        return float(np.median([g.run(tokens, lengths, spec, cache_size=cache_size)[1] for _ in range(runs)]))
 
     return seconds(gen.autoregressive()) / seconds(gen)
 

@@ -36,10 +36,11 @@ from tqdm import tqdm
 
 from amphista_jax.compiled_programs import release_if_crowded
 from amphista_jax.decode import pad_prompts
+from amphista_jax.decode_spec import check_decode_settings
 from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
 from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
-from amphista_jax.evals.methods import Method, load_methods, resolve_methods
+from amphista_jax.evals.methods import Method, resolve_methods
 from amphista_jax.evals.metrics import breakdown, lossless_mismatches, tree_statistics
 from amphista_jax.evals.report import write_reports
 from amphista_jax.evals.results import ResultWriter, process_file, read_results, safe_label
@@ -48,12 +49,11 @@ from amphista_jax.generator import Generator
 from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
 from amphista_jax.machine import this_machine
 from amphista_jax.models.attention import AttentionBackend
-from amphista_jax.models.hf import DTYPES, load_config, load_params
+from amphista_jax.models.hf import DTYPES, load_config
 from amphista_jax.output_lock import LOCK_FILE, output_lock, write_atomic
 from amphista_jax.sampling import SamplingConfig
-from amphista_jax.sharding import MeshError, make_mesh, param_shardings, place_for_decoding
+from amphista_jax.sharding import MeshError, make_mesh
 from amphista_jax.target import Target
-from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
 from amphista_jax.train.config import DataConfig, MeshConfig
 from amphista_jax.train.loop import maybe_initialize_distributed
 from amphista_jax.verify import AcceptanceConfig
@@ -92,9 +92,8 @@ class EvalConfig:
     order: str = "method"
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.batch_size < 1 or self.pad_multiple < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}, batch_size={self.batch_size} and "
-                             f"pad_multiple={self.pad_multiple} must all be >= 1")
+        if self.batch_size < 1 or self.pad_multiple < 1:
+            raise ValueError(f"batch_size={self.batch_size} and pad_multiple={self.pad_multiple} must both be >= 1")
         if not self.methods:
             raise ValueError("methods is empty: give at least `ar`")
         if self.dtype not in DTYPES:
@@ -104,7 +103,8 @@ class EvalConfig:
             raise ValueError(f"order {self.order!r} must be one of {', '.join(ORDERS)}")
         if self.heldout_batches < 0:
             raise ValueError(f"heldout_batches={self.heldout_batches} must be >= 0 (0 = skip per-head accuracy)")
-        AcceptanceConfig(self.acceptance).resolve(SamplingConfig(self.temperature, self.top_k, self.top_p))
+        check_decode_settings(self.max_new_tokens, SamplingConfig(self.temperature, self.top_k, self.top_p),
+                              AcceptanceConfig(self.acceptance))
 
     @property
     def lossless_checked(self) -> bool:
@@ -195,7 +195,8 @@ def _barrier(name: str) -> None:
 @dataclasses.dataclass
 class _Session:
     cfg: EvalConfig
-    base: Generator  # the AR generator of the target; each method's shares its weights (`Method.generator`)
+    base: Generator  # the AR generator of the target
+    gens: dict[str, Generator]  # each method's by label, sharing the base's weights (`Method.generator`)
     results_dir: Path
 
     @property
@@ -229,8 +230,8 @@ def _run_batch(s: _Session, gen: Generator, batch: list[tuple[int, Prompt]], com
     """Generate every turn of `batch` (global index, prompt) with `gen`; returns one record per prompt."""
     cfg = s.cfg
     # the drafter as the method spec resolved it for this run's temperature (`#temperature=` included)
-    settings = gen.settings(cfg.max_new_tokens, SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
-                            AcceptanceConfig(cfg.acceptance), adapt=False)
+    spec = gen.spec(cfg.max_new_tokens, SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
+                    AcceptanceConfig(cfg.acceptance), adapt=False)
     chat = cfg.dataset.use_chat
     turns: dict[int, list[dict[str, Any]]] = {i: [] for i, _ in batch}
     node_stats: dict[int, list[np.ndarray]] = {}
@@ -240,10 +241,10 @@ def _run_batch(s: _Session, gen: Generator, batch: list[tuple[int, Prompt]], com
         ids += [ids[0]] * (cfg.batch_size - len(ids))  # fixed batch shape; padding rows are discarded
         tokens, lengths = pad_prompts(ids, pad_id=gen.pad_id, multiple=cfg.pad_multiple)
         rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), rows[0][0]), t)
-        out, seconds, compile_s = gen.run(tokens, lengths, settings, rng)
+        out, seconds, compile_s = gen.run(tokens, lengths, spec, rng)
         if compile_s:  # the first run of a new program warms it up: not timed
             compile_log.write({"process": jax.process_index(), "shape": list(tokens.shape), "compile_s": compile_s})
-            out, seconds, _ = gen.run(tokens, lengths, settings, rng)
+            out, seconds, _ = gen.run(tokens, lengths, spec, rng)
         for row, (i, _) in enumerate(rows):
             n = int(out.num_tokens[row])
             new = [int(x) for x in out.tokens[row, :n]]
@@ -295,7 +296,7 @@ def _method_run(s: _Session, method: Method, prompts: list[Prompt]) -> _MethodRu
     dirs = (s.results_dir, s.results_dir.parent / "compile")  # results, then compile times
     files = [process_file(d, method.label, jax.process_index()) for d in dirs]
     return _MethodRun(method, len(finished), [mine[k: k + bs] for k in range(0, len(mine), bs)],
-                      method.generator(s.base), *map(ResultWriter, files))
+                      s.gens[method.label], *map(ResultWriter, files))
 
 
 def run_methods(s: _Session, methods: list[Method], prompts: list[Prompt]) -> None:
@@ -330,7 +331,8 @@ def _head_accuracies(s: _Session, methods: list[Method], config: Any, out_dir: P
         batches = heldout_batches(s.tok, s.cfg.heldout, s.cfg.heldout_batches)
         for m in drafts:
             with s.on_mesh():
-                acc = head_accuracy(Target(config, s.params), m.drafter, m.draft_params, batches)
+                gen = s.gens[m.label]
+                acc = head_accuracy(Target(config, s.params), gen.drafter, gen.draft_params, batches)
             cache[m.label] = {str(k): v for k, v in acc.items()}
         write_atomic(path, json.dumps(cache, indent=2) + "\n")
     return {m.label: cache[m.label] for m in methods if m.label in cache}
@@ -400,13 +402,12 @@ def run_eval(cfg: EvalConfig, replace: bool = False) -> dict[str, Any] | None:
     out_dir = Path(cfg.out_dir)
     # Bad input is found here, before any model is loaded.
     config = load_config(model_dir)
-    if cfg.top_k > config.vocab_size:
-        raise EvalConfigError(f"top_k={cfg.top_k} is larger than the vocabulary of {model_dir} ({config.vocab_size} "
-                              "tokens): lower it (0 = no top-k filter)")
+    check_decode_settings(cfg.max_new_tokens, SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p),
+                          AcceptanceConfig(cfg.acceptance), config.vocab_size)
     mesh = eval_mesh(cfg.mesh)
     check_writable_dir(out_dir, "out_dir")
     prompts, report = load_prompts(cfg.dataset)
-    methods = resolve_methods(cfg.methods, cfg.tree, None, cfg.seed, cfg.temperature, cfg.batch_size)
+    methods = resolve_methods(cfg.methods, cfg.tree, config, model_dir, cfg.temperature, cfg.batch_size)
     check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset), replace)
     if jax.process_index() == 0:
         print(report.summary())
@@ -419,15 +420,9 @@ def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None,
     """`run_eval` under the output directory's lock."""
     # again, under the lock
     run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset), replace)
-    config = load_config(model_dir)
     # On a mesh each device reads only its slices of the target (no whole copy on the host).
-    shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
-    params, config = load_params(model_dir, dtype=cfg.dtype, shardings=shardings, layout="split")
-    tok = load_tokenizer(model_dir)
-    methods = load_methods(methods, Target(config, params), cfg.seed)
-    if mesh is not None:  # the target is in place already: only the heads move
-        methods = [dataclasses.replace(m, draft_params=place_for_decoding(mesh, config, params, m.drafter,
-                                                                          m.draft_params)[1]) for m in methods]
+    base = Generator.load(model_dir, dtype=cfg.dtype, mesh=mesh, attention=cfg.attention)
+    gens = {m.label: m.generator(base, cfg.seed) for m in methods}  # every method's heads, loaded and checked
     _barrier("eval-checked")  # every process has read run.json before process 0 may discard it
     if jax.process_index() == 0:
         if replace:
@@ -437,10 +432,9 @@ def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None,
     write_run_file(out_dir, run)  # a barrier first: every process finds the directory discarded
     results_dir = out_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    base = Generator(config, params, tok, stop_token_ids(model_dir, tok, config), attention=cfg.attention, mesh=mesh)
-    session = _Session(cfg, base, results_dir)
+    session = _Session(cfg, base, gens, results_dir)
     run_methods(session, methods, prompts)
     _barrier("eval-generated")
     if jax.process_index() != 0:
         return None
-    return summarize(session, methods, prompts, config, out_dir, model_dir)
+    return summarize(session, methods, prompts, base.config, out_dir, model_dir)

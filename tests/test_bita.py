@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import (
-    SpecSettings,
     forward,
     pad_prompts,
     prefill,
@@ -26,6 +25,7 @@ from amphista_jax.decode import (
     spec_verify,
     speculative_generate,
 )
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import DRAFTERS, VARIANTS, BiTA
 from amphista_jax.drafters.bita import mask_groups
 from amphista_jax.models.config import tiny_llama_config
@@ -128,7 +128,7 @@ def _oracle_state(target, drafter, params, tree, prompts=PROMPTS):
 
     tokens, lengths = pad_prompts(prompts)
     ar = generate(target, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=NEW, cache_size=64)
-    settings = SpecSettings(CONFIG, drafter, tree, NEW)
+    settings = DecodeSpec(CONFIG, drafter, tree, NEW)
     s = spec_init(target, params, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), 96, settings)
     m = drafter.num_masks
     oracle = 30.0 * jax.nn.one_hot(ar.tokens[:, 1: m + 1], CONFIG.vocab_size)  # depth j drafts the token at L + j

@@ -13,7 +13,8 @@ import re
 import jax
 import pytest
 
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.decode import decode, pad_prompts
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import VARIANTS
 from amphista_jax.models.llama import init_params, split_layers
 from amphista_jax.target import Target
@@ -57,8 +58,8 @@ def layer_weight_writes(params: dict, split: bool) -> list[tuple[str, str]]:
     shapes = {f"f32[{','.join(map(str, w.shape[1:]))}]" for w in jax.tree.leaves(params["layers"]) if w.ndim == 3}
     shapes |= {f"f32[1,{s[4:]}" for s in shapes}  # a dynamic slice keeps the layer axis
     tokens, lengths = pad_prompts(PROMPTS)
-    hlo = generate.lower(split_layers(params) if split else params, tokens, lengths, jax.random.key(0),
-                         config=CONFIG, max_new_tokens=8, cache_size=tokens.shape[1] + 8).compile().as_text()
+    hlo = decode.lower(split_layers(params) if split else params, None, tokens, lengths, jax.random.key(0),
+                       spec=DecodeSpec(CONFIG, None, None, 8), cache_size=tokens.shape[1] + 8).compile().as_text()
     comps = computations(hlo)
     in_loop = loop_computations(hlo)
     assert in_loop, "no while loop found in the compiled program"
@@ -82,9 +83,9 @@ def test_stacked_head_projections_are_not_read_inside_the_decode_loop(method):
     stacked = draft["lm_head"]
     shape = f"f32[{','.join(map(str, stacked.shape))}]"  # [K, D, V]
     tokens, lengths = pad_prompts(PROMPTS)
-    hlo = speculative_generate.lower(
-        params, draft, tokens, lengths, jax.random.key(0), config=CONFIG, drafter=drafter, tree=chain(2),
-        max_new_tokens=8, cache_size=tokens.shape[1] + 8 + 3).compile().as_text()
+    hlo = decode.lower(
+        params, draft, tokens, lengths, jax.random.key(0), spec=DecodeSpec(CONFIG, drafter, chain(2), 8),
+        cache_size=tokens.shape[1] + 8 + 3).compile().as_text()
     comps = computations(hlo)
     in_loop = loop_computations(hlo)
     assert in_loop, "no while loop found in the compiled program"

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from amphista_jax import Generator
 from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.base import PrefillContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
@@ -202,13 +203,14 @@ def test_eval_spec_names_a_model_directory(target, tmp_path):
 
     drafter = DraftModel(SMALL)
     save_params(drafter.init(jax.random.key(1), target), SMALL, tmp_path / "draft", dtype="float32")
-    method = resolve_method(f"small={tmp_path / 'draft'}@chain-2", "auto", target)
+    method = resolve_method(f"small={tmp_path / 'draft'}@chain-2", "auto", target.config)
     assert (method.label, method.method, method.drafter, method.tree) == ("small", DRAFT_MODEL, drafter, chain(2))
-    assert "config.json" in method.heads_files and method.draft_params is not None
+    gen = method.generator(Generator(target.config, target.params, None, ()))
+    assert "config.json" in method.heads_files and gen.draft_params is not None
     other = dataclasses.replace(SMALL, vocab_size=128)
     save_params(init_params(other, jax.random.key(2)), other, tmp_path / "other", dtype="float32")
     with pytest.raises(MethodSpecError, match="vocabulary of 128 tokens"):
-        resolve_method(str(tmp_path / "other"), "chain-2", target)
+        resolve_method(str(tmp_path / "other"), "chain-2", target.config)
     # A run at T > 0 samples the drafts at its temperature on a static tree (classic speculative sampling);
     # EAGLE-2's dynamic tree keeps top-k drafts, and `#temperature=0` asks for top-k drafts on any tree.
     path = str(tmp_path / "draft")

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import SpecSettings, generate, pad_prompts, spec_init, spec_propose
+from amphista_jax.decode import generate, pad_prompts, spec_init, spec_propose
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import Amphista, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive
 from amphista_jax.drafters.base import head_metrics
 from amphista_jax.drafters.draft_vocab import most_frequent, to_draft, to_target, token_counts
@@ -50,7 +51,7 @@ def vocab(continuation: np.ndarray) -> tuple[int, ...]:
 
 def proposal_tokens(target: Target, drafter, params, tree) -> np.ndarray:
     """Node tokens `[B, N]` of the first proposal after prefilling PROMPTS."""
-    settings = SpecSettings(CONFIG, drafter, tree, max_new_tokens=8)
+    settings = DecodeSpec(CONFIG, drafter, tree, max_new_tokens=8)
     tokens, lengths = pad_prompts(PROMPTS)
 
     @jax.jit

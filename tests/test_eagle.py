@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import SpecSettings, pad_prompts, spec_init, spec_propose, spec_step
+from amphista_jax.decode import pad_prompts, spec_init, spec_propose, spec_step
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import Eagle
 from amphista_jax.drafters.io import load_draft, save_draft
 from amphista_jax.models.llama import Output, Transformer, init_params
@@ -125,7 +126,7 @@ def _paths(tokens: np.ndarray, parent: np.ndarray) -> list[tuple[int, ...]]:
 
 def _proposals(params, target, tree, steps: int):
     """Each step's proposal (decoding PROMPTS greedily) with the committed tokens and root it was drafted from."""
-    settings = SpecSettings(CONFIG, EAGLE, tree, 40)
+    settings = DecodeSpec(CONFIG, EAGLE, tree, 40)
     tokens, lengths = pad_prompts(PROMPTS)
     s = jax.jit(spec_init, static_argnums=(5, 6))(target.params, params, jnp.asarray(tokens), jnp.asarray(lengths),
                                                   jax.random.key(0), 128, settings)

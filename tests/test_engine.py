@@ -18,7 +18,6 @@ from hypothesis import given, settings
 
 from amphista_jax.decode import (
     PromptTooLongError,
-    SpecSettings,
     generate,
     pad_prompts,
     scratch_slots,
@@ -26,6 +25,7 @@ from amphista_jax.decode import (
     spec_step,
     speculative_generate,
 )
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params
@@ -214,7 +214,7 @@ def test_a_tree_over_the_budget_is_refused_at_trace_time(target, reference):
 
 
 def _state(target, ref, drafter, eos_ids=()):
-    settings = SpecSettings(CONFIG, drafter, chain(4), NEW, eos_ids=eos_ids, pad_id=-1)
+    settings = DecodeSpec(CONFIG, drafter, chain(4), NEW, eos_ids=eos_ids, pad_id=-1)
     tokens, lengths = pad_prompts(PROMPTS)
     state = spec_init(target, ref, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), 96, settings)
     return settings, state, jax.jit(spec_step, static_argnums=3)
@@ -459,7 +459,7 @@ def _direct(target, tokens, positions, mask, embeds, prefix_kv):
 def test_extras_hidden_states_reach_commit_equal_to_a_direct_forward(target, reference, prefix):
     _, ref = reference
     drafter = CopyExtras(wrong=1, prefix=prefix)
-    settings = SpecSettings(CONFIG, drafter, chain(4), NEW)
+    settings = DecodeSpec(CONFIG, drafter, chain(4), NEW)
     tokens, lengths = pad_prompts(PROMPTS)
     s = spec_init(target, ref, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(0), 96, settings)
     ctx = DraftContext(s.hidden, s.root, s.cache.lengths, s.draft_state)

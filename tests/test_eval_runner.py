@@ -210,24 +210,24 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     trees = {n: "" if TreeSpec in d.tree_kinds else d().paper_tree for n, d in DRAFTERS.items()}
     specs = tuple(f"{n}:untrained" + (f"@{t}" if t else "") for n, t in trees.items()) + (
         "base=ar", "x=medusa:untrained@chain-4")
-    methods = resolve_methods(specs, "small-8", target)
+    methods = resolve_methods(specs, "small-8", target.config)
     assert [m.label for m in methods] == ["base", *(f"{n}-untrained" + (f"@{t}" if t else "") for n, t in
                                                     trees.items()), "x"]  # AR first
     assert [m.tree_name for m in methods] == ["-", *(t or "small-8" for t in trees.values()), "chain-4"]
-    assert resolve_methods(("medusa:untrained",), "small-8", target)[0].label == "ar"  # AR is always run
+    assert resolve_methods(("medusa:untrained",), "small-8", target.config)[0].label == "ar"  # AR is always run
     # the first `ar` spec runs first; a later one stays in place: AR timed again there (the run's timing noise)
-    again = resolve_methods(("medusa:untrained", "ar", "ar-end=ar"), "small-8", target)
+    again = resolve_methods(("medusa:untrained", "ar", "ar-end=ar"), "small-8", target.config)
     assert [(m.label, m.method) for m in again] == [("ar", "ar"), ("medusa-untrained", "medusa"), ("ar-end", "ar")]
     with pytest.raises(MethodSpecError, match=r"\['ar'\] are used twice"):
-        resolve_methods(("ar", "ar"), "small-8", target)
+        resolve_methods(("ar", "ar"), "small-8", target.config)
     with pytest.raises(MethodSpecError, match="unknown method 'medusae'"):
-        resolve_methods(("medusae:untrained",), "small-8", target)
-    with pytest.raises(MethodSpecError, match="neither `ar`"):
-        resolve_methods((str(tmp_path / "no-heads"),), "small-8", target)
+        resolve_methods(("medusae:untrained",), "small-8", target.config)
+    with pytest.raises(MethodSpecError, match="neither a draft-head directory nor a method"):
+        resolve_methods((str(tmp_path / "no-heads"),), "small-8", target.config)
     with pytest.raises(MethodSpecError, match="used twice"):
-        resolve_methods(("medusa:untrained", "medusa:untrained"), "small-8", target)
+        resolve_methods(("medusa:untrained", "medusa:untrained"), "small-8", target.config)
     with pytest.raises(MethodSpecError, match="AR baseline has no tree"):
-        resolve_methods(("ar@chain-4",), "small-8", target)
+        resolve_methods(("ar@chain-4",), "small-8", target.config)
     heads = tmp_path / "lr=1e-3" / "heads"  # a heads path with `=` in it is a source, not `label=source`
     heads.mkdir(parents=True)
     assert split_label(f"{heads}@chain-4") == ("", f"{heads}@chain-4")

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import PromptTooLongError, check_fits, generate, pad_prompts
+from amphista_jax.decode import generate, pad_prompts
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import init_params, split_layers
+from amphista_jax.prompt_checks import PromptTooLongError, check_fits
 from amphista_jax.sampling import SamplingConfig, select_token, warp_logits
 
 CONFIG = tiny_llama_config()

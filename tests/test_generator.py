@@ -151,7 +151,7 @@ def test_another_drafters_params_are_refused_on_the_host(hydra, door):
                                      drafter=hydra.drafter, tree=hydra.tree, max_new_tokens=2, cache_size=128)
             else:
                 dataclasses.replace(hydra, draft_params=params).run(tokens, lengths,
-                                                                    hydra.settings(2, SamplingConfig()))
+                                                                    hydra.spec(2, SamplingConfig()))
 
 
 @pytest.mark.parametrize("prompt, lengths, message", [
@@ -175,7 +175,7 @@ def test_the_jitted_doors_refuse_bad_prompts_on_the_host(hydra, door, prompt, le
             speculative_generate(hydra.params, hydra.draft_params, prompt, lengths, key, drafter=hydra.drafter,
                                  tree=hydra.tree, **kw)
         else:
-            hydra.run(prompt, lengths, hydra.settings(2, SamplingConfig()))
+            hydra.run(prompt, lengths, hydra.spec(2, SamplingConfig()))
     assert "\n" not in str(e.value)
 
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import SpecSettings, generate, pad_prompts, spec_init, spec_propose, speculative_generate
+from amphista_jax.decode import generate, pad_prompts, spec_init, spec_propose, speculative_generate
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import Gumiho
 from amphista_jax.drafters.base import Proposal, accepted_tokens
 from amphista_jax.drafters.io import load_draft, save_draft
@@ -148,7 +149,7 @@ def test_published_fta_commits_tokens_ar_would_not_and_ours_does_not(target):
 
 
 def test_proposals_stay_in_budget_and_fta_lengthens_short_paths(target):
-    settings = SpecSettings(CONFIG, SMALL, SMALL_TREE, 16)
+    settings = DecodeSpec(CONFIG, SMALL, SMALL_TREE, 16)
     params = _random_heads(SMALL, target)
     tokens, lengths = pad_prompts(PROMPTS)
     s = jax.jit(spec_init, static_argnums=(5, 6))(target.params, params, jnp.asarray(tokens), jnp.asarray(lengths),

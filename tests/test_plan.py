@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from amphista_jax.assets import default_model_dir
 from amphista_jax.cli import main
 from amphista_jax.config_io import load_config
-from amphista_jax.decode import scratch_slots, speculative_generate
+from amphista_jax.decode import decode, scratch_slots
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.models.hf import load_config as load_model_config
 from amphista_jax.models.hf import load_params
 from amphista_jax.plan import decode_plan, device_bytes
@@ -84,10 +85,9 @@ def test_decode_plan_is_the_compiled_loop_of_a_sharded_generation():
     rows = lambda x: jax.device_put(x, batch_sharding(mesh, x.shape))  # noqa: E731
     prompt, lengths = rows(np.full((2, 16), 5, np.int32)), rows(np.array([16, 9], np.int32))
     with on_mesh(mesh):
-        real = speculative_generate.lower(
+        real = decode.lower(
             params, draft, prompt, lengths, jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec())),
-            config=CONFIG, drafter=drafter,
-            tree=tree, max_new_tokens=8, cache_size=16 + 8 + scratch_slots(drafter, tree)).compile()
+            spec=DecodeSpec(CONFIG, drafter, tree, 8), cache_size=16 + 8 + scratch_slots(drafter, tree)).compile()
     assert real.memory_analysis().temp_size_in_bytes == plan.temp > 0
 
 

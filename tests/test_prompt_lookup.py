@@ -187,7 +187,7 @@ def test_the_embedded_model_drafts_repeated_text_and_stays_lossless():
     model (through `Generator`), and test_greedy_prompt_lookup_equals_ar[batch-3-fan-3x3] covers that its drafts are
     taken and decoding stays lossless."""
     gen = Generator.load(heads="prompt_lookup", tree="chain-4")
-    assert gen.method == "prompt_lookup" and gen.notes == [] and gen.draft_params == {}
+    assert gen.method == "prompt_lookup" and gen.notes == () and gen.draft_params == {}
     body = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
     prompt = body + body + "def add(a, b):\n"
     out = gen.generate([prompt, "import os\n"], max_new_tokens=24)
@@ -262,10 +262,11 @@ def test_eval_specs_name_it_plainly_with_its_paper_tree(target):
     from amphista_jax.evals.methods import resolve_methods
 
     methods = resolve_methods(("prompt_lookup", "pl=prompt_lookup@chain-2#max_ngram=2", "prompt_lookup:untrained"),
-                              "auto", target)
+                              "auto", target.config)
     assert [m.label for m in methods] == ["ar", "prompt_lookup", "pl", "prompt_lookup-untrained"]
     assert [m.tree for m in methods[1:]] == [chain(4), chain(2), chain(4)]
-    assert methods[2].drafter == PromptLookup(max_ngram=2) and methods[1].draft_params == {}
+    gen = methods[1].generator(Generator(target.config, target.params, None, ()))
+    assert methods[2].drafter == PromptLookup(max_ngram=2) and gen.draft_params == {}
 
 
 def test_train_refuses_it_in_one_line(tmp_path):

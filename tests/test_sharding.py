@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from amphista_jax.decode import SpecSettings, generate, pad_prompts, scratch_slots, spec_init, speculative_generate
+from amphista_jax.decode import generate, pad_prompts, scratch_slots, spec_init, speculative_generate
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import VARIANTS
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import tiny_llama_config
@@ -115,9 +116,9 @@ def test_sharded_speculative_generate_equals_one_device(method):
     assert not max(jax.tree.leaves(sharded_draft), key=lambda x: x.size).sharding.is_fully_replicated
     with on_mesh(mesh):
         out = speculative_generate(sharded_params, sharded_draft, tokens, lengths, jax.random.key(0), **kw)
-        state = jax.jit(spec_init, static_argnames=("cache_size", "settings"))(
+        state = jax.jit(spec_init, static_argnames=("cache_size", "spec"))(
             sharded_params, sharded_draft, tokens, lengths, jax.random.key(0), cache_size=kw["cache_size"],
-            settings=SpecSettings(CONFIG, drafter, tree, 12))
+            spec=DecodeSpec(CONFIG, drafter, tree, 12))
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
     np.testing.assert_array_equal(np.asarray(out.num_tokens), np.asarray(one.num_tokens))
     kv = NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"), None, "tensor"))  # rows, KV heads

@@ -35,11 +35,12 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from amphista_jax.decode import check_fits, generate, pad_prompts
+from amphista_jax.decode import generate, pad_prompts
 from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
 from amphista_jax.generator import bucket
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.output_lock import file_lock, lock_beside, write_atomic
+from amphista_jax.prompt_checks import check_fits
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.data import DataError, DataReport, normalize_messages, read_records

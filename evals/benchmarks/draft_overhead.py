@@ -43,7 +43,6 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from amphista_jax.decode import (
-    SpecSettings,
     SpecState,
     ar_init,
     ar_step,
@@ -54,6 +53,7 @@ from amphista_jax.decode import (
     spec_step,
     spec_verify,
 )
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import VARIANTS
 from amphista_jax.evals.benchmarks.common import (
     SIZES,
@@ -79,15 +79,15 @@ def cut(spec: TreeSpec, depth: int) -> TreeSpec:
     return TreeSpec(tuple(p for p in spec.choices if len(p) <= depth))
 
 
-def steady_state(params: dict, draft_params: Any, settings: SpecSettings, batch: int, committed: int) -> SpecState:
+def steady_state(params: dict, draft_params: Any, settings: DecodeSpec, batch: int, committed: int) -> SpecState:
     """The engine's state after a prefill of `batch` random prompts of `committed` tokens and one step."""
     prompt = jax.random.randint(jax.random.key(2), (batch, committed), 0, settings.config.vocab_size)
     lengths = jnp.full((batch,), committed, jnp.int32)
-    init = jax.jit(spec_init, static_argnames=("cache_size", "settings"))
+    init = jax.jit(spec_init, static_argnames=("cache_size", "spec"))
     state = init(params, draft_params, prompt, lengths, jax.random.key(0),
                  cache_size=committed + MAX_NEW_TOKENS + scratch_slots(settings.drafter, settings.tree),
-                 settings=settings)
-    return jax.jit(functools.partial(spec_step, settings=settings))(params, draft_params, state)
+                 spec=settings)
+    return jax.jit(functools.partial(spec_step, spec=settings))(params, draft_params, state)
 
 
 def ar_step_ms(params: dict, config: ModelConfig, batch: int, committed: int, runs: int) -> float:
@@ -105,19 +105,19 @@ def part_ms(fn: Callable[..., Any], *args: Any, runs: int) -> float:
     return median_seconds(functools.partial(jax.jit(fn), *args), runs) * 1e3
 
 
-def step_parts_ms(params: dict, draft_params: Any, settings: SpecSettings, s: SpecState, runs: int) -> dict:
+def step_parts_ms(params: dict, draft_params: Any, settings: DecodeSpec, s: SpecState, runs: int) -> dict:
     """Milliseconds of each part of one step from state `s`."""
     st = settings
-    proposal = jax.jit(functools.partial(spec_propose, settings=st))(params, draft_params, s)
-    verified, verdict = jax.jit(functools.partial(spec_verify, settings=st))(params, s, proposal)
+    proposal = jax.jit(functools.partial(spec_propose, spec=st))(params, draft_params, s)
+    verified, verdict = jax.jit(functools.partial(spec_verify, spec=st))(params, s, proposal)
     times = {
-        "propose_ms": part_ms(functools.partial(spec_propose, settings=st), params, draft_params, s, runs=runs),
-        "verify_ms": part_ms(functools.partial(spec_verify, settings=st), params, s, proposal, runs=runs),
+        "propose_ms": part_ms(functools.partial(spec_propose, spec=st), params, draft_params, s, runs=runs),
+        "verify_ms": part_ms(functools.partial(spec_verify, spec=st), params, s, proposal, runs=runs),
         "commit_ms": part_ms(lambda p, d, pr, o, v, ds: st.drafter.commit(d, Target(st.config, p), pr, v, o, ds),
                              params, draft_params, proposal, verified, verdict, s.draft_state, runs=runs),
-        "engine_commit_ms": part_ms(functools.partial(spec_commit, settings=st), params, draft_params, s, proposal,
+        "engine_commit_ms": part_ms(functools.partial(spec_commit, spec=st), params, draft_params, s, proposal,
                                     verified, verdict, runs=runs),
-        "step_ms": part_ms(functools.partial(spec_step, settings=st), params, draft_params, s, runs=runs),
+        "step_ms": part_ms(functools.partial(spec_step, spec=st), params, draft_params, s, runs=runs),
     }
     return times | {"draft_share": (times["propose_ms"] + times["commit_ms"]) / times["step_ms"]}
 
@@ -143,10 +143,10 @@ def main() -> None:
     for method, tree in tqdm(list(itertools.product(args.methods, args.trees)), desc="draft overhead"):
         drafter, spec = VARIANTS[method], get_tree(tree)
         draft_params = drafter.decode_params(drafter.init(jax.random.key(0), target))
-        settings = SpecSettings(config, drafter, spec, MAX_NEW_TOKENS)
+        settings = DecodeSpec(config, drafter, spec, MAX_NEW_TOKENS)
         s = steady_state(params, draft_params, settings, args.batch, args.committed)
         cuts = range(1, spec.depth + 1) if isinstance(spec, TreeSpec) else ()  # a dynamic budget has no cuts
-        by_depth = [part_ms(functools.partial(spec_propose, settings=dataclasses.replace(settings, tree=cut(spec, d))),
+        by_depth = [part_ms(functools.partial(spec_propose, spec=dataclasses.replace(settings, tree=cut(spec, d))),
                             params, draft_params, s, runs=args.runs) for d in cuts]
         parts = step_parts_ms(params, draft_params, settings, s, args.runs)
         rows.append({"method": method, "tree": tree, "nodes": spec.num_nodes,

@@ -37,10 +37,12 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from amphista_jax.accelerators import ACCELERATORS, Accelerator
-from amphista_jax.decode import SpecSettings, ar_init, ar_step, scratch_slots, spec_init, spec_step
+from amphista_jax.decode import ar_init, ar_step, scratch_slots, spec_init, spec_step
+from amphista_jax.decode_spec import DecodeSpec
+from amphista_jax.drafter_source import with_settings
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
-from amphista_jax.evals.methods import parse_settings, with_settings
+from amphista_jax.evals.methods import parse_settings
 from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes, target_model
@@ -84,7 +86,7 @@ def run_drafter(run: str) -> tuple[str, str, str, Drafter]:
     settings = parse_settings(run, overrides)
     if size := settings.pop(DRAFT_VOCAB_SIZE, 0):
         settings["draft_vocab"] = tuple(range(size))
-    return method, tree, overrides, with_settings(run, VARIANTS[method], settings)
+    return method, tree, overrides, with_settings(VARIANTS[method], settings)
 
 
 def spec_cost(config: ModelConfig, params: Any, drafter: Drafter, tree_name: str, batch: int,
@@ -94,13 +96,13 @@ def spec_cost(config: ModelConfig, params: Any, drafter: Drafter, tree_name: str
     tree = get_tree(tree_name)
     draft = jax.eval_shape(lambda p: drafter.decode_params(drafter.init(jax.random.key(0), Target(config, p))),
                            params)
-    settings = SpecSettings(config, drafter, tree, MAX_NEW_TOKENS)
+    settings = DecodeSpec(config, drafter, tree, MAX_NEW_TOKENS)
     cache_size = context + MAX_NEW_TOKENS + scratch_slots(drafter, tree)
     prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     state = jax.eval_shape(lambda p, d, t, n: spec_init(p, d, t, n, jax.random.key(0), cache_size, settings),
                            params, draft, prompt, lengths)
-    return compiled_cost(functools.partial(spec_step, settings=settings), params, draft, state), tree.num_nodes
+    return compiled_cost(functools.partial(spec_step, spec=settings), params, draft, state), tree.num_nodes
 
 
 def run_label(row: dict[str, Any]) -> str:

@@ -22,7 +22,6 @@ what it measured.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -32,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from amphista_jax.assets import shipped_heads, shipped_heads_dir
-from amphista_jax.drafters import VARIANTS
+from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.io import cast_floating, load_draft
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.fetch import resolve_model
@@ -58,9 +57,9 @@ def random_target(name: str, dtype: str, layout: str) -> tuple[dict, ModelConfig
     return (split_layers(params) if layout == "split" else params), config
 
 
-def method_generator(method: str, config: ModelConfig, params: dict, tokenizer: Any, dtype: str,
-                     shipped: list[str]) -> tuple[Generator, str]:
-    """(a Generator of `method`'s drafter with its draft params in `dtype`, which heads they are)."""
+def method_drafter(method: str, config: ModelConfig, params: dict, dtype: str, shipped: list[str]
+                   ) -> tuple[Drafter, Any, str]:
+    """(`method`'s drafter, its draft params in `dtype`, which heads they are)."""
     name = SHIPPED_NAME.get(method, method)
     if name in shipped:
         _, drafter, draft_params = load_draft(shipped_heads_dir(name), config, params)
@@ -68,7 +67,7 @@ def method_generator(method: str, config: ModelConfig, params: dict, tokenizer: 
     else:
         drafter, heads = VARIANTS[method], "untrained"
         draft_params = drafter.init(jax.random.key(0), Target(config, params))
-    return Generator(config, params, tokenizer, (), drafter, cast_floating(draft_params, dtype)), heads
+    return drafter, cast_floating(draft_params, dtype), heads
 
 
 def table(rows: list[dict], header: str) -> str:
@@ -115,12 +114,12 @@ def main() -> None:
         shipped = shipped_heads() if args.model is None else []
     prompt = (np.random.default_rng(0).integers(0, config.vocab_size, args.context).tolist() if args.context
               else encode_prompt(tokenizer, PROMPT, chat=False))
-    gens = {m: method_generator(m, config, params, tokenizer, args.dtype, shipped) for m in args.methods}
+    drafters = {m: method_drafter(m, config, params, args.dtype, shipped) for m in args.methods}
     pairs = []  # (method, tree name, why it is skipped or None)
-    for method, (gen, _) in gens.items():
+    for method, (drafter, _, _) in drafters.items():
         for name, tree in trees.items():
             try:
-                gen.drafter.check_tree(tree, config.vocab_size)
+                drafter.check_tree(tree, config.vocab_size)
                 pairs.append((method, name, None))
             except TreeError as e:
                 pairs.append((method, name, str(e)))
@@ -131,19 +130,22 @@ def main() -> None:
     runs = [(b, a) for b in args.batch for a in args.attention]
     with tqdm(total=len(runs) * (1 + sum(why is None for *_, why in pairs)), desc="step time", unit="step") as bar:
         for batch, attention in runs:
-            on = {m: dataclasses.replace(g, attention=attention) for m, (g, _) in gens.items()}
-            clock = StepClock.for_trees(list(on.values()), prompt, list(trees.values()), args.new_tokens, args.runs,
-                                        batch)
-            ar_s = clock.ar_step_seconds(next(iter(on.values())).autoregressive())
+            base = Generator(config, params, tokenizer, (), attention=attention)
+            drawable = {m: [n for m2, n, why in pairs if m2 == m and why is None] for m in drafters}
+            on = {m: base.with_drafter(d, trees[drawable[m][0]], draft_params=dp)
+                  for m, (d, dp, _) in drafters.items() if drawable[m]}
+            clock = StepClock.for_trees([base, *on.values()], prompt, list(trees.values()), args.new_tokens,
+                                        args.runs, batch)
+            ar_s = clock.ar_step_seconds(base)
             bar.update(1)
-            for method, gen in on.items():
-                names = [n for m, n, why in pairs if m == method and why is None]
-                seconds = clock.spec_step_seconds(gen, [trees[n] for n in names], bar.update) if names else []
+            for method in drafters:
+                names = drawable[method]
+                seconds = clock.spec_step_seconds(on[method], [trees[n] for n in names], bar.update) if names else []
                 timed = dict(zip(names, seconds, strict=True))
                 for m, name, why in pairs:
                     if m != method:
                         continue
-                    row = {"batch": batch, "attention": attention, "method": method, "heads": gens[method][1],
+                    row = {"batch": batch, "attention": attention, "method": method, "heads": drafters[method][2],
                            "tree": name, "nodes": trees[name].num_nodes}
                     if why is None:
                         s = timed[name]

@@ -1,0 +1,166 @@
+"""Where a drafter comes from, and which tree it drafts: the one home of both decisions.
+
+`read_source` turns what a user names (a draft-head directory, a method name, the heads shipped for the target, a
+method's untrained heads, a draft model's directory, or a `Drafter` in hand) into a `DrafterSource`: the method, its
+drafter with its settings, and where its params are, read without loading any params. `choose_tree` decides the
+tree it drafts (a name, a file, `auto`, a tree policy searched per batch size), checked against the drafter and
+the target's vocabulary. `load_draft_params` then reads or initialises the params against the loaded target.
+`Generator.load` and `Generator.with_drafter` are the only callers; every front-end goes through them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from amphista_jax.drafters import VARIANTS, Drafter
+from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
+from amphista_jax.drafters.io import META_FILE, load_draft, params_fit, read_draft_meta
+from amphista_jax.errors import GeneratorError
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.target import Target
+from amphista_jax.tree_names import AUTO, TreePolicy, get_tree, read_policy, resolve_tree
+from amphista_jax.trees import Tree
+
+UNTRAINED = ":untrained"  # `<method>:untrained`: the method's freshly initialised heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSource:
+    """A drafter and where its params come from, read without loading them."""
+
+    method: str  # the registered method (`drafters.DRAFTERS`)
+    drafter: Drafter  # with its settings
+    path: str | None = None  # the draft-head checkpoint or draft-model directory; None: initialised at load
+    note: str | None = None  # what was chosen for the user, and why (e.g. the shipped heads)
+    params: Any = None  # params in hand (a `Drafter` passed with its params)
+
+    @property
+    def is_model_dir(self) -> bool:
+        """A Hugging Face model directory drafting as a draft model (no `draft.json`)."""
+        return self.path is not None and not (Path(self.path) / META_FILE).is_file()
+
+
+def read_source(source: str | Path | Drafter, model_dir: str | Path | None, config: ModelConfig | None,
+                settings: dict[str, Any] | None = None, params: Any = None) -> DrafterSource:
+    """The `DrafterSource` of `source`: a `Drafter` (with `params`, or initialised at load); a directory holding
+    `draft.json` (trained heads) or `config.json` (a draft model sharing the target's vocabulary); a method name
+    (`hydra`, `hydra++`): the heads shipped for the target at `model_dir`, else that method's untrained heads (with
+    a note); `<method>:untrained`: its untrained heads. `settings` change the drafter's decoding settings (checked
+    by the method). Without `model_dir` nothing shipped is looked for; without `config` a draft model's vocabulary
+    is checked when it loads. A `GeneratorError` names what is wrong."""
+    if isinstance(source, Drafter):
+        return DrafterSource(source.name, with_settings(source, settings), params=params)
+    from amphista_jax.assets import shipped_heads, shipped_heads_dir
+    from amphista_jax.fetch import shipped_target
+    from amphista_jax.models.hf import load_config
+
+    name = str(source)
+    untrained, method = name.endswith(UNTRAINED), name.removesuffix(UNTRAINED)
+    if isinstance(source, Path) or (method not in VARIANTS and Path(name).is_dir()):  # a method name wins over ./name
+        path = Path(name)
+        if (path / META_FILE).is_file():
+            meta = read_draft_meta(path)
+            return DrafterSource(meta.method, with_settings(meta.drafter, settings), str(path))
+        if (path / "config.json").is_file():
+            draft_config = load_config(path)
+            if config is not None:
+                check_vocabularies(draft_config, config, name)
+            return DrafterSource(DraftModel.name, with_settings(DraftModel(draft_config), settings), str(path))
+        raise GeneratorError(f"{name} holds neither draft heads ({META_FILE}) nor a model (config.json): pass the "
+                             "heads/ directory `amphista-jax train` wrote or a Hugging Face model directory")
+    target, shipped = shipped_target(model_dir) if model_dir else None, method.replace("++", "-plus")
+    if not untrained and target and shipped in shipped_heads(target):
+        meta = read_draft_meta(shipped_heads_dir(shipped, target))
+        return DrafterSource(meta.method, with_settings(meta.drafter, settings),
+                             str(shipped_heads_dir(shipped, target)), f"using the {name} heads shipped for {target}")
+    if method not in VARIANTS:
+        if untrained:
+            raise GeneratorError(f"unknown method {method!r}; registered: {', '.join(VARIANTS)}")
+        raise GeneratorError(f"heads {name!r} is neither a draft-head directory nor a method ({', '.join(VARIANTS)}; "
+                             f"`<method>{UNTRAINED}` for its untrained heads) nor a model directory")
+    drafter = VARIANTS[method]
+    note = None
+    if drafter.trainable and not untrained:
+        note = (f"no trained heads for this model: using untrained {method} heads (expect tau ~1)"
+                if method != DraftModel.name else "no trained draft model for this model: drafting with its first "
+                f"{drafter.layers} layers, untrained")
+    return DrafterSource(drafter.name, with_settings(drafter, settings), note=note)
+
+
+def with_settings(drafter: Drafter, settings: dict[str, Any] | None) -> Drafter:
+    """`drafter` with `settings` changed, each checked by the method's `from_settings` (a `GeneratorError`)."""
+    if not settings:
+        return drafter
+    try:
+        return type(drafter).from_settings({f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)}
+                                           | settings)
+    except (TypeError, ValueError) as e:
+        raise GeneratorError(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeChoice:
+    """The tree a drafter drafts: `tree` at batch size 1 (None: no speculation), its name as the user gave it,
+    the per-batch `policy` that `auto` or a policy file follows (None: one tree at every batch size), and a note
+    saying how `auto` was resolved (or None)."""
+
+    tree: Tree | None
+    name: str
+    policy: TreePolicy | None = None
+    note: str | None = None
+
+    def at(self, batch: int) -> Tree | None:
+        """The tree for `batch` rows: the policy's, else the one tree."""
+        return self.policy.at(batch) if self.policy is not None else self.tree
+
+
+def choose_tree(tree: str | Tree | TreeChoice, source: DrafterSource, vocab_size: int | None) -> TreeChoice:
+    """The tree `source`'s drafter drafts for `tree`: a `Tree` as it is; a name, a JSON file or `fan-KxD` as named;
+    `auto`: the trees tree search picked per batch size for these heads on this device class (a policy), else its
+    one searched tree, else the drafter's paper tree (said in the note; a draft model's directory quietly, having no
+    searched tree); a policy file as `auto`'s. Every tree is checked against the drafter and the vocabulary."""
+    drafter = source.drafter
+    if isinstance(tree, TreeChoice):
+        choice = tree
+    elif not isinstance(tree, str):
+        choice = TreeChoice(tree, str(tree))
+    elif (policy := read_policy(source.path, tree)) is not None:
+        trees = [t for _, t in policy.by_batch if t is not None]
+        first = policy.at(1) or (trees[0] if trees else get_tree(drafter.paper_tree))
+        where = f" on {jax.default_backend()}" if tree == AUTO else ""
+        choice = TreeChoice(first, tree, policy, f"tree {tree}: searched per batch size{where}: {policy.describe()}")
+    else:
+        spec, note = resolve_tree(tree, source.path, drafter.paper_tree)
+        choice = TreeChoice(spec, tree, None, None if source.is_model_dir else note)
+    for t in {choice.tree, *(t for _, t in (choice.policy.by_batch if choice.policy else ()))} - {None}:
+        drafter.check_tree(t, vocab_size)
+    return choice
+
+
+def load_draft_params(source: DrafterSource, target: Target, model_dir: str | Path, dtype: str, seed: int = 0
+                      ) -> tuple[Drafter, Any]:
+    """(drafter, params) of `source` for the loaded `target`: params in hand as they are; a checkpoint's restored
+    and checked against the target (settings that change the params' shapes refused); a draft model's read in
+    `dtype`; otherwise initialised from the target with `seed`."""
+    if source.params is not None:
+        return source.drafter, source.params
+    if source.path is None:
+        return source.drafter, jax.jit(source.drafter.init)(jax.random.key(seed), target)  # one compile beats eager
+    if source.is_model_dir:
+        drafter, params = DraftModel.from_pretrained(source.path, target.config, model_dir, dtype)
+        return with_settings(drafter, _settings_of(source.drafter, drafter)), params
+    _, _, params = load_draft(source.path, target.config, target.params)
+    if not params_fit(source.drafter, params, target):
+        raise GeneratorError(f"the settings given change the parameters of the heads in {source.path}: change only "
+                             "decoding settings")
+    return source.drafter, params
+
+
+def _settings_of(drafter: Drafter, base: Drafter) -> dict[str, Any]:
+    """The settings in which `drafter` differs from `base` (a draft model's decoding settings over its config)."""
+    return {f.name: getattr(drafter, f.name) for f in dataclasses.fields(drafter)
+            if f.name != "config" and getattr(drafter, f.name) != getattr(base, f.name)}
