@@ -1,7 +1,8 @@
 """Per-head top-1 / top-5 accuracy of any drafter on held-out data, teacher-forced (Amphista, Figure 1).
 
 Head k (0-based) at position t is scored against the held-out text's own token at t + 2 + k, with the
-ground-truth prefix as input (teacher forcing): exactly the `head{k}/top1` / `head{k}/top5` metrics the
+ground-truth prefix as input (teacher forcing), and against the target's own greedy token there (`agree`: the
+figure that sets how many drafts the target accepts): exactly the `head{k}/top1` / `top5` / `agree` metrics the
 drafter's `loss` reports, computed by the trainer's own eval step (`amphista_jax.train.step.make_steps`). The numbers
 are means over full batches of `data_cfg.batch_size` examples (each batch's masked mean, then the mean
 over batches); with the default packed held-out code split every position of every batch counts.
@@ -28,7 +29,7 @@ from amphista_jax.train.examples import batch_examples, example_source
 from amphista_jax.train.loop import mean_metrics
 from amphista_jax.train.step import make_steps
 
-_HEAD_METRIC = re.compile(r"^head(\d+)/(top1|top5)$")
+_HEAD_METRIC = re.compile(r"^head(\d+)/(top1|top5|agree)$")
 
 
 def heldout_batches(tokenizer: Any, data_cfg: DataConfig | None = None, n_batches: int = 4
@@ -41,7 +42,8 @@ def heldout_batches(tokenizer: Any, data_cfg: DataConfig | None = None, n_batche
 
 def head_accuracy(target: Target, drafter: Drafter, draft_params: Any, batches: list[dict[str, np.ndarray]]
                   ) -> dict[int, dict[str, float]]:
-    """`{head k: {"top1": float, "top5": float}}` of `drafter` on `batches` (see the module docstring)."""
+    """`{head k: {"top1": float, "top5": float, "agree": float}}` of `drafter` on `batches` (see the module
+    docstring; `agree`: top-1 against the target's own greedy token there, where the drafter's loss reports it)."""
     if not batches:
         raise ValueError("head_accuracy needs at least one held-out batch")
     model = target_model(target.config, target.params)

@@ -73,11 +73,14 @@ def markdown(summary: dict[str, Any]) -> str:
                   for m in lossless["mismatches"]]
     if summary["head_accuracy"]:
         heads = sorted({int(k) for acc in summary["head_accuracy"].values() for k in acc})
-        lines += ["", f"## Per-head held-out accuracy (teacher-forced, top-1 / top-5; data: {cfg['heldout']['kind']})",
+        lines += ["", "## Per-head held-out accuracy (teacher-forced; top-1 / top-5 against the data's tokens, then "
+                  f"top-1 against the target's own greedy token: agreement; data: {cfg['heldout']['kind']})",
                   "", "| method | " + " | ".join(f"head {k + 1}" for k in heads) + " |",
                   "|---|" + "---|" * len(heads)]
         for label, acc in summary["head_accuracy"].items():
-            cells = [f"{acc[str(k)]['top1']:.3f} / {acc[str(k)]['top5']:.3f}" if str(k) in acc else "-" for k in heads]
+            cells = [f"{acc[str(k)]['top1']:.3f} / {acc[str(k)]['top5']:.3f}"
+                     + (f"; agree {acc[str(k)]['agree']:.3f}" if "agree" in acc[str(k)] else "")
+                     if str(k) in acc else "-" for k in heads]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "## Compilation (seconds per padded shape [batch, prompt length], not in the timings)", "",
               "| method | shapes | median compile s |", "|---|---|---|"]

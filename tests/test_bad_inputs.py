@@ -543,6 +543,12 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "method_settings.num_heads=2.5"], ["num_heads=2.5 must be an integer"]),
     (["--set", "method=bita", "--set", "method_settings={}", "--set", "data.cache_target_hidden=true"],
      ["bita runs the target inside its own loss", "data.cache_target_hidden=false"]),
+    (["--set", "loss.labels=model"], ["loss.labels 'model'", "data, target"]),
+    (["--set", "loss.kind=kl"], ["loss.kind kl", "set loss.labels to target"]),
+    (["--set", "loss.kind=mse", "--set", "loss.labels=target"], ["loss.kind 'mse'", "ce, kl"]),
+    (["--set", "loss.top_k=0", "--set", "loss.labels=target"], ["loss.top_k=0", "integer >= 1"]),
+    (["--set", "method=bita", "--set", "method_settings={}", "--set", "loss.labels=target"],
+     ["bita runs the target inside its loss", "loss.labels data"]),
 ])
 def test_train_bad_settings_fail_before_any_work(capsys, tmp_path, extra, needles):
     data, out = _code(tmp_path / "code"), tmp_path / "run"

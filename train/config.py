@@ -63,6 +63,33 @@ class DataConfig:
             raise ValueError(f"data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
 
 
+LABELS = ("data", "target")
+LOSS_KINDS = ("ce", "kl")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """What the heads learn. `labels: data`: the data's next tokens (hard labels); `labels: target`: the target's
+    own greedy token at each position (its argmax), so the heads learn the target rather than the data's author.
+    `kind: kl` (with `labels: target`): each head's LM term is the KL to the target's whole next-token
+    distribution over the draft vocabulary. With `data.cache_target_hidden` the target's top `top_k` log-probs (the
+    rest of the mass as one remainder) are stored beside its hidden states (the label store) and read from there."""
+
+    labels: str = "data"
+    kind: str = "ce"
+    top_k: int = 32
+
+    def __post_init__(self) -> None:
+        if self.labels not in LABELS:
+            raise ValueError(f"loss.labels {self.labels!r} must be one of {', '.join(LABELS)}")
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"loss.kind {self.kind!r} must be one of {', '.join(LOSS_KINDS)}")
+        if self.kind == "kl" and self.labels != "target":
+            raise ValueError("loss.kind kl learns the target's distribution: set loss.labels to target")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"loss.top_k={self.top_k!r} must be an integer >= 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     data: int = 1
@@ -86,6 +113,7 @@ class TrainConfig:
     method: str = "medusa"
     method_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=50, b1=0.9, b2=0.999)
+    loss: LossConfig = LossConfig()
     part_lrs: dict[str, float] = dataclasses.field(default_factory=dict)
     loop: LoopConfig = LoopConfig()
     mesh: MeshConfig | None = None  # None = single device
@@ -109,6 +137,8 @@ class TrainConfig:
         if DRAFT_VOCAB_SIZE in self.method_settings:
             self._check_draft_vocab_size("draft_vocab" in known)
         self.drafter()  # the method validates its own values
+        if self.loss.labels == "target" and DRAFTERS[self.method].loss_runs_target:
+            raise ValueError(f"method {self.method} runs the target inside its loss: it trains on loss.labels data")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if bad := {k: v for k, v in self.part_lrs.items() if not v > 0}:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -180,51 +181,71 @@ def batch_examples(examples: list[dict], batch_size: int, max_batches: int) -> l
 
 
 def with_hidden(examples: list[dict], model: Transformer, target_params: dict, batch: int,
-                store: str | Path = "", target: Any = None, captures: tuple[int, ...] = ()) -> list[dict]:
-    """Attach the target's hidden states `[T, D]` (fp16 on host) to every example, and with `captures` the
-    inputs of those layers `[T, C * D]` (`captured`, EAGLE-3's features). With a `store` directory each is kept
-    there (`hidden-<key>.npy`, `captured-<key>-<layers>.npy`; key: a digest of the target's identity `target`, its
-    params' dtype and every example's tokens) and read back, memory-mapped, by any later run over the same
-    examples and target, so the methods trained on one data set compute them once; a file is written under a
-    temporary name and renamed when complete (a killed run leaves nothing a later one trusts)."""
+                store: str | Path = "", target: Any = None, captures: tuple[int, ...] = (), label_top_k: int = 0
+                ) -> list[dict]:
+    """Attach the target's hidden states `[T, D]` (fp16 on host) to every example, with `captures` the inputs of
+    those layers `[T, C * D]` (`captured`, EAGLE-3's features), and with `label_top_k` its labels: the top-k
+    next-token log-probabilities at each position (`label_ids [T, k]` int32, `label_logp [T, k]` fp32, from its
+    fp32 logits; the rest of the mass is what they leave). With a `store` directory each is kept there
+    (`hidden-<key>.npy`, `captured-<key>-<layers>.npy`, `label_ids-<key>-top<k>.npy`, ...; key: a digest of the
+    target's identity `target`, its params' dtype and every example's tokens) and read back, memory-mapped, by
+    any later run over the same examples and target, so the methods trained on one data set compute them once; a
+    file is written under a temporary name and renamed when complete (a killed run leaves nothing a later one
+    trusts)."""
     tokens = np.stack([e["tokens"] for e in examples])  # [N, T]
     d = model.config.hidden_size
-    wanted = {"hidden": ((), d)} | ({"captured": (captures, len(captures) * d)} if captures else {})
+    wanted = {"hidden": ("", d, np.float16)}  # name: (file name suffix, width, dtype)
+    if captures:
+        wanted["captured"] = ("-" + "-".join(map(str, captures)), len(captures) * d, np.float16)
+    if label_top_k:
+        wanted |= {"label_ids": (f"-top{label_top_k}", label_top_k, np.int32),
+                   "label_logp": (f"-top{label_top_k}", label_top_k, np.float32)}
     paths: dict[str, Path | None] = dict.fromkeys(wanted)
     if store:
         dtype = str(jax.tree.leaves(target_params)[0].dtype)
         key = json_digest([target, dtype, list(tokens.shape), hashlib.sha256(tokens.tobytes()).hexdigest()])[:24]
-        paths = {"hidden": Path(store) / f"hidden-{key}.npy"} | (
-            {"captured": Path(store) / f"captured-{key}-{'-'.join(map(str, captures))}.npy"} if captures else {})
+        paths = {name: Path(store) / f"{name}-{key}{suffix}.npy" for name, (suffix, _, _) in wanted.items()}
     arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items() if path and path.is_file()}
     for name in arrays:
         print(f"target {name} states: read from {paths[name]}")
     missing = [name for name in wanted if name not in arrays]
     if missing:
-        arrays |= _compute_states(tokens, model, target_params, batch, {n: wanted[n][1] for n in missing},
+        arrays |= _compute_states(tokens, model, target_params, batch, {n: wanted[n][1:] for n in missing},
                                   {n: paths[n] for n in missing}, captures)
     return [e | {name: a[i] for name, a in arrays.items()} for i, e in enumerate(examples)]
 
 
-def _compute_states(tokens: np.ndarray, model: Transformer, target_params: dict, batch: int, widths: dict[str, int],
-                    paths: dict[str, Path | None], captures: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """One pass of the target over `tokens [N, T]` filling the named states (`hidden`, `captured`) of the given
-    widths, each into its file's temporary name (renamed when complete) or into memory."""
-    def states(p: dict, t: jax.Array) -> dict[str, jax.Array]:
-        out = target_forward(model, p, {"tokens": t}, captures if "captured" in widths else ())
-        return {name: getattr(out, name).astype(jnp.float16) for name in widths}
+def target_states(model: Transformer, params: dict, tokens: jax.Array, names: dict[str, tuple[int, Any]],
+                  captures: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+    """The target's states over `tokens [B, T]` named in `names` (name: (width, dtype)): `hidden`, `captured`
+    (the inputs of layers `captures`), and `label_ids` / `label_logp`, its top-width next-token log-probs from
+    its fp32 logits at each position."""
+    out = target_forward(model, params, {"tokens": tokens}, captures if "captured" in names else ())
+    states = {name: getattr(out, name).astype(dtype) for name, (_, dtype) in names.items()
+              if name in ("hidden", "captured")}
+    if "label_logp" in names or "label_ids" in names:
+        k = (names.get("label_logp") or names["label_ids"])[0]
+        logp, ids = jax.lax.top_k(jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1), k)
+        states |= {"label_ids": ids.astype(jnp.int32), "label_logp": logp}
+    return {name: states[name] for name in names}
 
-    forward = jax.jit(states)
+
+def _compute_states(tokens: np.ndarray, model: Transformer, target_params: dict, batch: int,
+                    names: dict[str, tuple[int, Any]], paths: dict[str, Path | None], captures: tuple[int, ...]
+                    ) -> dict[str, np.ndarray]:
+    """One pass of the target over `tokens [N, T]` filling the named states (`target_states`; name: (width,
+    dtype)), each into its file's temporary name (renamed when complete) or into memory."""
+    forward = jax.jit(functools.partial(target_states, model, names=names, captures=captures))
     arrays, temps = {}, {}
-    for name, width in widths.items():
+    for name, (width, dtype) in names.items():
         shape = tokens.shape + (width,)
         if (path := paths[name]) is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             temps[name] = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            arrays[name] = np.lib.format.open_memmap(temps[name], "w+", np.float16, shape)
+            arrays[name] = np.lib.format.open_memmap(temps[name], "w+", dtype, shape)
         else:
-            arrays[name] = np.empty(shape, np.float16)
-    for i in tqdm(range(0, len(tokens), batch), desc=f"target {' and '.join(widths)} states", unit="batch"):
+            arrays[name] = np.empty(shape, dtype)
+    for i in tqdm(range(0, len(tokens), batch), desc=f"target {' and '.join(names)}", unit="batch"):
         for name, value in forward(target_params, jnp.asarray(tokens[i: i + batch])).items():
             arrays[name][i: i + batch] = np.asarray(value)
     for name, tmp in temps.items():

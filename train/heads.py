@@ -151,7 +151,7 @@ def train_job(cfg: TrainConfig, target_config: ModelConfig, devices: list[jax.De
     abstract_target = Target(target_config, param_shapes(target_config)[0])
     state_shardings = train_state_shardings(drafter, abstract_target, optimizer, mesh) if mesh else None
     train_step, eval_step = make_steps(model, drafter, optimizer, mesh, target_shardings, state_shardings,
-                                       cfg.data.microbatches)
+                                       cfg.data.microbatches, cfg.loss)
 
     @functools.partial(jax.jit, **({"out_shardings": state_shardings} if mesh else {}))
     def new_state(target: Target) -> dict[str, Any]:
@@ -228,9 +228,10 @@ def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
     if cfg.data.cache_target_hidden:
         store, target = cfg.data.hidden_store, identity["target"]
         captures = job.drafter.captured_layers(target_config)
+        top_k = cfg.loss.top_k if cfg.loss.labels == "target" else 0  # the label store
         train_examples = with_hidden(train_examples, job.model, target_params, cfg.data.batch_size, store, target,
-                                     captures)
-        heldout = with_hidden(heldout, job.model, target_params, cfg.data.batch_size, store, target, captures)
+                                     captures, top_k)
+        heldout = with_hidden(heldout, job.model, target_params, cfg.data.batch_size, store, target, captures, top_k)
     drafter, train_step, eval_step = job.drafter, job.train_step, job.eval_step
     init_state = functools.partial(job.new_state, Target(target_config, target_params))  # made in place on shards
 

@@ -28,6 +28,7 @@ from amphista_jax.drafters.base import Drafter
 from amphista_jax.models.llama import Output, Transformer
 from amphista_jax.sharding import BATCH_AXES, LOGICAL_RULES, local_batch_shards
 from amphista_jax.target import Target
+from amphista_jax.train.config import LossConfig
 
 
 def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax.Array],
@@ -49,6 +50,33 @@ def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax
     out = model.apply({"params": target_params}, tokens, positions, captures=captures)
     captured = None if out.captured is None else out.captured.astype(jnp.float32)
     return jax.lax.stop_gradient(out.replace(hidden=out.hidden.astype(jnp.float32), captured=captured))
+
+
+def with_target_labels(batch: dict, target_out: Output | None, loss: LossConfig) -> dict:
+    """`batch` with the labels `loss` asks for, read by the drafters' losses (`drafters.base.batch_labels`,
+    `target_kl`, `head_losses`' `agree`). `greedy [B, T]`: the target's own greedy token for each position (its
+    argmax one position before; the first position keeps the data's token, which no head learns), from the
+    label store's top-1 (`label_ids`) or the target's logits, whenever either is there: what every head's
+    agreement with the target is measured on. `labels: target` makes it the hard label (`labels`); with `kind:
+    kl` the store's top-k stays in the batch, or the logits go in as `label_logits`. Otherwise the store's top-k
+    is dropped."""
+    if "label_ids" in batch:
+        best = batch["label_ids"][..., 0]
+    elif target_out is not None:
+        best = jnp.argmax(target_out.logits, axis=-1).astype(batch["tokens"].dtype)
+    elif loss.labels == "target":
+        raise ValueError("loss.labels target needs the target's logits or a label store")
+    else:
+        return batch
+    tokens = batch["tokens"]
+    greedy = jnp.concatenate([tokens[:, :1], best[:, :-1].astype(tokens.dtype)], axis=1)
+    out = {k: v for k, v in batch.items() if k not in ("label_ids", "label_logp")} | {"greedy": greedy}
+    if loss.labels == "target":
+        out["labels"] = greedy
+        if loss.kind == "kl":
+            out |= ({k: batch[k] for k in ("label_ids", "label_logp")} if "label_logp" in batch
+                    else {"label_logits": target_out.logits})
+    return out
 
 
 def over_microbatches(fn: Callable[[dict, jax.Array], Any], batch: dict, rng: jax.Array, microbatches: int) -> Any:
@@ -83,25 +111,27 @@ def over_microbatches(fn: Callable[[dict, jax.Array], Any], batch: dict, rng: ja
 
 def make_steps(model: Transformer, drafter: Drafter, optimizer: optax.GradientTransformation,
                mesh: Mesh | None = None, target_shardings: Any = None, state_shardings: dict | None = None,
-               microbatches: int = 1):
+               microbatches: int = 1, loss: LossConfig | None = None):
     """(train_step(state, target_params, batch) -> (state, metrics), eval_step(params, target_params, batch)
     -> metrics), jitted; sharded over `mesh` when given (`state_shardings`: the train state's, by default
     replicated). Both run the batch as `microbatches` sequential slices (`over_microbatches`): the update is the
-    one of the slices' loss-token weighted mean loss, with 1/`microbatches` of the activation memory."""
+    one of the slices' loss-token weighted mean loss, with 1/`microbatches` of the activation memory. `loss`
+    chooses the labels (`with_target_labels`)."""
 
     runs_target = drafter.loss_runs_target
+    loss = loss or LossConfig()
 
     def loss_fn(params, target_params, batch):
         target = Target(model.config, target_params)
         with nn.logical_axis_rules(LOGICAL_RULES):
             if runs_target:  # the drafter runs the frozen target in its loss: gradients reach its params through it
-                return drafter.loss(params, target, batch, None)
+                return drafter.loss(params, target, with_target_labels(batch, None, loss), None)
             target_out = target_forward(model, target_params, batch, drafter.captured_layers(model.config))
             # Pinned here, so that the drafter's shardings do not propagate back into the target's forward.
             target_out = target_out.replace(
                 hidden=nn.with_logical_constraint(target_out.hidden, ("batch", "length", "embed")),
                 logits=nn.with_logical_constraint(target_out.logits, ("batch", "length", "vocab")))
-        return drafter.loss(params, target, batch, target_out)
+        return drafter.loss(params, target, with_target_labels(batch, target_out, loss), target_out)
 
     def train_step(state, target_params, batch):
         # Training-time randomness for the losses that use it (Hydra's embedding noise); eval gets none.

@@ -42,7 +42,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from amphista_jax.drafters.base import DraftContext, LogicalInit, PrefillContext, Proposal, head_metrics, teacher_ce
+from amphista_jax.drafters.base import (
+    DraftContext,
+    LogicalInit,
+    PrefillContext,
+    Proposal,
+    batch_labels,
+    head_metrics,
+    teacher_ce,
+)
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids
 from amphista_jax.drafters.eagle import Eagle, FeatureDrafting
 from amphista_jax.models.config import ModelConfig
@@ -173,7 +181,7 @@ class Gumiho(LogicalInit):
             reg = optax.huber_loss(heads[:, : t - shift - 1, i], features[:, shift: t - 1]).mean(-1)
             reg = (reg * m).sum() / jnp.maximum(m.sum(), 1.0)
             logits_i = heads[:, : t - shift - 1, i] @ lm_head  # [B, T - shift - 1, V_d]
-            _, head = head_metrics(logits_i, tokens[:, shift + 1:], m, self.draft_vocab)
+            _, head = head_metrics(logits_i, batch_labels(batch)[:, shift + 1:], m, self.draft_vocab)
             cls = teacher_ce(logits_i, target_out.logits[:, shift: t - 1], m, self.draft_vocab)
             weight = self.mlp_weight * self.mlp_decay ** (i + 1)
             total = total + weight * (self.reg_weight * reg + self.cls_weight * cls)

@@ -1,0 +1,134 @@
+"""Labels from the target: the label store's top-k log-probs are the target's own, the KL to them is the KL, and the
+train step hands the drafters the labels `loss` asks for."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from amphista_jax.drafters.base import head_losses, target_kl, topk_kl
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.train.config import LossConfig
+from amphista_jax.train.examples import with_hidden
+from amphista_jax.train.step import target_forward, with_target_labels
+
+CONFIG = tiny_llama_config()
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_the_label_store_holds_the_targets_own_top_k(tmp_path):
+    params = init_params(CONFIG, jax.random.key(0))
+    model = Transformer(CONFIG)
+    tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (3, 12)).astype(np.int32)
+    examples = [{"tokens": t, "loss_mask": np.ones_like(t)} for t in tokens]
+    stored = with_hidden(examples, model, params, 2, tmp_path, "tiny", label_top_k=5)
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(tokens),
+                                    jnp.broadcast_to(jnp.arange(12), (3, 12))).logits, np.float64)
+    want = _log_softmax(logits)
+    for row, e in enumerate(stored):
+        order = np.argsort(-want[row], axis=-1, kind="stable")[:, :5]
+        np.testing.assert_array_equal(e["label_ids"], order)
+        np.testing.assert_allclose(e["label_logp"], np.take_along_axis(want[row], order, -1), atol=1e-5)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["hidden", "label_ids", "label_logp"]
+    again = with_hidden(examples, model, params, 2, tmp_path, "tiny", label_top_k=5)  # read back, not recomputed
+    assert isinstance(again[0]["label_logp"], np.memmap)
+    np.testing.assert_array_equal(again[1]["label_ids"], stored[1]["label_ids"])
+
+
+def test_topk_kl_is_the_kl_over_the_top_k_and_the_rest():
+    rng = np.random.default_rng(1)
+    v, k = 11, 4
+    target, draft = rng.normal(size=(2, 3, v)) * 2, rng.normal(size=(2, 3, v))
+    p, q = np.exp(_log_softmax(target)), np.exp(_log_softmax(draft))
+    ids = np.argsort(-p, axis=-1)[..., :k]
+    p_top, q_top = np.take_along_axis(p, ids, -1), np.take_along_axis(q, ids, -1)
+    p_rest, q_rest = 1 - p_top.sum(-1), 1 - q_top.sum(-1)
+    want = (p_top * np.log(p_top / q_top)).sum(-1) + p_rest * np.log(p_rest / q_rest)
+    mask = np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    got = topk_kl(jnp.asarray(draft, jnp.float32), jnp.asarray(ids, jnp.int32),
+                  jnp.asarray(np.log(p_top), jnp.float32), jnp.asarray(mask, jnp.float32))
+    np.testing.assert_allclose(float(got), (want * mask).sum() / mask.sum(), rtol=1e-5)
+    grad = jax.grad(lambda x: topk_kl(x, jnp.asarray(ids), jnp.asarray(np.log(p_top), jnp.float32),
+                                      jnp.asarray(mask, jnp.float32)))(jnp.asarray(draft, jnp.float32))
+    assert np.isfinite(np.asarray(grad)).all() and np.abs(np.asarray(grad)).sum() > 0
+    # the draft equal to the target on those k + 1 outcomes: zero
+    same = topk_kl(jnp.asarray(target, jnp.float32), jnp.asarray(ids), jnp.asarray(np.log(p_top), jnp.float32),
+                   jnp.ones((2, 3)))
+    assert abs(float(same)) < 1e-5
+
+
+def test_topk_kl_keeps_the_draft_vocabulary():
+    """A top-k id outside the draft vocabulary is dropped and the target renormalised over the rest: equal to the
+    KL computed directly on that renormalised distribution."""
+    rng = np.random.default_rng(2)
+    v, draft_vocab = 9, (0, 2, 3, 5, 8)
+    target = rng.normal(size=(1, 1, v)) * 2
+    logp = _log_softmax(target)[0, 0]
+    ids = np.argsort(-logp)[:3]
+    draft = rng.normal(size=(1, 1, len(draft_vocab)))
+    q = np.exp(_log_softmax(draft))[0, 0]
+    keep = [i for i in ids if i in draft_vocab]
+    p_keep = np.exp(logp[keep])
+    p_rest = 1 - np.exp(logp[ids]).sum()
+    norm = p_keep.sum() + p_rest
+    q_keep = q[[draft_vocab.index(i) for i in keep]]
+    want = ((p_keep / norm) * np.log(p_keep / norm / q_keep)).sum() + (p_rest / norm) * np.log(
+        (p_rest / norm) / (1 - q_keep.sum()))
+    got = topk_kl(jnp.asarray(draft, jnp.float32), jnp.asarray(ids[None, None], jnp.int32),
+                  jnp.asarray(logp[ids][None, None], jnp.float32), jnp.ones((1, 1)), draft_vocab)
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def target_batch():
+    params = init_params(CONFIG, jax.random.key(3))
+    model = Transformer(CONFIG)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, CONFIG.vocab_size, (2, 10)), jnp.int32)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones((2, 10), jnp.int32)}
+    return model, params, batch, target_forward(model, params, batch)
+
+
+def test_target_labels_are_the_targets_greedy_tokens(target_batch, tmp_path):
+    model, params, batch, out = target_batch
+    data = with_target_labels(batch, out, LossConfig())
+    assert "labels" not in data and "greedy" in data  # agreement with the target is measured whatever is learnt
+    hard = with_target_labels(batch, out, LossConfig(labels="target"))
+    best = np.argmax(np.asarray(out.logits), -1)
+    np.testing.assert_array_equal(np.asarray(hard["labels"])[:, 1:], best[:, :-1])
+    np.testing.assert_array_equal(np.asarray(hard["labels"])[:, 0], np.asarray(batch["tokens"])[:, 0])
+    assert "label_logits" not in hard
+    kl = with_target_labels(batch, out, LossConfig(labels="target", kind="kl"))
+    assert kl["label_logits"] is out.logits
+    # from the label store: its top-1, and its top-k for the KL
+    examples = [{"tokens": np.asarray(t), "loss_mask": np.ones(10, np.int32)} for t in batch["tokens"]]
+    stored = with_hidden(examples, model, params, 2, tmp_path, "tiny", label_top_k=4)
+    store = batch | {k: jnp.stack([jnp.asarray(e[k]) for e in stored]) for k in ("label_ids", "label_logp")}
+    from_store = with_target_labels(store, None, LossConfig(labels="target", kind="kl"))
+    np.testing.assert_array_equal(np.asarray(from_store["labels"]), np.asarray(hard["labels"]))
+    assert "label_logp" in from_store and "label_logits" not in from_store
+    assert "label_logp" not in with_target_labels(store, None, LossConfig(labels="target"))
+
+
+def test_medusa_learns_what_loss_asks_for(target_batch):
+    """The LM term of head k at t: CE on the data's token, CE on the target's greedy token, or the KL to the
+    target's whole distribution at t + 1 + k (equal to a direct computation)."""
+    _, _, batch, out = target_batch
+    logits = jax.random.normal(jax.random.key(4), (2, 10, 2, CONFIG.vocab_size))
+    losses = {}
+    for loss in (LossConfig(), LossConfig(labels="target"), LossConfig(labels="target", kind="kl")):
+        losses[(loss.labels, loss.kind)], metrics = head_losses(logits, with_target_labels(batch, out, loss),
+                                                                [1.0, 0.0])
+    assert len({float(v) for v in losses.values()}) == 3
+    p = jax.nn.log_softmax(out.logits[:, 1:9], -1)  # head 0 at t drafts what the target predicts at t + 1
+    q = jax.nn.log_softmax(logits[:, :8, 0], -1)
+    want = float((jnp.exp(p) * (p - q)).sum(-1).mean())
+    np.testing.assert_allclose(float(losses[("target", "kl")]), want, rtol=1e-5)
+    labelled = with_target_labels(batch, out, LossConfig(labels="target", kind="kl"))
+    np.testing.assert_allclose(float(target_kl(logits[:, :8, 0], labelled, 1, jnp.ones((2, 8)))), want, rtol=1e-5)
