@@ -3,6 +3,8 @@ train step hands the drafters the labels `loss` asks for."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,3 +134,24 @@ def test_medusa_learns_what_loss_asks_for(target_batch):
     np.testing.assert_allclose(float(losses[("target", "kl")]), want, rtol=1e-5)
     labelled = with_target_labels(batch, out, LossConfig(labels="target", kind="kl"))
     np.testing.assert_allclose(float(target_kl(logits[:, :8, 0], labelled, 1, jnp.ones((2, 8)))), want, rtol=1e-5)
+
+
+def test_train_on_the_targets_labels_from_the_label_store(smoke_model, tmp_path):
+    """`loss.labels: target`, `kind: kl` through the CLI: the label store is written beside the hidden states,
+    read back by a second run, and the heads report their agreement with the target."""
+    from amphista_jax.cli import main
+    from tests.helpers import write_code_files
+
+    run_dir, _ = smoke_model
+    args = ["train", "--config", "configs/medusa/code.yaml", "--set", f"model={run_dir / 'export'}",
+            "--set", "data.kind=text", "--set", f"data.train={write_code_files(tmp_path / 'code')}",
+            "--set", "data.max_len=32", "--set", "data.batch_size=4", "--set", "loop.steps=2",
+            "--set", "loop.eval_every=2", "--set", "method_settings.num_heads=2",
+            "--set", "data.cache_target_hidden=true", "--set", f"data.hidden_store={tmp_path / 'store'}",
+            "--set", "loss.labels=target", "--set", "loss.kind=kl", "--set", "loss.top_k=8"]
+    assert main(args + ["--set", f"out_dir={tmp_path / 'a'}"]) == 0
+    names = sorted(p.name.split("-")[0] for p in (tmp_path / "store").iterdir())
+    assert names == ["hidden"] * 2 + ["label_ids"] * 2 + ["label_logp"] * 2  # train and held-out
+    assert main(args + ["--set", f"out_dir={tmp_path / 'b'}"]) == 0
+    a, b = (json.loads((tmp_path / r / "summary.json").read_text())["heldout_after"] for r in "ab")
+    assert a == b and {"head0/kl", "head0/agree", "head1/agree"} <= set(a)
