@@ -276,7 +276,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from amphista_jax.train.distill import distill, merge_answers
+    from amphista_jax.train.distill import distill, merge_answers, process_shard
+    from amphista_jax.train.loop import maybe_initialize_distributed
 
     if (args.prompts is None) == (args.merge is None):
         raise UsageError("pass --prompts (answer them) or --merge FILE ... (join the shards of a run), not both or "
@@ -284,9 +285,11 @@ def _distill(args: argparse.Namespace) -> int:
     if args.merge:
         print(f"{merge_answers(args.merge, args.out)} answers in {args.out}")
         return 0
-    distill(args.model, resolve_data(args.prompts), args.out, batch_size=args.batch_size,
+    maybe_initialize_distributed()  # a jax.distributed run: each process answers its own shard into its own file
+    out, shard = process_shard(args.out, args.shard)
+    distill(args.model, resolve_data(args.prompts), out, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, chat=args.chat,
-            temperature=args.temperature, seed=args.seed, limit=args.limit, chunk=args.chunk, shard=args.shard)
+            temperature=args.temperature, seed=args.seed, limit=args.limit, chunk=args.chunk, shard=shard)
     return 0
 
 
@@ -452,7 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "are skipped and counted, never cut")
     d.add_argument("--limit", type=int, default=0, help="answer the first N prompts that fit (0 = all)")
     d.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="answer every N-th prompt from the I-th "
-                   "(one process's share; join the shards' --out files with --merge)")
+                   "(one process's share; join the shards' --out files with --merge). Under jax.distributed "
+                   "(amphista_jax.evals.launch_local, or JAX_COORDINATOR_ADDRESS set) each process takes its own "
+                   "shard and answers into <out stem>.process<i><suffix>")
     d.add_argument("--merge", nargs="+", default=None, metavar="FILE", help="join the --out files of a run's shards "
                    "into a new --out")
     d.add_argument("--chunk", type=int, default=64, help="new tokens per batch pass: stopped rows are refilled with "

@@ -134,3 +134,31 @@ def test_two_shards_merge_to_one_runs_answers(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "--shard", "2/2", "--out", str(tmp_path / "x.jsonl")])
     assert "expected I/N with 0 <= I < N" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_jax_distributed_processes_answer_their_own_shards(tmp_path):
+    """Two real `jax.distributed` processes (`launch_local -n 2`) each answer their own shard into
+    `<stem>.process<i>.jsonl`; `--merge` joins them into what one process answers. The default test that covers the
+    shard mechanism itself: `test_two_shards_merge_to_one_runs_answers`."""
+    import subprocess
+    import sys
+
+    from amphista_jax.cli import main
+    from tests.helpers import ROOT, subprocess_env
+
+    prompts = tmp_path / "prompts.jsonl"
+    _write_prompts(prompts)
+    common = ["distill", "--model", MODEL, "--prompts", str(prompts), "--no-chat", "--batch-size", "2",
+              "--max-new-tokens", "6", "--prompt-len", "64"]
+    launch = [sys.executable, "-m", "amphista_jax.evals.launch_local", "-n", "2", "--", sys.executable, "-m",
+              "amphista_jax.cli"]
+    result = subprocess.run(launch + common + ["--out", str(tmp_path / "run.jsonl")], cwd=ROOT,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    shards = [tmp_path / f"run.process{i}.jsonl" for i in (0, 1)]
+    assert all(s.is_file() for s in shards) and not (tmp_path / "run.jsonl").exists()
+    assert not set(_answers(shards[0])) & set(_answers(shards[1]))
+    assert main([*common, "--out", str(tmp_path / "one.jsonl")]) == 0
+    assert main(["distill", "--merge", *map(str, shards), "--out", str(tmp_path / "merged.jsonl")]) == 0
+    assert _answers(tmp_path / "merged.jsonl") == _answers(tmp_path / "one.jsonl")

@@ -264,6 +264,17 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
         return len(todo)
 
 
+def process_shard(out_file: str, shard: tuple[int, int]) -> tuple[str, tuple[int, int]]:
+    """(the file this process answers into, its shard). In a multi-process `jax.distributed` run with no shard given,
+    process i of n answers every n-th prompt from the i-th into `<stem>.process<i><suffix>` beside `out_file`
+    (each resumable on its own; `--merge` joins them); otherwise `out_file` and `shard` as given."""
+    if shard != (0, 1) or jax.process_count() == 1:
+        return out_file, shard
+    out = Path(out_file)
+    return str(out.with_name(f"{out.stem}.process{jax.process_index()}{out.suffix}")), (jax.process_index(),
+                                                                                       jax.process_count())
+
+
 def merge_answers(inputs: list[str], out_file: str) -> int:
     """Join distill outputs (the shards of one run, `distill(shard=...)`) into a new `out_file`, every complete answer
     once; refuses an input that is not a distill output, an id answered in two inputs, and an existing `out_file`.
