@@ -237,3 +237,15 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     assert resolve_methods((spec,), "small-8")[1].drafter.full_tree_attention is False
     with pytest.raises(MethodSpecError, match="empty tree after `@`"):
         resolve_methods(("medusa:untrained@",), "small-8")
+
+
+def test_every_eval_config_loads():
+    """Every config in configs/eval (the results tables' own under configs/eval/results, through their `base:`) is
+    a valid EvalConfig whose first method is the AR baseline."""
+    from amphista_jax.config_io import load_config
+    from amphista_jax.evals.runner import EvalConfig
+
+    paths = sorted((ROOT / "configs/eval").rglob("*.yaml"))
+    assert len(paths) >= 12
+    for path in paths:
+        assert load_config(EvalConfig, path).methods[0] == "ar", path

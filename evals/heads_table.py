@@ -1,6 +1,6 @@
 """The heads trained for SmolLM2 on the shared recipe: parameters, training budget and held-out accuracy per head.
 
-    python docs/results/smollm2/heads_table.py runs/smollm2/{medusa,eagle,amphista,hydra,sar} > heads.md
+    python -m amphista_jax.evals.heads_table runs/smollm2/{medusa,eagle,amphista,hydra,sar} > heads.md
 
 Each argument is a training run directory (`amphista-jax train`'s out_dir: summary.json and heads/).
 """
