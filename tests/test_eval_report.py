@@ -7,7 +7,7 @@ import json
 from amphista_jax.evals.report import markdown, timing_noise
 from tests.helpers import ROOT
 
-RUN = ROOT / "docs/results/smollm2/mt-bench-r8-t0.json"  # a real summary, AR timed once
+RUN = ROOT / "docs/results/history/smollm2/mt-bench-r8-t0.json"  # a real summary, AR timed once
 
 
 def _with_ar_again(summary: dict, speedups: dict[str, float]) -> dict:
