@@ -14,22 +14,16 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
 from amphista_jax.drafters.base import Drafter
 from amphista_jax.errors import DecodeSpecError, UserError
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.sampling import SamplingConfig
+from amphista_jax.sampling import SamplingConfig, is_whole
 from amphista_jax.trees import Tree
 from amphista_jax.verify import AcceptanceConfig
 
 GREEDY = SamplingConfig()
 DEFAULT_ACCEPTANCE = AcceptanceConfig()
-
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def check_decode_settings(max_new_tokens: Any, sampling: SamplingConfig, acceptance: AcceptanceConfig,
@@ -38,9 +32,9 @@ def check_decode_settings(max_new_tokens: Any, sampling: SamplingConfig, accepta
     (where known) and the acceptance rule works at this temperature (the sampling settings' own ranges are
     `SamplingConfig`'s). What a front-end checks before loading weights; `DecodeSpec` checks it again, with the
     vocabulary."""
-    if not _whole(max_new_tokens) or max_new_tokens < 1:
+    if not is_whole(max_new_tokens) or max_new_tokens < 1:
         raise DecodeSpecError("max_new_tokens", max_new_tokens,
-                              "must be >= 1" if _whole(max_new_tokens) else "must be a whole number >= 1")
+                              "must be >= 1" if is_whole(max_new_tokens) else "must be a whole number >= 1")
     if vocab_size is not None and sampling.top_k > vocab_size:
         raise DecodeSpecError("top_k", sampling.top_k, f"must be in [0, {vocab_size}]: larger than the vocabulary "
                               f"({vocab_size} tokens) filters nothing (0 = off)")
@@ -70,10 +64,10 @@ class DecodeSpec:
         vocab = self.config.vocab_size
         check_decode_settings(self.max_new_tokens, self.sampling, self.acceptance, vocab)
         eos = tuple(self.eos_ids) if isinstance(self.eos_ids, Iterable) else (self.eos_ids,)
-        if not all(_whole(t) and 0 <= t < vocab for t in eos):
+        if not all(is_whole(t) and 0 <= t < vocab for t in eos):
             raise DecodeSpecError("eos_ids", self.eos_ids, f"stop ids must be token ids in [0, {vocab})")
         object.__setattr__(self, "eos_ids", tuple(int(t) for t in eos))
-        if not _whole(self.pad_id):
+        if not is_whole(self.pad_id):
             raise DecodeSpecError("pad_id", self.pad_id, "must be a whole number (what rows hold after they stop)")
         try:
             AttentionBackend.parse(self.attention)

@@ -11,7 +11,8 @@ import numpy as np
 from amphista_jax.errors import DecodeSpecError
 
 
-def _whole(value: object) -> bool:
+def is_whole(value: object) -> bool:
+    """An integer (numpy's included), not a bool."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
@@ -28,7 +29,7 @@ class SamplingConfig:
         """The one home of the sampling settings' ranges (NaN fails every rule); a `DecodeSpecError` names the bad
         one. Values are kept as float / int / float."""
         for name, ok, rule in (("temperature", lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
-                               ("top_k", lambda v: _whole(v) and v >= 0, "must be a whole number >= 0 (0 = off)"),
+                               ("top_k", lambda v: is_whole(v) and v >= 0, "must be a whole number >= 0 (0 = off)"),
                                ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]")):
             value = getattr(self, name)
             try:
