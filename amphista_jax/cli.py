@@ -176,6 +176,51 @@ def _pretrain_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from amphista_jax.acceptance import ACCEPTANCE_FILE, calibration_prompts
+    from amphista_jax.calibration import LocalTrees, cache_file, calibrate, table
+    from amphista_jax.generator import Generator, print_notes
+    from amphista_jax.machine import this_machine
+    from amphista_jax.tree_search import measure_acceptance
+
+    if args.max_new_tokens < 2 or args.prompts < 1:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} / --prompts {args.prompts}: must be >= 2 / >= 1")
+    heads = Path(args.heads) if Path(args.heads).is_dir() else args.heads
+    if not args.acceptance:
+        gen = Generator.load(args.model, heads, "auto")
+        if not isinstance(local := gen.policy, LocalTrees):
+            raise UsageError(f"{args.heads} has no acceptance statistics ({ACCEPTANCE_FILE}): measure them with "
+                             f"`amphista-jax calibrate --acceptance --heads {args.heads}`, or name a tree (--tree)")
+        costs = [calibrate(gen, local.acceptance, b, remeasure=args.remeasure) for b in args.batch_sizes]
+        print(f"# {gen.method} on {Path(gen.model_dir).name}: the trees `auto` picks on this machine\n\n"
+              f"machine: {this_machine().describe()}\nacceptance: {local.acceptance.measured_on}\n"
+              f"step costs cached in {cache_file()}\n\n{table(local.acceptance, costs)}")
+        return 0
+    from amphista_jax.drafter_source import read_source
+
+    paper = read_source(heads, args.model, None).drafter.paper_tree  # any tree: each candidate is set in turn
+    gen = Generator.load(args.model, heads, paper)
+    print_notes(gen)
+    out = Path(args.out) if args.out else Path(gen.heads_dir) / ACCEPTANCE_FILE if gen.heads_dir else None
+    if out is None:
+        raise UsageError(f"{args.heads} has no heads directory to keep its statistics in: pass --out FILE.json")
+    if out.exists() and not args.replace:
+        raise UsageError(f"{out} exists: pass --replace to measure again and replace it, or --out another file")
+    check_writable_dir(out.parent, "--out")
+    prompts, where = calibration_prompts(gen, args.prompts)
+    measured_on = f"{len(prompts)} {where}, {args.max_new_tokens} new tokens, greedy"
+    with tqdm(desc="acceptance statistics", unit="prompt") as bar:
+        stats = measure_acceptance(gen, prompts, args.max_new_tokens, measured_on, progress=bar.update)
+    stats.write(out)
+    print("\n".join(f"{c.name}: {c.nodes} draft nodes, tau {c.tau:.3f}" for c in stats.candidates))
+    print(f"wrote {out} ({measured_on})")
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from amphista_jax.convert import convert
 
@@ -283,6 +328,7 @@ COMMANDS = {  # subcommand: what runs it
     "generate": _generate,
     "demo": _demo,
     "tree-search": _tree_search,
+    "calibrate": _calibrate,
     "convert": _convert,
     "fetch": _fetch,
     "train": _train,

@@ -135,6 +135,24 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     ts.add_argument("--replace", action="store_true", help="replace an existing searched tree")
     ts.set_defaults(func=commands["tree-search"])
 
+    cal = sub.add_parser("calibrate", help="measure what decode steps cost on this machine and show the tree --tree "
+                         "auto picks per batch size (or, with --acceptance, measure the heads' acceptance statistics)")
+    cal.add_argument("--model", default=default_model(), help=MODEL_HELP)
+    cal.add_argument("--heads", required=True, help="draft-head directory, draft model directory, or a method name "
+                     "(its heads shipped for the target; prompt_lookup)")
+    cal.add_argument("--batch-sizes", type=_batch_sizes, default=(1,), metavar="B,B,...",
+                     help="calibrate at these batch sizes; default 1")
+    cal.add_argument("--remeasure", action="store_true", help="measure again, replacing this machine's cached costs")
+    cal.add_argument("--acceptance", action="store_true", help="instead: measure the heads' acceptance statistics "
+                     "(each candidate tree's tau on held-out calibration prompts) and write <heads>/acceptance.json")
+    cal.add_argument("--prompts", type=int, default=32, help="with --acceptance: calibration prompts (held-out "
+                     "ShareGPT first turns for a chat model, HumanEval 100-163 otherwise)")
+    cal.add_argument("--max-new-tokens", type=int, default=64, help="with --acceptance: tokens per prompt")
+    cal.add_argument("--out", default=None, help="with --acceptance: the statistics' file (default: "
+                     "<heads>/acceptance.json)")
+    cal.add_argument("--replace", action="store_true", help="with --acceptance: replace an existing file")
+    cal.set_defaults(func=commands["calibrate"])
+
     c = sub.add_parser("convert", help="re-save a HF checkpoint (or, with --heads, draft heads) in another dtype "
                        "or shard size")
     c.add_argument("--model", default=None, help="HF checkpoint directory (with --heads: their target; default: "

@@ -23,7 +23,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from amphista_jax.acceptance import is_chat_target
 from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, shipped_heads, shipped_heads_dir
+from amphista_jax.calibration import LocalTrees
 from amphista_jax.errors import UsageError
 from amphista_jax.fetch import EMBEDDED, FetchError, default_model, resolve_model, shipped_target
 from amphista_jax.generator import Generator, print_notes
@@ -78,7 +80,7 @@ def demo_prompt(model_dir: str | Path, prompt: str | None, task: str | None) -> 
     default is HumanEval/0 as text)."""
     if task is not None:
         return task, False
-    chat = shipped_target(model_dir) != DEFAULT_MODEL and bool(load_tokenizer(str(model_dir)).chat_template)
+    chat = is_chat_target(model_dir, load_tokenizer(str(model_dir)))
     if prompt is not None:
         return prompt, chat
     return (DEMO_QUESTION, True) if chat else (humaneval_prompt(DEMO_TASK), False)
@@ -140,7 +142,7 @@ class DemoResult:
     target: str  # `target_label`
     method: str
     prompt: str
-    tree: str  # how the tree was chosen (`auto` = searched for these heads on this device) and its size
+    tree: str  # the tree and how it was chosen (`auto`: on this machine, from the heads' acceptance statistics)
     text: str  # the speculative completion, drafted tokens coloured
     new_tokens: int
     forwards: int  # target forwards after the prefill
@@ -150,6 +152,8 @@ class DemoResult:
     ar_new_tokens: int
     identical: bool  # speculative tokens == AR tokens
     loops: bool  # the completion ends in a repeating loop (`ends_in_loop`)
+    speculation_off: str | None = None  # `auto` chose no speculation on this machine, and why (the drafter then
+    # decodes on its best candidate, for the comparison)
 
     @property
     def tau(self) -> float:
@@ -180,8 +184,12 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
     directory, or a method with nothing to train by name: `Generator.load`'s `heads`)."""
     if runs < 1:
         raise UsageError(f"runs={runs}: must be >= 1 (max_new_tokens is checked by the decode spec)")
-    spec = Generator.load(model_dir, heads, tree)
-    print_notes(spec)
+    loaded = Generator.load(model_dir, heads, tree)
+    print_notes(loaded)
+    spec, off = loaded.for_batch(1), None
+    if spec.drafter is None and isinstance(local := loaded.policy, LocalTrees):  # `auto` chose no speculation here
+        off, best = local.describe(1), local.acceptance.candidates[local.decision(1).best]
+        spec = dataclasses.replace(loaded.with_tree(best.tree), tree_name=f"{best.name}, auto's best candidate")
     ar = spec.autoregressive()
     kw = dict(max_new_tokens=max_new_tokens, chat=chat)
     ar_out, spec_out = ar.generate(prompt, **kw), spec.generate(prompt, **kw)  # compile and warm up
@@ -189,11 +197,11 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
     spec_s = float(np.median([spec.generate(prompt, **kw).seconds for _ in range(runs)]))
     new = spec_out.token_ids[0]
     shown = f"{prompt}\n\n" if chat else prompt  # a chat answer starts on its own line
-    tree_used = f"{tree} ({spec.tree.num_nodes - 1} draft nodes, depth {spec.tree.depth})"
+    tree_used = f"{spec.tree_name} ({spec.tree.num_nodes - 1} draft nodes, depth {spec.tree.depth})"
     return DemoResult(target_label(spec), spec.method, shown, tree_used,
                       colour_drafts(spec.tokenizer, new, spec_out.drafted[0]), len(new), int(spec_out.output.steps),
                       int(ar_out.output.steps), ar_s, spec_s, len(ar_out.token_ids[0]), new == ar_out.token_ids[0],
-                      ends_in_loop(np.asarray(new)))
+                      ends_in_loop(np.asarray(new)), off)
 
 
 def format_result(r: DemoResult) -> str:
@@ -212,6 +220,9 @@ def format_result(r: DemoResult) -> str:
         lines.append("note: this completion ends in a loop (a small target's greedy failure mode); a loop is easy to "
                      "draft, so this run's tau and speed-up overstate typical text (docs/results/ measures whole "
                      "prompt sets).")
+    if r.speculation_off:
+        lines.append(f"{r.speculation_off}: `generate --tree auto` decodes autoregressively here. Shown for "
+                     f"comparison on that candidate, measured {r.speedup:.2f}x on this prompt.")
     if r.speedup > 1:
         lines.append(f"speculative decoding was {r.speedup:.2f}x faster on {device}: each step committed "
                      f"{r.tau:.2f} tokens at {r.step_cost:.2f}x the cost of an autoregressive step.")
@@ -220,6 +231,6 @@ def format_result(r: DemoResult) -> str:
                      f"(draft + verify + accept) cost {r.step_cost:.2f}x an autoregressive step but committed only "
                      f"{r.tau:.2f} tokens; it pays only when tau exceeds the step cost. A small target on a CPU is "
                      "compute-bound, so verifying even one drafted token costs more than an autoregressive step; "
-                     "better heads, a tree searched on this device (`--tree auto`), a larger (memory-bound) target "
-                     "or an accelerator, where verifying a tree costs about one forward, change that.")
+                     "better heads, a larger (memory-bound) target or an accelerator, where verifying a tree costs "
+                     "about one forward, change that.")
     return "\n".join(lines)

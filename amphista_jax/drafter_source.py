@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from amphista_jax.acceptance import Acceptance, acceptance_file
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
 from amphista_jax.drafters.io import META_FILE, load_draft, params_fit, read_draft_meta
@@ -37,6 +38,7 @@ class DrafterSource:
     path: str | None = None  # the draft-head checkpoint or draft-model directory; None: initialised at load
     note: str | None = None  # what was chosen for the user, and why (e.g. the shipped heads)
     params: Any = None  # params in hand (a `Drafter` passed with its params)
+    acceptance: Path | None = None  # the acceptance statistics shipped with the heads (`acceptance`), if any
 
     @property
     def is_model_dir(self) -> bool:
@@ -54,7 +56,7 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
     is checked when it loads. A `GeneratorError` names what is wrong."""
     if isinstance(source, Drafter):
         return DrafterSource(source.name, with_settings(source, settings), params=params)
-    from amphista_jax.assets import shipped_heads, shipped_heads_dir
+    from amphista_jax.assets import shipped_heads, shipped_heads_dir, shipped_heads_root
     from amphista_jax.fetch import shipped_target
     from amphista_jax.models.hf import load_config
 
@@ -64,31 +66,36 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
         path = Path(name)
         if (path / META_FILE).is_file():
             meta = read_draft_meta(path)
-            return DrafterSource(meta.method, with_settings(meta.drafter, settings), str(path))
+            return DrafterSource(meta.method, with_settings(meta.drafter, settings), str(path),
+                                 acceptance=acceptance_file(path))
         if (path / "config.json").is_file():
             draft_config = load_config(path)
             if config is not None:
                 check_vocabularies(draft_config, config, name)
-            return DrafterSource(DraftModel.name, with_settings(DraftModel(draft_config), settings), str(path))
+            return DrafterSource(DraftModel.name, with_settings(DraftModel(draft_config), settings), str(path),
+                                 acceptance=acceptance_file(path))
         raise GeneratorError(f"{name} holds neither draft heads ({META_FILE}) nor a model (config.json): pass the "
                              "heads/ directory `amphista-jax train` wrote or a Hugging Face model directory")
     target, shipped = shipped_target(model_dir) if model_dir else None, method.replace("++", "-plus")
     if not untrained and target and shipped in shipped_heads(target):
-        meta = read_draft_meta(shipped_heads_dir(shipped, target))
-        return DrafterSource(meta.method, with_settings(meta.drafter, settings),
-                             str(shipped_heads_dir(shipped, target)), f"using the {name} heads shipped for {target}")
+        path = shipped_heads_dir(shipped, target)
+        meta = read_draft_meta(path)
+        return DrafterSource(meta.method, with_settings(meta.drafter, settings), str(path),
+                             f"using the {name} heads shipped for {target}", acceptance=acceptance_file(path))
     if method not in VARIANTS:
         if untrained:
             raise GeneratorError(f"unknown method {method!r}; registered: {', '.join(VARIANTS)}")
         raise GeneratorError(f"heads {name!r} is neither a draft-head directory nor a method ({', '.join(VARIANTS)}; "
                              f"`<method>{UNTRAINED}` for its untrained heads) nor a model directory")
     drafter = VARIANTS[method]
-    note = None
+    note, stats = None, None
+    if not drafter.trainable and target:  # a method with nothing to train: its statistics on this target
+        stats = acceptance_file(shipped_heads_root(target) / method)
     if drafter.trainable and not untrained:
         note = (f"no trained heads for this model: using untrained {method} heads (expect tau ~1)"
                 if method != DraftModel.name else "no trained draft model for this model: drafting with its first "
                 f"{drafter.layers} layers, untrained")
-    return DrafterSource(drafter.name, with_settings(drafter, settings), note=note)
+    return DrafterSource(drafter.name, with_settings(drafter, settings), note=note, acceptance=stats)
 
 
 def with_settings(drafter: Drafter, settings: dict[str, Any] | None) -> Drafter:
@@ -104,39 +111,44 @@ def with_settings(drafter: Drafter, settings: dict[str, Any] | None) -> Drafter:
 
 @dataclasses.dataclass(frozen=True)
 class TreeChoice:
-    """The tree a drafter drafts: `tree` at batch size 1 (None: no speculation), its name as the user gave it,
-    the per-batch `policy` that `auto` or a policy file follows (None: one tree at every batch size), and a note
-    saying how `auto` was resolved (or None)."""
+    """The tree a drafter drafts: `tree` at batch size 1 (None: chosen on this machine when the target has loaded),
+    its name as the user gave it, the per-batch `policy` a policy file follows (None: one tree at every batch
+    size), the `acceptance` statistics `auto` chooses from with this machine's step costs (`calibration`), and a
+    note saying how `auto` was resolved (or None)."""
 
     tree: Tree | None
     name: str
     policy: TreePolicy | None = None
     note: str | None = None
+    acceptance: Acceptance | None = None
 
     def at(self, batch: int) -> Tree | None:
-        """The tree for `batch` rows: the policy's, else the one tree."""
+        """The tree for `batch` rows: the policy's, else the one tree (None under `acceptance`: not chosen yet)."""
         return self.policy.at(batch) if self.policy is not None else self.tree
 
 
 def choose_tree(tree: str | Tree | TreeChoice, source: DrafterSource, vocab_size: int | None) -> TreeChoice:
     """The tree `source`'s drafter drafts for `tree`: a `Tree` as it is; a name, a JSON file or `fan-KxD` as named;
-    `auto`: the trees tree search picked per batch size for these heads on this device class (a policy), else its
-    one searched tree, else the drafter's paper tree (said in the note; a draft model's directory quietly, having no
-    searched tree); a policy file as `auto`'s. Every tree is checked against the drafter and the vocabulary."""
+    `auto`: chosen on this machine from the acceptance statistics shipped with the heads (`calibration`, once the
+    target has loaded), else the drafter's paper tree (said in the note; a draft model's directory quietly); a
+    policy file (`<stem>.batch.json`): its tree per batch size. Every tree is checked against the drafter and the
+    vocabulary."""
     drafter = source.drafter
     if isinstance(tree, TreeChoice):
         choice = tree
     elif not isinstance(tree, str):
         choice = TreeChoice(tree, str(tree))
-    elif (policy := read_policy(source.path, tree)) is not None:
+    elif tree == AUTO and source.acceptance is not None:
+        choice = TreeChoice(None, tree, acceptance=Acceptance.read(source.acceptance))
+    elif (policy := read_policy(tree)) is not None:
         trees = [t for _, t in policy.by_batch if t is not None]
         first = policy.at(1) or (trees[0] if trees else get_tree(drafter.paper_tree))
-        where = f" on {jax.default_backend()}" if tree == AUTO else ""
-        choice = TreeChoice(first, tree, policy, f"tree {tree}: searched per batch size{where}: {policy.describe()}")
+        choice = TreeChoice(first, tree, policy, f"tree {tree}: {policy.describe()}")
     else:
         spec, note = resolve_tree(tree, source.path, drafter.paper_tree)
         choice = TreeChoice(spec, tree, None, None if source.is_model_dir else note)
-    for t in {choice.tree, *(t for _, t in (choice.policy.by_batch if choice.policy else ()))} - {None}:
+    candidates = [c.tree for c in choice.acceptance.candidates] if choice.acceptance else []
+    for t in {choice.tree, *(t for _, t in (choice.policy.by_batch if choice.policy else ())), *candidates} - {None}:
         drafter.check_tree(t, vocab_size)
     return choice
 

@@ -32,6 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from amphista_jax.acceptance import acceptance_file
+from amphista_jax.calibration import LocalTrees
 from amphista_jax.decode import GenerateOutput, advance, decode, pad_prompts, scratch_slots, start
 from amphista_jax.decode_spec import GREEDY, DecodeSpec
 from amphista_jax.drafter_source import DrafterSource, TreeChoice, choose_tree, load_draft_params, read_source
@@ -102,7 +104,7 @@ class Generator:
     attention: str = "xla"
     mesh: jax.sharding.Mesh | None = None
     notes: tuple[str, ...] = ()  # what `load` / `with_drafter` chose for you, and why
-    policy: TreePolicy | None = None  # `tree="auto"` after a per-batch tree search: the tree at each batch size
+    policy: TreePolicy | LocalTrees | None = None  # the tree at each batch size (`auto` here, a policy file)
     programs: dict[tuple, Any] = dataclasses.field(default_factory=dict, repr=False)
     variants: dict[Tree | None, Generator] = dataclasses.field(default_factory=dict, repr=False)  # `for_batch`'s
 
@@ -153,10 +155,21 @@ class Generator:
             from amphista_jax.sharding import place_for_decoding
 
             draft_params = place_for_decoding(self.mesh, self.config, self.params, drafter, draft_params)[1]
-        return dataclasses.replace(self, drafter=drafter, draft_params=draft_params, tree=choice.tree,
-                                   tree_name=choice.name, method=source.method, heads_dir=source.path,
-                                   notes=tuple(n for n in (source.note, choice.note) if n), policy=choice.policy,
-                                   programs={}, variants={})
+        gen = dataclasses.replace(self, drafter=drafter, draft_params=draft_params, method=source.method,
+                                  heads_dir=source.path)
+        return gen._with_choice(choice, (source.note,) if source.note else ())
+
+    def _with_choice(self, choice: TreeChoice, notes: tuple[str, ...]) -> Generator:
+        """This generator's drafter on `choice`, with `notes` and the choice's; `auto` with acceptance statistics is
+        chosen here, on this machine (`calibration.LocalTrees`: calibrated at batch 1 now, at other batch sizes on
+        first use)."""
+        gen = dataclasses.replace(self, tree=choice.tree, tree_name=choice.name, policy=choice.policy, programs={},
+                                  notes=(*notes, choice.note) if choice.note else notes, variants={})
+        if choice.acceptance is None:
+            return gen
+        local = LocalTrees(choice.acceptance, gen)
+        return dataclasses.replace(gen, tree=local.at(1), tree_name=local.describe(1), policy=local,
+                                   notes=(*gen.notes, local.describe(1)))
 
     @property
     def dtype(self) -> str:
@@ -176,23 +189,24 @@ class Generator:
         """The same target and drafter on another tree (`drafter_source.choose_tree`, checked against both)."""
         if self.drafter is None:
             raise GeneratorError("autoregressive decoding has no tree: load heads or a draft model")
-        choice = choose_tree(tree, DrafterSource(self.method, self.drafter, self.heads_dir), self.config.vocab_size)
-        return dataclasses.replace(self, tree=choice.tree, tree_name=choice.name,
-                                   notes=(choice.note,) if choice.note else (), policy=choice.policy, programs={},
-                                   variants={})
+        source = DrafterSource(self.method, self.drafter, self.heads_dir, acceptance=acceptance_file(self.heads_dir))
+        return self._with_choice(choose_tree(tree, source, self.config.vocab_size), ())
 
     def for_batch(self, batch: int) -> Generator:
-        """This generator as it decodes `batch` rows: under a tree policy (`tree="auto"` after a per-batch tree
-        search) the same drafter on the tree picked for that batch size, or the autoregressive decoder where none
-        was predicted to beat it; without one, itself. Each is made once and keeps its compiled programs."""
+        """This generator as it decodes `batch` rows: under a tree policy (`tree="auto"` chosen on this machine, or a
+        policy file) the same drafter on the tree picked for that batch size, or the autoregressive decoder where
+        none is predicted to beat it; without one, itself. Each is made once and keeps its compiled programs."""
         if isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1:
             raise GeneratorError(f"for_batch({batch!r}): the batch size is a whole number of rows, at least 1")
-        if self.policy is None or (tree := self.policy.at(batch)) == self.tree:
+        if self.policy is None or ((tree := self.policy.at(batch)) == self.tree and tree is not None):
             return self
         if tree not in self.variants:
-            self.variants[tree] = self.autoregressive() if tree is None else dataclasses.replace(
-                self, tree=tree, tree_name=f"{self.tree_name} (batch {batch})", notes=(), policy=None, programs={},
-                variants={})
+            name = self.policy.describe(batch) if isinstance(self.policy, LocalTrees) else \
+                f"{self.tree_name}: " + ("no speculation" if tree is None else f"{tree.num_nodes - 1} nodes") + \
+                f" at batch {batch}"
+            plain = self.autoregressive() if tree is None else dataclasses.replace(
+                self, tree=tree, notes=(), policy=None, programs={}, variants={})
+            self.variants[tree] = dataclasses.replace(plain, tree_name=name)
         return self.variants[tree]
 
     # -- prompts ----------------------------------------------------------------------------------------------

@@ -1,12 +1,11 @@
 """Trees by name: presets (`mc_sim_7b_63`, `chain-N`, `small-8`, ...), JSON files of paths, BiTA's `efficient-DxK`,
-`fan-KxD` (K chains of D tokens from the root), dynamic budgets (`dynamic`, `dynamic-TxDxK`) and `auto`, the tree
-`amphista-jax tree-search` searched for the heads on this device class.
+`fan-KxD` (K chains of D tokens from the root), dynamic budgets (`dynamic`, `dynamic-TxDxK`), tree policy files
+(`<stem>.batch.json`: `amphista-jax tree-search`'s tree per batch size) and `auto`.
 
-`auto` needs the heads' directory and the tree their paper drafts, both passed in by the caller (this module
-knows no drafter), and the batch size at hand: tree search stores the tree it picked for each batch size it
-measured (`TreePolicy`, `<heads>/trees/<backend>.batch.json`), including none where autoregressive decoding was
-predicted faster. Where no tree was searched, `resolve_auto` says why in a note that the front-end prints
-(`note: tree auto: <why>; using <fallback>` on stderr); `get_tree` itself prints nothing.
+`auto` for heads with acceptance statistics is chosen on the machine that decodes (`calibration`, through
+`drafter_source.choose_tree`); here it is only the fallback for heads without them: the tree their paper drafts,
+passed in by the caller (this module knows no drafter), with a note that the front-end prints (`note: tree auto:
+<why>; using <fallback>` on stderr); `get_tree` itself prints nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +56,8 @@ PAPER_TREE = "mc_sim_7b_63"  # what a method drafts unless its paper names anoth
 
 
 def searched_tree_path(heads_dir: str | Path, backend: str | None = None) -> Path:
-    """Where `amphista-jax tree-search` writes the tree searched for these heads on this device class."""
+    """Where `amphista-jax tree-search` writes the tree it searched for these heads on this device class (by
+    default; decode on it with `--tree <path>`)."""
     return Path(heads_dir) / "trees" / f"{backend or jax.default_backend()}.json"
 
 
@@ -75,11 +75,6 @@ def _sizes(name: str, kind: str, what: str, form: str, example: str) -> list[int
 
 
 POLICY_SUFFIX = ".batch.json"  # a tree policy file, beside the tree tree search picked at its smallest batch size
-
-
-def policy_path(heads_dir: str | Path, backend: str | None = None) -> Path:
-    """Where `amphista-jax tree-search` writes the tree it picked for each batch size (`TreePolicy`)."""
-    return Path(heads_dir) / "trees" / f"{backend or jax.default_backend()}{POLICY_SUFFIX}"
 
 
 def is_policy_file(name_or_path: str) -> bool:
@@ -122,41 +117,26 @@ class TreePolicy:
                          for b, t in self.by_batch)
 
 
-def read_policy(heads_dir: str | Path | None, tree: str = AUTO) -> TreePolicy | None:
-    """The tree policy `tree` follows: `auto`'s, searched for the heads in `heads_dir` on this device class, or a
-    policy file's; None for any other tree or where none was searched."""
-    if tree != AUTO:
-        return TreePolicy.read(tree) if is_policy_file(tree) else None
-    path = policy_path(heads_dir) if heads_dir is not None else None
-    return TreePolicy.read(path) if path is not None and path.is_file() else None
+def read_policy(tree: str) -> TreePolicy | None:
+    """The tree policy a policy file (`<stem>.batch.json`) holds; None for any other tree name."""
+    return TreePolicy.read(tree) if is_policy_file(tree) else None
 
 
-def resolve_auto(heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE, batch: int = 1
-                 ) -> tuple[Tree | None, str | None]:
-    """What `auto` means for the heads in `heads_dir` at `batch` rows: the tree `amphista-jax tree-search` picked
-    for them on this device class at that batch size (None: no speculation, with a note saying so), else the one
-    tree it searched (older searches), else `paper_tree` with a note saying why (e.g. "tree auto: no tree was
-    searched for DIR on cpu (...); using mc_sim_7b_63") for the front-end to print as `note: <note>`.
-    `paper_tree` is the tree the heads' paper drafts (the drafter's `paper_tree`; `PAPER_TREE` without heads)."""
-    if (policy := read_policy(heads_dir)) is not None:
-        tree = policy.at(batch)
-        return tree, None if tree is not None else (
-            f"tree auto: no speculation at batch {batch} (tree search on {jax.default_backend()} predicted "
-            "autoregressive decoding faster than every tree)")
-    path = searched_tree_path(heads_dir) if heads_dir is not None else None
-    if path is not None and path.is_file():
-        return load_tree(path), None
-    why = (f"no tree was searched for {heads_dir} on {jax.default_backend()} (`amphista-jax tree-search --heads "
-           f"{heads_dir}` searches one)" if heads_dir is not None else "trees are searched only for a heads directory")
+def resolve_auto(heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE) -> tuple[Tree, str]:
+    """What `auto` means for heads without acceptance statistics (with them, `auto` is chosen on the machine that
+    decodes: `calibration`): `paper_tree`, the tree the heads' paper drafts (the drafter's `paper_tree`;
+    `PAPER_TREE` without heads), with a note saying why for the front-end to print as `note: <note>`."""
+    why = (f"no acceptance statistics for {heads_dir} (`amphista-jax calibrate --acceptance --heads {heads_dir}` "
+           "measures them)" if heads_dir is not None else "no acceptance statistics ship for these heads here")
     return get_tree(paper_tree), f"tree auto: {why}; using {paper_tree}"
 
 
 def resolve_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE,
                  batch: int = 1) -> tuple[Tree | None, str | None]:
-    """(the tree `name_or_path` names, `auto` or a policy file resolved at `batch` rows: None for no speculation;
-    the note `auto` leaves for the front-end to print as `note: <note>`, or None)."""
+    """(the tree `name_or_path` names, a policy file resolved at `batch` rows: None for no speculation; the note
+    `auto` without acceptance statistics leaves for the front-end to print as `note: <note>`, or None)."""
     if name_or_path == AUTO:
-        return resolve_auto(heads_dir, paper_tree, batch)
+        return resolve_auto(heads_dir, paper_tree)
     if is_policy_file(name_or_path):
         tree = TreePolicy.read(name_or_path).at(batch)
         return tree, None if tree is not None else f"tree {name_or_path}: no speculation at batch {batch}"
@@ -164,15 +144,12 @@ def resolve_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_t
 
 
 def get_tree(name_or_path: str, heads_dir: str | Path | None = None, paper_tree: str = PAPER_TREE) -> Tree:
-    """A preset by name, a JSON file of paths, `auto` (`resolve_auto`: the tree searched for the heads in `heads_dir` on
-    this device class, else `paper_tree`, the tree of the heads' paper; `resolve_tree` also returns the note saying
-    so), BiTA's efficient tree `efficient-DxK`, a fan of K chains of D tokens `fan-KxD`, or the budget of a tree
+    """A preset by name, a JSON file of paths, `auto` without acceptance statistics (`resolve_auto`: `paper_tree`,
+    the tree of the heads' paper; `resolve_tree` also returns the note saying so), BiTA's efficient tree
+    `efficient-DxK`, a fan of K chains of D tokens `fan-KxD`, or the budget of a tree
     grown on device every step: `dynamic` (60 nodes, depth 6, top-10) or `dynamic-TxDxK`."""
     if name_or_path == AUTO:
-        tree, note = resolve_auto(heads_dir, paper_tree)
-        if tree is None:
-            raise TreeError(f"{note}: use resolve_tree, which says so, or name a tree")
-        return tree
+        return resolve_auto(heads_dir, paper_tree)[0]
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     if is_policy_file(name_or_path):

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from amphista_jax.acceptance import CANDIDATE_NODES, Acceptance, Candidate, candidate_trees, mean_tau
 from amphista_jax.compiled_programs import release_if_crowded
 from amphista_jax.decode import pad_prompts, scratch_slots
 from amphista_jax.drafters.base import Drafter
@@ -112,24 +113,60 @@ def tree_policy(results: dict[int, SearchResult], trees: Sequence[TreeSpec]) -> 
     return TreePolicy(tuple((b, trees[r.best] if r.speedups[r.best] > 1 else None) for b, r in sorted(results.items())))
 
 
+def greedy_outputs(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 8,
+                   progress: Callable[[int], None] | None = None) -> Iterator[tuple[Any, slice]]:
+    """(output, its real rows) of greedy decoding of `prompts` with `gen` (its tree), `batch_size` at a time (a
+    short last batch padded with copies: one compile)."""
+    tokens, lengths = pad_prompts(prompts, pad_id=gen.pad_id, multiple=64)
+    spec = gen.spec(max_new_tokens, SamplingConfig())
+    for i in range(0, len(prompts), batch_size):
+        rows, lens = tokens[i: i + batch_size], lengths[i: i + batch_size]
+        short = batch_size - len(rows)
+        rows, lens = np.pad(rows, ((0, short), (0, 0)), constant_values=gen.pad_id), np.pad(lens, (0, short),
+                                                                                            constant_values=1)
+        yield gen.run(rows, lens, spec)[0], slice(0, batch_size - short)
+        if progress:
+            progress(batch_size - short)
+
+
 def collect_rates(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 8,
                   progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Summed `(node_tries, node_hits) [D, R]` of greedy speculative decoding of `prompts` with `gen`'s tree."""
-    tokens, lengths = pad_prompts(prompts, pad_id=gen.pad_id, multiple=64)
-    spec = gen.spec(max_new_tokens, SamplingConfig())
     tries = hits = 0
-    for i in range(0, len(prompts), batch_size):
-        rows, lens = tokens[i: i + batch_size], lengths[i: i + batch_size]
-        short = batch_size - len(rows)  # a full last batch: one compile
-        rows, lens = np.pad(rows, ((0, short), (0, 0)), constant_values=gen.pad_id), np.pad(lens, (0, short),
-                                                                                            constant_values=1)
-        out = gen.run(rows, lens, spec)[0]
-        keep = slice(0, batch_size - short)
+    for out, keep in greedy_outputs(gen, prompts, max_new_tokens, batch_size, progress):
         tries = tries + np.asarray(out.node_tries)[keep].sum(0)
         hits = hits + np.asarray(out.node_hits)[keep].sum(0)
-        if progress:
-            progress(batch_size - short)
     return np.asarray(tries), np.asarray(hits)
+
+
+def measured_tau(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 8,
+                 progress: Callable[[int], None] | None = None) -> float:
+    """Tokens per decode step of greedy decoding of `prompts` with `gen`'s tree, over all of them."""
+    new, steps = [], []
+    for out, keep in greedy_outputs(gen, prompts, max_new_tokens, batch_size, progress):
+        new.append(np.asarray(out.num_tokens)[keep])
+        steps.append((np.asarray(out.accept_lengths)[keep] > 0).sum(1))
+    return mean_tau(np.concatenate(new), np.concatenate(steps))
+
+
+def measure_acceptance(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, measured_on: str, *,
+                       ranks: int = 10, depth: int | None = None, batch_size: int = 8,
+                       progress: Callable[[int], None] | None = None) -> Acceptance:
+    """The acceptance statistics of `gen`'s drafter (`acceptance`): for a static-tree drafter the per-(depth, rank)
+    rates on a calibration tree and the trees grown from them, then every candidate's tau measured by greedy
+    decoding of `prompts`. `progress` counts prompts decoded."""
+    drafter, vocab = gen.drafter, gen.config.vocab_size
+    rates, grown = np.zeros((0, 0)), []
+    if TreeSpec in drafter.tree_kinds:
+        depth = depth or drafter.max_depth or DEFAULT_DEPTH
+        calib = efficient_tree(depth, min(ranks, drafter.rankable(ranks)))
+        rates = acceptance_rates(*collect_rates(gen.with_tree(calib), prompts, max_new_tokens, batch_size, progress))
+        grown = [t for t, _ in grow_trees(rates, max(CANDIDATE_NODES))]
+    candidates = tuple(
+        Candidate(name, tree, measured_tau(gen.with_tree(tree), prompts, max_new_tokens, batch_size, progress))
+        for name, tree in candidate_trees(drafter.tree_kinds, drafter.paper_tree, grown,
+                                          lambda t: drafter.check_tree(t, vocab)))
+    return Acceptance(gen.method, measured_on, candidates, tuple(tuple(r) for r in rates.round(4).tolist()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,12 +189,18 @@ class StepClock:
         scratch = max((scratch_slots(g.drafter, t) for g in gens if g.drafter is not None for t in trees), default=0)
         return cls(tokens, lengths, tokens.shape[1] + max_new_tokens + scratch, max_new_tokens, runs)
 
-    def decode(self, gen: Generator, new_tokens: int) -> tuple[float, int]:
-        """(fastest seconds, decode steps) of `gen` writing `new_tokens` tokens."""
+    def timed_runs(self, gen: Generator, new_tokens: int) -> tuple[list[float], int]:
+        """(seconds of each of `runs` timed runs, decode steps) of `gen` writing `new_tokens` tokens, after a compile
+        and warm-up run."""
         spec = gen.spec(new_tokens, SamplingConfig(), stop_at_eos=False)
         gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size)  # compile + warm-up
         results = [gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size) for _ in range(self.runs)]
-        return min(r[1] for r in results), int(results[-1][0].steps)
+        return [r[1] for r in results], int(results[-1][0].steps)
+
+    def decode(self, gen: Generator, new_tokens: int) -> tuple[float, int]:
+        """(fastest seconds, decode steps) of `gen` writing `new_tokens` tokens."""
+        seconds, steps = self.timed_runs(gen, new_tokens)
+        return min(seconds), steps
 
     def step_seconds(self, gen: Generator, prefill_s: float) -> float:
         """Seconds per decode step of `gen`: (decode time - `prefill_s`) / steps."""

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import yaml
 
+from amphista_jax.calibration import LocalTrees
 from amphista_jax.drafter_source import UNTRAINED, DrafterSource, TreeChoice, choose_tree, read_source, with_settings
 from amphista_jax.drafters import Drafter
 from amphista_jax.drafters.draft_model import DraftModel
@@ -59,10 +60,12 @@ class Method:
     tree: Tree | None = None  # a static tree, or the budget of trees the drafter grows (EAGLE-2)
     tree_name: str = "-"
     heads_files: dict[str, str] | None = None  # sha256 of each of its files (amphista_jax.identity)
+    choice: TreeChoice | None = None  # `auto` from acceptance statistics: the tree is chosen once the target loads
 
     @property
     def drafter(self) -> Drafter | None:
-        return self.source.drafter if self.source is not None and self.tree is not None else None
+        drafts = self.tree is not None or self.choice is not None
+        return self.source.drafter if self.source is not None and drafts else None
 
     @property
     def heads_dir(self) -> str | None:
@@ -75,13 +78,21 @@ class Method:
 
     def generator(self, base: Generator, seed: int = 0) -> Generator:
         """`base` (the target's autoregressive generator) with this method's drafter (its params loaded or
-        initialised with `seed`) on its tree, or `base` itself for AR."""
+        initialised with `seed`) on its tree (`auto`: chosen on this machine, per batch size: `for_batch`), or
+        `base` itself for AR."""
         if self.drafter is None:
             return base
         try:
-            return base.with_drafter(self.source, TreeChoice(self.tree, self.tree_name), seed=seed)
+            return base.with_drafter(self.source, self.choice or TreeChoice(self.tree, self.tree_name), seed=seed)
         except UserError as e:
             raise MethodSpecError(f"method spec {self.spec!r}: {e}") from None
+
+    def chosen(self, gen: Generator, batch: int) -> Method:
+        """This method as `gen` (its `generator`) decodes `batch` rows: the tree `auto` chose on this machine
+        (None: no speculation), named `auto: <candidate>`."""
+        if self.choice is None or not isinstance(gen.policy, LocalTrees):
+            return self
+        return dataclasses.replace(self, tree=gen.policy.at(batch), tree_name=gen.policy.label(batch), choice=None)
 
     def describe(self) -> dict[str, Any]:
         settings = dataclasses.asdict(self.drafter) if self.drafter is not None else {}
@@ -128,10 +139,14 @@ def resolve_method(spec: str, default_tree: str, config: ModelConfig | None = No
             raise MethodSpecError(f"no {source} heads are shipped for this target: give a draft-head checkpoint "
                                   f"directory, or `{source}{UNTRAINED}` for its untrained heads")
         name = DRAFT_MODEL if found.is_model_dir else found.method
-        if found.is_model_dir and not tree_name and default_tree == AUTO:  # no searched tree: its paper's, quietly
+        if found.is_model_dir and not tree_name and default_tree == AUTO and found.acceptance is None:  # quietly
             tree_name = found.drafter.paper_tree
         vocab = config.vocab_size if config is not None else None
         choice = choose_tree(tree_name or default_tree, found, vocab)
+        if choice.acceptance is not None:  # chosen on this machine once the target has loaded (`Method.generator`)
+            drafter = with_settings(found.drafter, parse_settings(spec, overrides))
+            return Method(_label(label, name, untrained, tree_name), spec, name,
+                          dataclasses.replace(found, drafter=drafter, note=None), None, AUTO, _identity(found), choice)
         tree = choice.at(batch)
         if tree is None:  # `auto`: no tree beats AR at this batch size on this device
             print(f"note: tree {tree_name or default_tree}: no speculation at batch {batch} (tree search on "
@@ -148,12 +163,22 @@ def resolve_method(spec: str, default_tree: str, config: ModelConfig | None = No
     if isinstance(adapted, DraftModel) and adapted.temperature > 0 and not isinstance(tree, TreeSpec):
         raise MethodSpecError(f"method spec {spec!r}: a dynamic tree keeps the top drafts, not samples: drop "
                               "#temperature or use a static tree")
+    return Method(_label(label, name, untrained, tree_name), spec, name,
+                  dataclasses.replace(found, drafter=adapted, note=None), tree, tree_name or default_tree,
+                  _identity(found))
+
+
+def _label(label: str, name: str, untrained: bool, tree_name: str) -> str:
+    """The label a spec gives, else `<method>[-untrained][@tree]`."""
     suffix = f"@{tree_name}" if tree_name else ""
-    label = label or (f"{name}-untrained{suffix}" if untrained else f"{name}{suffix}")
-    identity = None if found.path is None else (target_identity(found.path) if found.is_model_dir
-                                                else heads_identity(found.path))
-    return Method(label, spec, name, dataclasses.replace(found, drafter=adapted, note=None), tree,
-                  tree_name or default_tree, identity)
+    return label or (f"{name}-untrained{suffix}" if untrained else f"{name}{suffix}")
+
+
+def _identity(found: DrafterSource) -> dict[str, str] | None:
+    """sha256 of each file of the heads or draft model (None: nothing on disk)."""
+    if found.path is None:
+        return None
+    return target_identity(found.path) if found.is_model_dir else heads_identity(found.path)
 
 
 def parse_settings(spec: str, overrides: str) -> dict[str, Any]:

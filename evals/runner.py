@@ -422,7 +422,9 @@ def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None,
     run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset), replace)
     # On a mesh each device reads only its slices of the target (no whole copy on the host).
     base = Generator.load(model_dir, dtype=cfg.dtype, mesh=mesh, attention=cfg.attention)
-    gens = {m.label: m.generator(base, cfg.seed) for m in methods}  # every method's heads, loaded and checked
+    attached = {m.label: m.generator(base, cfg.seed) for m in methods}  # every method's heads, loaded and checked
+    methods = [m.chosen(attached[m.label], cfg.batch_size) for m in methods]  # `auto`: chosen on this machine
+    gens = {label: gen.for_batch(cfg.batch_size) for label, gen in attached.items()}
     _barrier("eval-checked")  # every process has read run.json before process 0 may discard it
     if jax.process_index() == 0:
         if replace:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from amphista_jax.acceptance import ACCEPTANCE_FILE, Acceptance
 from amphista_jax.assets import default_model_dir, draft_model_dir, shipped_heads, shipped_heads_dir
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.demo import humaneval_prompt
@@ -19,7 +20,7 @@ from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.models.hf import load_params
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.tree_names import PRESETS, get_tree, resolve_tree, searched_tree_path
+from amphista_jax.tree_names import PRESETS, get_tree, searched_tree_path
 from tests.helpers import default_cases
 
 MODEL = default_model_dir()
@@ -28,7 +29,8 @@ METHODS = ("medusa", "amphista", "hydra", "hydra-plus", "sar", "sar-lstm")
 VARIANT_OF = {"hydra-plus": "hydra", "sar-lstm": "sar"}  # shipped name -> registered method
 # Their own trees: EAGLE's and Gumiho's (feature-level drafters), BiTA's (mask tokens: depth <= 3) searched one and
 # its paper's efficient tree.
-OWN_TREES = {"eagle": ("mc_sim_7b_63", "dynamic"), "gumiho": ("dynamic-63x7x35",), "bita": ("auto", "efficient-3x5")}
+OWN_TREES = {"eagle": ("mc_sim_7b_63", "dynamic"), "gumiho": ("dynamic-63x7x35",),
+             "bita": ("searched", "efficient-3x5")}
 SEARCHED = METHODS + ("bita",)
 SHIPPED = sorted(METHODS + tuple(OWN_TREES))
 
@@ -53,21 +55,25 @@ def test_shipped_heads_files(target, heads):
         meta = json.loads((path / "draft.json").read_text())
         assert meta["method"] == VARIANT_OF.get(name, name) and meta["target"]["vocab_size"] == config.vocab_size
         assert sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) < 8 * 2**20  # bf16 on disk
+        stats = Acceptance.read(path / ACCEPTANCE_FILE)  # what `auto` chooses from on the machine that decodes
+        assert stats.method == meta["method"] and [c.nodes for c in stats.candidates] == sorted(
+            c.nodes for c in stats.candidates) and all(c.tau >= 1 for c in stats.candidates)
+        for c in stats.candidates:
+            heads[name][0].check_tree(c.tree, config.vocab_size)
         if name not in SEARCHED:
             continue
-        tree = get_tree("auto", path)  # the CPU tree searched for these heads, within the heads' depth
-        assert searched_tree_path(path, "cpu").is_file() and 1 <= tree.num_nodes - 1 <= 63
-        assert tree.depth <= heads[name][0].max_depth
+        tree = get_tree(str(searched_tree_path(path, "cpu")))  # the CPU tree searched for these heads
+        assert 1 <= tree.num_nodes - 1 <= 63 and tree.depth <= heads[name][0].max_depth
     with pytest.raises(FileNotFoundError, match="train them"):
         shipped_heads_dir("no-such-method")
 
 
 @pytest.mark.parametrize(("method", "tree_name"), [
-    pytest.param(m, t, marks=pytest.mark.slow if m.startswith("sar") and t != "auto" else ())
-    for m in METHODS for t in ("auto", "mc_sim_7b_63")] + [(m, t) for m, trees in OWN_TREES.items() for t in trees])
+    pytest.param(m, t, marks=pytest.mark.slow if m.startswith("sar") and t != "searched" else ())
+    for m in METHODS for t in ("searched", "mc_sim_7b_63")] + [(m, t) for m, trees in OWN_TREES.items() for t in trees])
 # One case per drafter family (static heads, dynamic tree, beam + FTA, in-target masks, sequential heads); the
 # papers' 63-node tree for each is under -m slow (test_speculative's mc_sim_7b_63 cases cover deep static trees).
-@default_cases('medusa-auto', 'eagle-dynamic', 'gumiho-dynamic-63x7x35', 'bita-auto', 'hydra-auto')
+@default_cases('medusa-searched', 'eagle-dynamic', 'gumiho-dynamic-63x7x35', 'bita-searched', 'hydra-searched')
 def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, tree_name):
     """Greedy speculative decoding with the trained heads == AR, batch 3 (three HumanEval prompts of
     different lengths), on the tree searched for the heads and on the papers' 63-node tree (EAGLE: also its
@@ -78,7 +84,9 @@ def test_shipped_heads_decode_losslessly_with_long_paths(target, heads, method, 
     drafter, draft_params = heads[method]
     prompts = [encode_prompt(tok, humaneval_prompt(f"HumanEval/{i}")) for i in (2, 4, 7)]
     tokens, lengths = pad_prompts(prompts, pad_id=config.pad_token_id or 0)
-    tree = resolve_tree(tree_name, shipped_heads_dir(method), drafter.paper_tree)[0]
+    path = shipped_heads_dir(method)
+    tree = get_tree(str(searched_tree_path(path, "cpu")) if tree_name == "searched" else tree_name, path,
+                    drafter.paper_tree)
     settings = dict(config=config, max_new_tokens=48,
                     cache_size=tokens.shape[1] + 48 + scratch_slots(drafter, tree))  # BiTA: nodes + mask groups
     ar = generate(params, tokens, lengths, jax.random.key(0), **settings)
@@ -122,7 +130,7 @@ def test_demo_runs_without_torch_and_checks_losslessness():
     assert humaneval_prompt("HumanEval/2") in out and "\033[32m" in out  # drafted tokens are coloured
     assert "output identical to autoregressive greedy decoding: yes" in out and "| hydra |" in out
     backend = jax.default_backend().upper()
-    assert "target: code-llama (the embedded model), 2.1M parameters" in out and "drafter: hydra; tree: auto (" in out
+    assert "target: code-llama (the embedded model), 2.1M parameters" in out and "drafter: hydra; tree: " in out
     assert f"faster on {backend}" in out or f"NO SPEED-UP on {backend}" in out
 
 

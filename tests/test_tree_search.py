@@ -1,10 +1,12 @@
-"""Tree search: greedy growth is optimal under its model, the pick maximises tokens/s, `--tree auto` resolves."""
+"""Tree search: greedy growth is optimal under its model, the pick maximises tokens/s, its policy files resolve by
+batch, and `auto` without acceptance statistics is the paper's tree."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +19,6 @@ from amphista_jax.tree_names import (
     PRESETS,
     TreePolicy,
     get_tree,
-    policy_path,
-    resolve_auto,
     resolve_tree,
     searched_tree_path,
 )
@@ -75,14 +75,14 @@ def test_acceptance_rates():
     assert acceptance_rates(np.array([[4, 0]]), np.array([[1, 0]])).tolist() == [[0.25, 0.0]]
 
 
-def test_tree_auto_reads_the_searched_tree(tmp_path, capsys):
-    """`auto` is the searched tree, else the heads' paper's tree with a note for the front-end to print (the
-    library prints nothing)."""
-    path = searched_tree_path(tmp_path)
-    tree, note = resolve_tree("auto", tmp_path)  # nothing searched for this device class yet
-    assert tree == PRESETS[PAPER_TREE] and "tree-search --heads" in note and note.endswith(f"; using {PAPER_TREE}")
+def test_tree_auto_without_acceptance_statistics_is_the_paper_tree(tmp_path, capsys):
+    """Heads without acceptance statistics: `auto` is their paper's tree, with a note for the front-end to print
+    (the library prints nothing); a tree tree search wrote is used only when named."""
+    tree, note = resolve_tree("auto", tmp_path)
+    assert tree == PRESETS[PAPER_TREE] and "calibrate --acceptance --heads" in note
+    assert note.endswith(f"; using {PAPER_TREE}")
     assert resolve_tree("auto", None) == (  # untrained heads
-        PRESETS[PAPER_TREE], f"tree auto: trees are searched only for a heads directory; using {PAPER_TREE}")
+        PRESETS[PAPER_TREE], f"tree auto: no acceptance statistics ship for these heads here; using {PAPER_TREE}")
     assert get_tree("auto") == get_tree("auto", tmp_path) == PRESETS[PAPER_TREE]
     for method, paper_tree in (("bita", efficient_tree(3, 5)), ("eagle", dynamic_tree())):  # their papers' trees
         heads = tmp_path / method
@@ -91,16 +91,17 @@ def test_tree_auto_reads_the_searched_tree(tmp_path, capsys):
         paper = read_draft_meta(heads).drafter.paper_tree
         assert resolve_tree("auto", heads, paper)[0] == get_tree("auto", heads, paper) == paper_tree
     assert capsys.readouterr().err == ""
+    path = searched_tree_path(tmp_path)
     path.parent.mkdir()
     path.write_text(json.dumps([[0], [0, 0], [1]]))
-    assert resolve_auto(tmp_path, "chain-1") == (TreeSpec(((0,), (1,), (0, 0))), None)
-    assert resolve_tree("auto", tmp_path) == (TreeSpec(((0,), (1,), (0, 0))), None)
-    assert get_tree("auto", tmp_path) == TreeSpec(((0,), (1,), (0, 0)))
+    assert resolve_tree("auto", tmp_path)[0] == PRESETS[PAPER_TREE]
+    assert resolve_tree(str(path), tmp_path) == (TreeSpec(((0,), (1,), (0, 0))), None)
 
 
 def test_tree_policy_picks_by_batch_and_says_no_speculation(tmp_path):
     """Tree search stores one tree per batch size (none where every tree is predicted slower than AR, from
-    synthetic costs); `auto` resolves by the batch at hand: the largest measured batch size at or below it."""
+    synthetic costs); its policy file resolves by the batch at hand: the largest measured batch size at or below
+    it."""
     sizes, taus = (1, 2, 4), (1.6, 2.0, 2.3)
     trees = [TreeSpec(((0,),)), TreeSpec(((0,), (1,))), TreeSpec(((0,), (1,), (0, 0)))]
     results = {1: pick(sizes, taus, (1.1, 1.2, 1.3), 1.0),  # 1.45, 1.67, 1.77 tokens/step-s: 4 nodes
@@ -109,46 +110,42 @@ def test_tree_policy_picks_by_batch_and_says_no_speculation(tmp_path):
     policy = tree_policy(results, trees)
     assert policy.by_batch == ((1, trees[2]), (4, trees[0]), (16, None))
     assert [policy.at(b) for b in (1, 2, 3, 4, 8, 15, 16, 64)] == [trees[2]] * 3 + [trees[0]] * 3 + [None] * 2
-    path = policy_path(tmp_path)
-    path.parent.mkdir()
+    path = tmp_path / "t.batch.json"
     path.write_text(json.dumps(policy.to_json()))
     assert TreePolicy.read(path) == policy
-    assert resolve_tree("auto", tmp_path, batch=2) == (trees[2], None)
-    assert resolve_tree("auto", tmp_path, batch=4) == (trees[0], None)
-    tree, note = resolve_tree("auto", tmp_path, batch=32)
+    assert resolve_tree(str(path), batch=2) == (trees[2], None)
+    assert resolve_tree(str(path), batch=4) == (trees[0], None)
+    tree, note = resolve_tree(str(path), batch=32)
     assert tree is None and "no speculation at batch 32" in note
-    assert resolve_tree("small-8", tmp_path, batch=32) == (PRESETS["small-8"], None)  # a named tree is kept
-    searched_tree_path(tmp_path).write_text(json.dumps([[0]]))  # the policy wins over a single searched tree
-    assert resolve_tree("auto", tmp_path, batch=1) == (trees[2], None)
     path.write_text('{"batch_sizes": {"1": 3}}')
     with pytest.raises(TreeError, match="tree-search --replace"):
-        resolve_tree("auto", tmp_path)
+        resolve_tree(str(path))
     with pytest.raises(TreeError, match="distinct ascending"):
         TreePolicy(((2, None), (1, None)))
 
 
-def test_generator_and_eval_follow_the_policy_by_batch(tmp_path):
-    """Under a tree policy the Generator drafts on the batch's tree and decodes autoregressively where the
-    policy says no speculation (same tokens, tau 1); the evaluation's method resolves the same way."""
+def test_generator_and_eval_follow_a_policy_file_by_batch(tmp_path):
+    """Under a tree policy file the Generator drafts on the batch's tree and decodes autoregressively where the
+    policy says no speculation (same tokens, tau 1, said in `Generation.tree`); the evaluation's method resolves
+    the same way."""
     from amphista_jax import Generator
     from amphista_jax.evals.methods import resolve_method
 
     heads = tmp_path / "medusa"
     shutil.copytree(shipped_heads_dir("medusa"), heads)
-    path = policy_path(heads)
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(TreePolicy(((1, PRESETS["small-8"]), (2, None))).to_json()))
-    gen = Generator.load(heads=heads)
+    path = str(tmp_path / "medusa.batch.json")
+    Path(path).write_text(json.dumps(TreePolicy(((1, PRESETS["small-8"]), (2, None))).to_json()))
+    gen = Generator.load(heads=heads, tree=path)
     assert gen.tree == PRESETS["small-8"] and any("batch 2: no speculation" in n for n in gen.notes)
     prompts = ["def add(a, b):", "import os\n"]
     one, two = gen.generate(prompts[0], max_new_tokens=12), gen.generate(prompts, max_new_tokens=12)
-    assert one.tree == "auto" and two.tree == "-" and two.tau == [1.0, 1.0]
+    assert one.tree == path and two.tree == f"{path}: no speculation at batch 2" and two.tau == [1.0, 1.0]
     ar = gen.autoregressive().generate(prompts[0], max_new_tokens=12)
     assert two.token_ids[0] == one.token_ids[0] == ar.token_ids[0]
     assert gen.for_batch(3) is gen.for_batch(2) and gen.for_batch(1) is gen
     assert "".join(gen.stream(prompts[0], max_new_tokens=12)) == one.texts[0]
-    assert resolve_method(str(heads), "auto", batch=1).tree == PRESETS["small-8"]
-    at_two = resolve_method(f"m={heads}", "auto", batch=2)
+    assert resolve_method(f"{heads}@{path}", "auto", batch=1).tree == PRESETS["small-8"]
+    at_two = resolve_method(f"m={heads}@{path}", "auto", batch=2)
     assert at_two.drafter is None and at_two.label == "m" and "none at batch 2" in at_two.tree_name
 
 
@@ -173,7 +170,7 @@ def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path, m
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert np.asarray(report["rates"]).shape == (2, 2) and report["calibration_tree_nodes"] == 4
     assert len(releases) == len(report["trees"]) >= 2  # one offer per tree timed
-    gen = Generator.load(heads=heads)
+    gen = Generator.load(heads=heads, tree=str(out.with_suffix(".batch.json")))
     at_one = gen.for_batch(1).tree  # the searched tree, or AR where none was predicted to win (timings decide)
     assert (at_one is None) == (policy.at(1) is None) and (at_one is None or set(at_one.choices) == set(picked.choices))
     prompt = humaneval_prompts(100, 101)[0]
@@ -191,7 +188,7 @@ def test_search_by_method_for_prompt_lookup_and_its_policy_file(tmp_path):
     for `resolve_tree`, eval specs and the Generator, which then decodes AR's tokens. Under -m slow:
     test_search_grows_static_trees_for_heads_that_draft_to_any_depth runs the same search end to end (calibrate,
     grow, time, write the tree and its policy, decode AR's tokens on it), and
-    test_generator_and_eval_follow_the_policy_by_batch and test_tree_policy_picks_by_batch_and_says_no_speculation
+    test_generator_and_eval_follow_a_policy_file_by_batch and test_tree_policy_picks_by_batch_and_says_no_speculation
     resolve a per-batch policy for the Generator and eval specs."""
     from amphista_jax import Generator
     from amphista_jax.demo import humaneval_prompts
@@ -216,7 +213,7 @@ def test_search_by_method_for_prompt_lookup_and_its_policy_file(tmp_path):
     with pytest.raises(TreeError, match="tree per batch size"):
         get_tree(file)
     gen = Generator.load(heads="prompt_lookup", tree=file)
-    assert any(f"tree {file}: searched per batch size" in n for n in gen.notes)
+    assert any(f"tree {file}: batch 1: " in n for n in gen.notes)
     prompt = humaneval_prompts(100, 101)[0]
     assert gen.generate(prompt, max_new_tokens=12).token_ids == gen.autoregressive().generate(
         prompt, max_new_tokens=12).token_ids

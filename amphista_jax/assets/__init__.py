@@ -27,20 +27,22 @@ def draft_model_dir() -> Path:
     return path
 
 
-def _heads_root(target: str) -> Path:
+def shipped_heads_root(target: str) -> Path:
+    """Where what is shipped for `target` lives: a directory per head set (and per method with nothing to train,
+    holding only its acceptance statistics)."""
     return Path(__file__).parent / f"{target}-heads"
 
 
 def shipped_heads(target: str = DEFAULT_MODEL) -> list[str]:
     """Names of the head sets shipped for `target` (the embedded model: `medusa`, `amphista`, `hydra`, ...;
     `smollm2`: the fetched real target's)."""
-    root = _heads_root(target)
+    root = shipped_heads_root(target)
     return sorted(p.name for p in root.iterdir() if (p / "draft.json").is_file()) if root.is_dir() else []
 
 
 def shipped_heads_dir(name: str, target: str = DEFAULT_MODEL) -> Path:
     """Draft heads `name` trained for `target` (`amphista_jax/assets/<target>-heads/<name>`)."""
-    path = _heads_root(target) / name
+    path = shipped_heads_root(target) / name
     if not (path / "draft.json").is_file():
         shipped = ", ".join(shipped_heads(target)) or "none"
         raise FileNotFoundError(f"no shipped {name} heads in {path.parent} (shipped: {shipped}); "

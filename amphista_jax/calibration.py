@@ -1,0 +1,292 @@
+"""Step costs measured on the machine that decodes, and `auto`'s choice from them and the shipped acceptance.
+
+A head set's acceptance statistics (`acceptance`) ship with it; what a decode step costs is this machine's. On first
+use of a head set here, at each batch size asked for, `calibrate` times the real decode loop (`tree_search.StepClock`)
+of the candidate trees, in ascending size, against autoregressive decoding's (timed once per target, batch size and
+cache size, and shared by its head sets), and caches the costs under `AMPHISTA_HOME/calibration/<machine key>.json`
+(`machine.Machine.key`: the CPU model and vector extensions or the accelerator, cores, memory and the library's
+version), so later loads reuse them. A damaged cache is said in one line and measured again.
+
+`choose` is the pure part: the candidate with the most predicted tokens per second (tau x AR step / step), kept only
+if its predicted speed-up beats autoregressive decoding by more than the calibration's noise (the largest spread of
+any program's timed runs) and at least `MIN_MARGIN`; otherwise no speculation.
+
+Timing stops early once no larger candidate can win: a step costs at least as much as a smaller tree's (more nodes
+to draft and verify), and no candidate's tau exceeds the best one's, so when the best tau over the last measured
+step cannot beat the best so far, the larger candidates are left unmeasured (`None`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from amphista_jax.acceptance import Acceptance, is_chat_target
+from amphista_jax.errors import UserError
+from amphista_jax.machine import Machine, this_machine
+from amphista_jax.output_lock import write_atomic
+from amphista_jax.trees import Tree
+
+if TYPE_CHECKING:
+    from amphista_jax.generator import Generator
+    from amphista_jax.tree_search import StepClock
+
+MIN_MARGIN = 0.03  # the least margin over AR a tree must be predicted to beat it by, whatever the measured noise
+CALIBRATION_TOKENS = 24  # decode steps timed per program (no EOS stop)
+CALIBRATION_RUNS = 2  # timed runs per program after its compile and warm-up run (the fastest kept)
+CALIBRATION_PROMPT = "Explain, step by step, how a hash map stores and finds a key."  # through the chat template
+CALIBRATION_SCRATCH = 256  # cache slots every calibration program keeps beyond the prompt and the new tokens
+
+
+class CalibrationError(UserError, ValueError):
+    """A calibration that cannot be made or read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """What one decode step costs on this machine at `batch` rows: AR's, and each candidate's (None: not timed,
+    as no larger tree could win)."""
+
+    batch: int
+    ar_ms: float
+    step_ms: tuple[float | None, ...]  # per candidate of the acceptance statistics, in their order
+    noise: float  # the largest relative spread of any program's timed runs (AR's included)
+    seconds: float  # the calibration's wall time, compiles included
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StepCosts:
+        return cls(int(d["batch"]), float(d["ar_ms"]), tuple(None if s is None else float(s) for s in d["step_ms"]),
+                   float(d["noise"]), float(d["seconds"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """`auto`'s choice at one batch size: a candidate (its index) or no speculation (None), and why."""
+
+    batch: int
+    index: int | None
+    speedups: tuple[float | None, ...]  # predicted, per candidate (None: not timed)
+    margin: float  # a tree must be predicted faster than AR by more than this
+
+    @property
+    def best(self) -> int:
+        """The candidate with the largest predicted speed-up (chosen or not)."""
+        return max((i for i, s in enumerate(self.speedups) if s is not None), key=lambda i: self.speedups[i])
+
+    def describe(self, acceptance: Acceptance) -> str:
+        c, s = acceptance.candidates[self.best], self.speedups[self.best]
+        if self.index is None:
+            return (f"auto: no speculation at batch {self.batch} on this machine (best candidate {c.name}, tau "
+                    f"{c.tau:.2f}, predicted {s:.2f}x: not above 1 + its {self.margin:.0%} noise margin)")
+        return f"auto: {c.name} ({c.nodes} draft nodes, tau {c.tau:.2f}) at batch {self.batch}, predicted {s:.2f}x here"
+
+
+def speedups(acceptance: Acceptance, costs: StepCosts) -> tuple[float | None, ...]:
+    """Predicted speed-up of each candidate: tau x AR step / its step (None where not timed)."""
+    return tuple(None if s is None else c.tau * costs.ar_ms / s
+                 for c, s in zip(acceptance.candidates, costs.step_ms, strict=True))
+
+
+def choose(acceptance: Acceptance, costs: StepCosts, min_margin: float = MIN_MARGIN) -> Decision:
+    """The candidate predicted fastest, if it beats AR by more than the margin (the larger of the calibration's
+    noise and `min_margin`); else no speculation."""
+    predicted = speedups(acceptance, costs)
+    if all(s is None for s in predicted):
+        raise CalibrationError("no candidate tree was timed: calibrate again")
+    margin = max(costs.noise, min_margin)
+    decision = Decision(costs.batch, None, predicted, margin)
+    return dataclasses.replace(decision, index=decision.best) if predicted[decision.best] > 1 + margin else decision
+
+
+def worth_timing(acceptance: Acceptance, ar_ms: float, last_ms: float, best: float, margin: float) -> bool:
+    """Whether a candidate larger than the one just timed (`last_ms` a step) could still win: its step costs at
+    least `last_ms` and its tau is at most the best, so its speed-up is at most best tau x AR step / `last_ms`."""
+    return acceptance.best_tau * ar_ms / last_ms > max(best, 1 + margin)
+
+
+@dataclasses.dataclass(frozen=True)
+class ARCosts:
+    """The target's own costs at one batch size and cache size, shared by every head set calibrated on it."""
+
+    prefill_ms: float
+    step_ms: float
+    spread: float  # relative spread of its timed runs
+
+    def to_json(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ARCosts:
+        return cls(float(d["prefill_ms"]), float(d["step_ms"]), float(d["spread"]))
+
+
+def calibration_clock(gen: Generator, acceptance: Acceptance, batch: int) -> StepClock:
+    """`batch` copies of `CALIBRATION_PROMPT` in one cache size for AR and every candidate (`CALIBRATION_SCRATCH`
+    slots beyond the prompt and the new tokens, or the largest candidate's scratch if more), so only the step
+    differs between the programs timed, and AR's timing serves every head set of this target."""
+    from amphista_jax.decode import pad_prompts, scratch_slots
+    from amphista_jax.tree_search import StepClock
+
+    prompt = gen.encode(CALIBRATION_PROMPT, chat=is_chat_target(gen.model_dir, gen.tokenizer))
+    tokens, lengths = pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
+    scratch = max(CALIBRATION_SCRATCH, *(scratch_slots(gen.drafter, c.tree) for c in acceptance.candidates))
+    return StepClock(tokens, lengths, tokens.shape[1] + CALIBRATION_TOKENS + scratch, CALIBRATION_TOKENS,
+                     CALIBRATION_RUNS)
+
+
+def _step_ms(clock: StepClock, gen: Generator, prefill_s: float) -> tuple[float, float]:
+    """(ms per decode step of `gen`: its fastest decode less `prefill_s`, over its steps; the runs' spread)."""
+    seconds, steps = clock.timed_runs(gen, clock.max_new_tokens)
+    if steps < 1 or min(seconds) <= prefill_s:
+        raise CalibrationError(f"timing noise: a whole decode ({min(seconds) * 1e3:.2f} ms, {steps} steps) took no "
+                               f"longer than its prefill ({prefill_s * 1e3:.2f} ms): calibrate again on a quieter "
+                               "machine (--remeasure)")
+    return (min(seconds) - prefill_s) / steps * 1e3, (max(seconds) - min(seconds)) / min(seconds)
+
+
+def measure_ar(gen: Generator, clock: StepClock) -> ARCosts:
+    """The target's prefill (a one-token decode) and AR step on `clock`."""
+    ar = gen.autoregressive()
+    prefill = clock.decode(ar, 1)[0]
+    return ARCosts(prefill * 1e3, *_step_ms(clock, ar, prefill))
+
+
+def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCosts, progress: Any = None
+            ) -> StepCosts:
+    """Time the candidates on `clock` in ascending size, stopping early (`worth_timing`). The speculative programs'
+    prefill is priced as AR's (a drafter's own prefill, a few per cent of the timed steps, then counts as step
+    cost: it errs towards AR). `noise`: the largest spread of any program's timed runs, AR's included.
+    `progress(n)` counts candidates timed."""
+    steps: list[float | None] = []
+    spreads, best, last = [ar.spread], 0.0, None
+    for candidate in acceptance.candidates:
+        if last is not None and not worth_timing(acceptance, ar.step_ms, last, best, MIN_MARGIN):
+            steps.append(None)
+            continue
+        last, spread = _step_ms(clock, gen.with_tree(candidate.tree), ar.prefill_ms / 1e3)
+        steps.append(last)
+        spreads.append(spread)
+        best = max(best, candidate.tau * ar.step_ms / last)
+        if progress:
+            progress(1)
+    return StepCosts(int(clock.tokens.shape[0]), ar.step_ms, tuple(steps), max(spreads), 0.0)
+
+
+def cost_key(gen: Generator, batch: int, acceptance: Acceptance | None = None, cache_size: int = 0) -> str:
+    """What step costs depend on besides the machine: the target's shape, the dtype, the attention, the mesh, the
+    batch size, the calibration's settings and, for a head set, the drafter with its settings and the candidates
+    (for AR, the cache size) -- not the weights' values."""
+    what = {"config": dataclasses.asdict(gen.config), "dtype": gen.dtype, "attention": gen.attention,
+            "mesh": None if gen.mesh is None else dict(gen.mesh.shape), "batch": batch, "tokens": CALIBRATION_TOKENS,
+            "runs": CALIBRATION_RUNS, "prompt": CALIBRATION_PROMPT, "scratch": CALIBRATION_SCRATCH,
+            "cache_size": cache_size}
+    if acceptance is not None:
+        what |= {"drafter": repr(gen.drafter), "candidates": [c.to_json() | {"tau": None}
+                                                             for c in acceptance.candidates]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cache_file(machine: Machine | None = None) -> Path:
+    """This machine's calibration cache (`AMPHISTA_HOME/calibration/<machine key>.json`)."""
+    from amphista_jax.fetch import amphista_home
+
+    return amphista_home() / "calibration" / f"{(machine or this_machine()).key()}.json"
+
+
+def read_cache(path: Path) -> dict[str, Any]:
+    """The cached entries (`{key: {"label", "costs" | "ar"}}`), or none, with a line on stderr, where the file is
+    damaged."""
+    if not path.is_file():
+        return {}
+    try:
+        entries = json.loads(path.read_text())["entries"]
+        for entry in entries.values():
+            StepCosts.from_json(entry["costs"]) if "costs" in entry else ARCosts.from_json(entry["ar"])
+        return entries
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"note: calibration cache {path} is damaged ({type(e).__name__}: {e}); measuring again",
+              file=sys.stderr)
+        return {}
+
+
+def calibrate(gen: Generator, acceptance: Acceptance, batch: int, remeasure: bool = False) -> StepCosts:
+    """This machine's step costs for `gen`'s drafter and `acceptance`'s candidates at `batch` rows: cached, else
+    measured (a progress line on stderr; the target's AR costs too, unless another head set cached them) and
+    cached. `remeasure` measures everything again and replaces the cached costs."""
+    from tqdm import tqdm
+
+    path, key = cache_file(), cost_key(gen, batch, acceptance)
+    entries = read_cache(path)
+    if key in entries and not remeasure:
+        return StepCosts.from_json(entries[key]["costs"])
+    t0 = time.perf_counter()
+    clock = calibration_clock(gen, acceptance, batch)
+    ar_key = cost_key(gen, batch, cache_size=clock.cache_size)
+    target = Path(gen.model_dir).name or "target"
+    with tqdm(total=len(acceptance.candidates), desc=f"calibrating {gen.method} trees at batch {batch} on this "
+              "machine", unit="tree", file=sys.stderr) as bar:
+        ar = measure_ar(gen, clock) if remeasure or ar_key not in entries else ARCosts.from_json(
+            entries[ar_key]["ar"])
+        costs = dataclasses.replace(measure(gen, acceptance, clock, ar, bar.update),
+                                    seconds=time.perf_counter() - t0)
+    entries = entries | {ar_key: {"label": f"AR on {target}, batch {batch}", "ar": ar.to_json()},
+                         key: {"label": f"{gen.method} on {target}, batch {batch}", "costs": costs.to_json()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({"machine": dataclasses.asdict(this_machine()), "entries": entries}, indent=1)
+                 + "\n")
+    return costs
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalTrees:
+    """What `tree="auto"` follows for heads with acceptance statistics: at each batch size, the tree `choose`
+    picks from them and this machine's step costs (calibrated on first use of that batch size)."""
+
+    acceptance: Acceptance
+    gen: Generator  # the target and drafter whose steps are timed
+    decisions: dict[int, Decision] = dataclasses.field(default_factory=dict)
+
+    def decision(self, batch: int) -> Decision:
+        if batch not in self.decisions:
+            self.decisions[batch] = choose(self.acceptance, calibrate(self.gen, self.acceptance, batch))
+        return self.decisions[batch]
+
+    def at(self, batch: int) -> Tree | None:
+        """The tree at `batch` rows; None: no speculation."""
+        d = self.decision(batch)
+        return None if d.index is None else self.acceptance.candidates[d.index].tree
+
+    def describe(self, batch: int) -> str:
+        return self.decision(batch).describe(self.acceptance)
+
+    def label(self, batch: int) -> str:
+        """Short, for a results table: `auto: <candidate>` or `auto: none` (no speculation)."""
+        d = self.decision(batch)
+        return f"auto: {'none' if d.index is None else self.acceptance.candidates[d.index].name}"
+
+
+def table(acceptance: Acceptance, costs: Sequence[StepCosts]) -> str:
+    """Markdown: each candidate's tau, and per batch size its step cost and predicted speed-up (`*` where picked)."""
+    head = "| tree | draft nodes | tau | " + " | ".join(f"batch {c.batch}: step ms, speed-up" for c in costs) + " |"
+    rows = [head, "|---|---|---|" + "---|" * len(costs),
+            "| AR | 0 | 1.00 | " + " | ".join(f"{c.ar_ms:.1f}, 1.00x" for c in costs) + " |"]
+    decisions = [choose(acceptance, c) for c in costs]
+    for i, cand in enumerate(acceptance.candidates):
+        cells = []
+        for c, d in zip(costs, decisions, strict=True):
+            s = c.step_ms[i]
+            cells.append("not timed (no larger tree can win)" if s is None else
+                         f"{s:.1f}, {d.speedups[i]:.2f}x" + (" *" if d.index == i else ""))
+        rows.append(f"| {cand.name} | {cand.nodes} | {cand.tau:.2f} | " + " | ".join(cells) + " |")
+    rows += ["", *(f"- {d.describe(acceptance)} (noise {c.noise:.1%}, calibrated in {c.seconds:.0f} s)"
+                   for c, d in zip(costs, decisions, strict=True))]
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,197 @@
+"""Trees chosen on the machine that decodes: shipped acceptance statistics, step costs measured and cached here,
+`auto`'s choice from both (margin included), and decoding that stays AR's whichever tree is chosen."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from amphista_jax import calibration
+from amphista_jax.acceptance import ACCEPTANCE_FILE, Acceptance, AcceptanceError, Candidate
+from amphista_jax.assets import shipped_heads_dir
+from amphista_jax.calibration import MIN_MARGIN, StepCosts, calibrate, choose, worth_timing
+from amphista_jax.machine import this_machine
+from amphista_jax.trees import TreeSpec, chain
+
+PROMPTS = ["def add(a, b):", "import os\n"]
+STATS = Acceptance("medusa", "synthetic", (
+    Candidate("grown-1", chain(1), 1.5),
+    Candidate("grown-3", TreeSpec(((0,), (1,), (0, 0))), 1.9),
+    Candidate("grown-7", TreeSpec(((0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0))), 2.2)))
+
+
+def _costs(batch: int, ar: float, steps: tuple, noise: float = 0.0) -> StepCosts:
+    return StepCosts(batch, ar, steps, noise, 0.0)
+
+
+def _fake_measure(costs_at, measured: list | None = None, ar_measured: list | None = None):
+    """Stand-ins for the timing functions: `costs_at(batch)` for the candidates, AR 10 ms; calls recorded."""
+    def measure(gen, stats, clock, ar, progress=None):
+        batch = int(clock.tokens.shape[0])
+        if measured is not None:
+            measured.append(batch)
+        costs = costs_at(batch)
+        return dataclasses.replace(costs, step_ms=costs.step_ms[:len(stats.candidates)])
+
+    def measure_ar(gen, clock):
+        if ar_measured is not None:
+            ar_measured.append(int(clock.tokens.shape[0]))
+        return calibration.ARCosts(1.0, 10.0, 0.0)
+
+    return measure, measure_ar
+
+
+def _patch(monkeypatch, costs_at, measured=None, ar_measured=None):
+    measure, measure_ar = _fake_measure(costs_at, measured, ar_measured)
+    monkeypatch.setattr(calibration, "measure", measure)
+    monkeypatch.setattr(calibration, "measure_ar", measure_ar)
+
+
+@pytest.mark.parametrize(("batch", "ar", "steps", "noise", "picked"), [
+    (1, 10.0, (11.0, 13.0, 16.0), 0.01, 1),  # 1.36x, 1.46x, 1.38x: the middle tree
+    (2, 10.0, (11.0, 12.0, 12.5), 0.01, 2),  # 1.36x, 1.58x, 1.76x: the largest
+    (8, 12.0, (14.0, 19.0, 30.0), 0.01, 0),  # 1.29x, 1.20x, 0.88x: one node
+    (16, 20.0, (27.0, 40.0, None), 0.01, 0),  # 1.11x (the largest not timed): one node
+    (32, 30.0, (42.0, 60.0, 100.0), 0.02, 0),  # 1.07x > 1 + the 3% floor
+    (64, 30.0, (42.0, 60.0, 100.0), 0.10, None),  # 1.07x but the calibration's noise is 10%: no speculation
+    (64, 40.0, (62.0, 90.0, 150.0), 0.0, None),  # 0.97x: AR is faster
+])
+def test_choose_picks_the_fastest_tree_above_the_noise_margin(batch, ar, steps, noise, picked):
+    d = choose(STATS, _costs(batch, ar, steps, noise))
+    assert d.index == picked and d.batch == batch and d.margin == max(noise, MIN_MARGIN)
+    assert d.best == max((i for i, s in enumerate(steps) if s is not None),
+                         key=lambda i: STATS.candidates[i].tau * ar / steps[i])
+    said = d.describe(STATS)
+    assert ("no speculation" in said) == (picked is None) and STATS.candidates[d.best].name in said
+
+
+def test_timing_stops_when_no_larger_tree_can_win():
+    """Best tau 2.2: after a step of 2.5 AR steps nothing larger can reach 1 + margin; after 1.5 it still can."""
+    assert worth_timing(STATS, 10.0, 15.0, best=1.2, margin=0.03)
+    assert not worth_timing(STATS, 10.0, 25.0, best=0.0, margin=0.03)
+    assert not worth_timing(STATS, 10.0, 15.0, best=1.5, margin=0.03)  # 2.2 / 1.5 = 1.47 < the best so far
+
+
+def test_acceptance_file_round_trips_and_a_damaged_one_is_one_line(tmp_path):
+    path = STATS.write(tmp_path / ACCEPTANCE_FILE)
+    assert Acceptance.read(path) == STATS
+    path.write_text('{"method": "medusa", "candidates": [')
+    with pytest.raises(AcceptanceError, match="calibrate --acceptance") as e:
+        Acceptance.read(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture
+def medusa_heads(tmp_path):
+    """The shipped Medusa heads of the embedded model with the synthetic acceptance statistics."""
+    heads = tmp_path / "medusa"
+    shutil.copytree(shipped_heads_dir("medusa"), heads)
+    STATS.write(heads / ACCEPTANCE_FILE)
+    return heads
+
+
+def test_costs_are_cached_per_machine_and_version_and_a_damaged_cache_recalibrates(medusa_heads, tmp_path,
+                                                                                     monkeypatch, capsys):
+    from amphista_jax import Generator
+
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    measured, ar_measured = [], []
+    costs_at = lambda batch: _costs(batch, 10.0, (11.0, 13.0, 16.0))  # noqa: E731
+    _patch(monkeypatch, costs_at, measured, ar_measured)
+    gen = Generator.load(heads=medusa_heads)  # `auto`: calibrated at batch 1 on load
+    assert measured == ar_measured == [1] and gen.tree == STATS.candidates[1].tree
+    assert calibrate(gen, STATS, 1).step_ms == (11.0, 13.0, 16.0) and measured == [1]  # cached
+    other_heads = medusa_heads.parent / "other"
+    shutil.copytree(medusa_heads, other_heads)
+    Acceptance("medusa", "synthetic", STATS.candidates[:2]).write(other_heads / ACCEPTANCE_FILE)
+    Generator.load(heads=other_heads)
+    assert measured == [1, 1] and ar_measured == [1]  # other candidates: timed; the target's AR step: reused
+    measured.pop()
+    Generator.load(heads=medusa_heads)
+    assert measured == [1]  # a new process on this machine reuses it
+    gen.for_batch(4)
+    assert measured == [1, 4]  # another batch size is calibrated on first use
+    path = calibration.cache_file()
+    assert path.parent == tmp_path / "home" / "calibration" and path.stem == this_machine().key()
+    assert json.loads(path.read_text())["machine"] == json.loads(json.dumps(dataclasses.asdict(this_machine())))
+
+    other = dataclasses.replace(this_machine(), library=this_machine().library + ".post1")
+    assert other.key() != this_machine().key()
+    monkeypatch.setattr(calibration, "this_machine", lambda: other)
+    calibrate(gen, STATS, 1)
+    assert measured == [1, 4, 1]  # another version (or CPU, or accelerator): measured again
+    monkeypatch.undo()
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    _patch(monkeypatch, costs_at, measured, ar_measured)
+    path.write_text("{not json")
+    capsys.readouterr()
+    calibrate(gen, STATS, 1)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert measured == [1, 4, 1, 1] and len(err) == 1 and "is damaged" in err[0] and "measuring again" in err[0]
+    assert calibrate(gen, STATS, 1) and measured == [1, 4, 1, 1]  # and the rewritten cache is read again
+
+
+def test_auto_decodes_autoregressively_where_calibration_says_ar_is_faster(medusa_heads, tmp_path, monkeypatch):
+    """Costs that make AR faster at batch 1 and a tree faster at batch 2: `auto` decodes AR at batch 1 and says so
+    (`Generation.tree`, the notes), drafts at batch 2, and both give AR's tokens; the evaluation resolves the same
+    choice once the target has loaded."""
+    from amphista_jax import Generator
+    from amphista_jax.evals.methods import resolve_method
+
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    _patch(monkeypatch, lambda batch: _costs(batch, 10.0, (16.0, 21.0, 30.0) if batch == 1 else (11.0, 12.0, 12.5)))
+    gen = Generator.load(heads=medusa_heads)
+    assert gen.tree is None and any("no speculation at batch 1" in n for n in gen.notes)
+    one, two = gen.generate(PROMPTS[0], max_new_tokens=12), gen.generate(PROMPTS, max_new_tokens=12)
+    assert one.tree.startswith("auto: no speculation at batch 1 on this machine") and one.tau == [1.0]
+    assert two.tree.startswith("auto: grown-7 (7 draft nodes, tau 2.20) at batch 2, predicted 1.76x")
+    ar = gen.autoregressive().generate(PROMPTS, max_new_tokens=12)
+    assert one.token_ids[0] == two.token_ids[0] == ar.token_ids[0] and two.token_ids == ar.token_ids
+    assert "".join(gen.stream(PROMPTS[0], max_new_tokens=12)) == one.texts[0]
+    method = resolve_method(str(medusa_heads), "auto", batch=2)
+    assert method.choice is not None and method.tree is None and method.tree_name == "auto"
+    attached = method.generator(gen.autoregressive())
+    assert attached.for_batch(2).tree == method.chosen(attached, 2).tree == STATS.candidates[2].tree
+    assert method.chosen(attached, 2).tree_name == "auto: grown-7" and method.chosen(attached, 2).choice is None
+    assert attached.for_batch(1).drafter is None and method.chosen(attached, 1).drafter is None
+    assert method.chosen(attached, 1).tree_name == "auto: none"
+
+
+def test_real_calibration_times_steps_and_decodes_as_ar(medusa_heads, tmp_path, monkeypatch):
+    """An unpatched calibration on this machine: AR and at least the smallest candidate are timed (positive costs,
+    larger ones timed or skipped as unable to win), and whichever tree it picks, greedy output equals AR's."""
+    from amphista_jax import Generator
+
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    gen = Generator.load(heads=medusa_heads)
+    costs = calibrate(gen, STATS, 1)
+    assert costs.ar_ms > 0 and costs.step_ms[0] > 0 and costs.noise >= 0 and costs.seconds > 0 and costs.batch == 1
+    assert all(s is None or s > 0 for s in costs.step_ms)
+    assert gen.policy.decision(1) == choose(STATS, costs)
+    for batch in (1, 2):
+        out = gen.generate(PROMPTS[:batch], max_new_tokens=16)
+        assert out.tree.startswith("auto: ")
+        assert out.token_ids == gen.autoregressive().generate(PROMPTS[:batch], max_new_tokens=16).token_ids
+
+
+def test_calibrate_command_shows_the_table_and_refuses_heads_without_statistics(medusa_heads, tmp_path, monkeypatch,
+                                                                                 capsys):
+    from amphista_jax.cli import main
+
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    _patch(monkeypatch, lambda batch: _costs(batch, 10.0, (11.0, 13.0, None)))
+    assert main(["calibrate", "--model", "tiny", "--heads", str(medusa_heads), "--batch-sizes", "1,4"]) == 0
+    out = capsys.readouterr().out
+    assert "| grown-3 | 3 | 1.90 | 13.0, 1.46x * | 13.0, 1.46x * |" in out and "not timed" in out
+    assert f"machine: {this_machine().describe()}" in out
+    (medusa_heads / ACCEPTANCE_FILE).unlink()
+    assert main(["calibrate", "--model", "tiny", "--heads", str(medusa_heads)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no acceptance statistics" in err[0] and "calibrate --acceptance" in err[0]
+    taken = tmp_path / "taken.json"
+    taken.write_text("mine")
+    assert main(["calibrate", "--model", "tiny", "--heads", "medusa", "--acceptance", "--out", str(taken)]) != 0
+    assert "exists: pass --replace" in capsys.readouterr().err and taken.read_text() == "mine"  # not overwritten
