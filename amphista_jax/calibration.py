@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from amphista_jax.acceptance import Acceptance, is_chat_target
+from amphista_jax.compiled_programs import release_if_crowded
 from amphista_jax.errors import UserError
 from amphista_jax.machine import Machine, this_machine
 from amphista_jax.output_lock import write_atomic
@@ -173,6 +174,7 @@ def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCost
             steps.append(None)
             continue
         last, spread = _step_ms(clock, gen.with_tree(candidate.tree), ar.prefill_ms / 1e3)
+        release_if_crowded()  # a program per candidate: past the memory-mapping limit otherwise
         steps.append(last)
         spreads.append(spread)
         best = max(best, candidate.tau * ar.step_ms / last)
@@ -240,9 +242,13 @@ def calibrate(gen: Generator, acceptance: Acceptance, batch: int, remeasure: boo
                                     seconds=time.perf_counter() - t0)
     entries = entries | {ar_key: {"label": f"AR on {target}, batch {batch}", "ar": ar.to_json()},
                          key: {"label": f"{gen.method} on {target}, batch {batch}", "costs": costs.to_json()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"machine": dataclasses.asdict(this_machine()), "entries": entries}, indent=1)
-                 + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"machine": dataclasses.asdict(this_machine()), "entries": entries}, indent=1)
+                     + "\n")
+    except OSError as e:
+        print(f"note: the calibration cannot be cached in {path} ({e.strerror or e}); it is measured again next time",
+              file=sys.stderr)
     return costs
 
 

@@ -201,21 +201,23 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"step costs cached in {cache_file()}\n\n{table(local.acceptance, costs)}")
         return 0
     from amphista_jax.drafter_source import read_source
+    from amphista_jax.output_lock import file_lock, lock_beside
 
-    paper = read_source(heads, args.model, None).drafter.paper_tree  # any tree: each candidate is set in turn
-    gen = Generator.load(args.model, heads, paper)
-    print_notes(gen)
-    out = Path(args.out) if args.out else Path(gen.heads_dir) / ACCEPTANCE_FILE if gen.heads_dir else None
+    found = read_source(heads, args.model, None)
+    out = Path(args.out) if args.out else Path(found.path) / ACCEPTANCE_FILE if found.path else None
     if out is None:
         raise UsageError(f"{args.heads} has no heads directory to keep its statistics in: pass --out FILE.json")
     if out.exists() and not args.replace:
         raise UsageError(f"{out} exists: pass --replace to measure again and replace it, or --out another file")
     check_writable_dir(out.parent, "--out")
-    prompts, where = calibration_prompts(gen, args.prompts)
-    measured_on = f"{len(prompts)} {where}, {args.max_new_tokens} new tokens, greedy"
-    with tqdm(desc="acceptance statistics", unit="prompt") as bar:
-        stats = measure_acceptance(gen, prompts, args.max_new_tokens, measured_on, progress=bar.update)
-    stats.write(out)
+    with file_lock(lock_beside(out), "calibrate"):
+        gen = Generator.load(args.model, heads, found.drafter.paper_tree)  # each candidate is set in turn
+        print_notes(gen)
+        prompts, where = calibration_prompts(gen, args.prompts)
+        measured_on = f"{len(prompts)} {where}, {args.max_new_tokens} new tokens, greedy"
+        with tqdm(desc="acceptance statistics", unit="prompt") as bar:
+            stats = measure_acceptance(gen, prompts, args.max_new_tokens, measured_on, progress=bar.update)
+        stats.write(out)
     print("\n".join(f"{c.name}: {c.nodes} draft nodes, tau {c.tau:.3f}" for c in stats.candidates))
     print(f"wrote {out} ({measured_on})")
     return 0

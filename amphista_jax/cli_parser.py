@@ -16,7 +16,8 @@ DESCRIPTION = "`amphista-jax` command line: one entry point, one subcommand per 
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")
 MODEL_HELP = ("HF checkpoint directory, or a fetched model (smollm2, fetched on first use), or `tiny` (the embedded "
               f"2.1M code-llama); default: ${DEFAULT_MODEL_ENV} if set, else smollm2")
-TREE_HELP = ("`auto` (the tree searched for the heads on this device, per batch size), a preset name, a JSON file of "
+TREE_HELP = ("`auto` (chosen on this machine per batch size from the heads' acceptance statistics; `amphista-jax "
+             "calibrate` shows the choice), a preset name, a JSON file of "
              "top-k paths, a tree search's <stem>.batch.json (its tree per batch size), `fan-KxD` or `dynamic` / "
              "`dynamic-TxDxK` (EAGLE-2's tree)")
 
@@ -81,8 +82,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     g.add_argument("--draft", choices=sorted(DRAFTERS), default=None, help="speculative decoding with this method")
     g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
     g.add_argument("--draft-model", default=None, help="a small HF checkpoint with the target's tokenizer as the "
-                   "drafter (its own KV cache; --tree auto means chain-4; at --temperature > 0 on a static tree it "
-                   "samples its drafts at that temperature)")
+                   "drafter (its own KV cache; --tree auto: chosen here from its acceptance.json if it has one, else "
+                   "chain-4; at --temperature > 0 on a static tree it samples its drafts at that temperature)")
     g.add_argument("--tree", default="auto", help=TREE_HELP)
     g.add_argument("--acceptance", choices=[r.value for r in AcceptanceRule], default=None,
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")
@@ -112,7 +113,7 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     m.set_defaults(func=commands["demo"])
 
     ts = sub.add_parser("tree-search", help="grow draft trees from acceptance statistics and time them on this "
-                        "device; write the fastest (used by --tree auto)")
+                        "device; write the fastest and a report (decode on it with --tree <path>)")
     ts.add_argument("--model", default=default_model(), help=MODEL_HELP)
     ts.add_argument("--heads", default=None, help="draft-head checkpoint directory")
     ts.add_argument("--method", default=None, help="instead of --heads: a method with nothing to train "
@@ -129,7 +130,7 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
                     help="timed runs per tree (step times: the fastest; measured speed-up: the median)")
     ts.add_argument("--batch-sizes", type=_batch_sizes, default=(1, 2, 4, 8, 16), metavar="B,B,...",
                     help="price every tree at these batch sizes and store the best per batch size (none where AR is "
-                    "predicted faster), which --tree auto follows; default 1,2,4,8,16")
+                    "predicted faster), a policy file --tree takes; default 1,2,4,8,16")
     ts.add_argument("--out", default=None, help="tree JSON (default: <heads>/trees/<backend>.json); the tree per "
                     "batch size is written beside it as <stem>.batch.json, which --tree also takes")
     ts.add_argument("--replace", action="store_true", help="replace an existing searched tree")

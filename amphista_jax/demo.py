@@ -190,6 +190,8 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
     if spec.drafter is None and isinstance(local := loaded.policy, LocalTrees):  # `auto` chose no speculation here
         off, best = local.describe(1), local.acceptance.candidates[local.decision(1).best]
         spec = dataclasses.replace(loaded.with_tree(best.tree), tree_name=f"{best.name}, auto's best candidate")
+    elif spec.drafter is None:  # a tree policy file that says no speculation at batch 1: its first tree instead
+        off, spec = f"{loaded.tree_name}: no speculation at batch 1", loaded
     ar = spec.autoregressive()
     kw = dict(max_new_tokens=max_new_tokens, chat=chat)
     ar_out, spec_out = ar.generate(prompt, **kw), spec.generate(prompt, **kw)  # compile and warm up
@@ -221,8 +223,8 @@ def format_result(r: DemoResult) -> str:
                      "draft, so this run's tau and speed-up overstate typical text (docs/results/ measures whole "
                      "prompt sets).")
     if r.speculation_off:
-        lines.append(f"{r.speculation_off}: `generate --tree auto` decodes autoregressively here. Shown for "
-                     f"comparison on that candidate, measured {r.speedup:.2f}x on this prompt.")
+        lines.append(f"{r.speculation_off}: with this tree choice `generate` decodes autoregressively here. The "
+                     f"drafter is shown for comparison on its tree above, measured {r.speedup:.2f}x on this prompt.")
     if r.speedup > 1:
         lines.append(f"speculative decoding was {r.speedup:.2f}x faster on {device}: each step committed "
                      f"{r.tau:.2f} tokens at {r.step_cost:.2f}x the cost of an autoregressive step.")

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from amphista_jax.acceptance import Acceptance, acceptance_file
+from amphista_jax.acceptance import Acceptance, AcceptanceError, acceptance_file
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
 from amphista_jax.drafters.io import META_FILE, load_draft, params_fit, read_draft_meta
@@ -24,7 +24,7 @@ from amphista_jax.errors import GeneratorError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.target import Target
 from amphista_jax.tree_names import AUTO, TreePolicy, get_tree, read_policy, resolve_tree
-from amphista_jax.trees import Tree
+from amphista_jax.trees import Tree, TreeError
 
 UNTRAINED = ":untrained"  # `<method>:untrained`: the method's freshly initialised heads
 
@@ -138,8 +138,8 @@ def choose_tree(tree: str | Tree | TreeChoice, source: DrafterSource, vocab_size
         choice = tree
     elif not isinstance(tree, str):
         choice = TreeChoice(tree, str(tree))
-    elif tree == AUTO and source.acceptance is not None:
-        choice = TreeChoice(None, tree, acceptance=Acceptance.read(source.acceptance))
+    elif tree == AUTO and (stats := usable_acceptance(source, vocab_size)) is not None:
+        choice = TreeChoice(None, tree, acceptance=stats)
     elif (policy := read_policy(tree)) is not None:
         trees = [t for _, t in policy.by_batch if t is not None]
         first = policy.at(1) or (trees[0] if trees else get_tree(drafter.paper_tree))
@@ -151,6 +151,26 @@ def choose_tree(tree: str | Tree | TreeChoice, source: DrafterSource, vocab_size
     for t in {choice.tree, *(t for _, t in (choice.policy.by_batch if choice.policy else ())), *candidates} - {None}:
         drafter.check_tree(t, vocab_size)
     return choice
+
+
+def usable_acceptance(source: DrafterSource, vocab_size: int | None) -> Acceptance | None:
+    """`source`'s acceptance statistics with the candidates its drafter (as its settings leave it) can draft; None
+    where it has none or can draft none of them (`auto` then falls back to the paper's tree). Statistics of another
+    method are refused in one line."""
+    if source.acceptance is None:
+        return None
+    stats = Acceptance.read(source.acceptance)
+    if stats.method != source.method:
+        raise AcceptanceError(f"{source.acceptance} holds {stats.method} statistics, not {source.method}'s: measure "
+                              "them again (`amphista-jax calibrate --acceptance --replace`)")
+    fits = []
+    for c in stats.candidates:
+        try:
+            source.drafter.check_tree(c.tree, vocab_size)
+            fits.append(c)
+        except TreeError:
+            continue
+    return dataclasses.replace(stats, candidates=tuple(fits)) if fits else None
 
 
 def load_draft_params(source: DrafterSource, target: Target, model_dir: str | Path, dtype: str, seed: int = 0

@@ -32,7 +32,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from amphista_jax.acceptance import acceptance_file
 from amphista_jax.calibration import LocalTrees
 from amphista_jax.decode import GenerateOutput, advance, decode, pad_prompts, scratch_slots, start
 from amphista_jax.decode_spec import GREEDY, DecodeSpec
@@ -104,6 +103,7 @@ class Generator:
     attention: str = "xla"
     mesh: jax.sharding.Mesh | None = None
     notes: tuple[str, ...] = ()  # what `load` / `with_drafter` chose for you, and why
+    acceptance: Path | None = None  # the drafter's acceptance statistics, if any (`auto` chooses from them)
     policy: TreePolicy | LocalTrees | None = None  # the tree at each batch size (`auto` here, a policy file)
     programs: dict[tuple, Any] = dataclasses.field(default_factory=dict, repr=False)
     variants: dict[Tree | None, Generator] = dataclasses.field(default_factory=dict, repr=False)  # `for_batch`'s
@@ -140,10 +140,10 @@ class Generator:
         """This target with a drafter (`drafter_source.read_source`): a draft-head directory, a method name (its
         heads shipped for this target, else untrained), `<method>:untrained`, a draft model's directory, or a
         `Drafter` with its `draft_params` (None: initialised with `seed`); `settings` change its decoding
-        settings. `tree` as `drafter_source.choose_tree` reads it: a name (`auto`: the tree searched for these
-        heads on this device class, per batch size where one was searched, else their paper's), a JSON file of
-        paths, a `TreeSpec` / `TreeBudget`. Drafter and tree are checked against the target before any params
-        load; the new generator shares this one's weights."""
+        settings. `tree` as `drafter_source.choose_tree` reads it: a name (`auto`: chosen on this machine, per
+        batch size, from the acceptance statistics shipped with the heads, else their paper's tree), a JSON file of
+        paths, a tree search's policy file, a `TreeSpec` / `TreeBudget`. Drafter and tree are checked against the
+        target before any params load; the new generator shares this one's weights."""
         found = source if isinstance(source, DrafterSource) else read_source(
             source, self.model_dir, self.config, settings, draft_params)
         return self._attach(found, choose_tree(tree, found, self.config.vocab_size), seed)
@@ -156,7 +156,7 @@ class Generator:
 
             draft_params = place_for_decoding(self.mesh, self.config, self.params, drafter, draft_params)[1]
         gen = dataclasses.replace(self, drafter=drafter, draft_params=draft_params, method=source.method,
-                                  heads_dir=source.path)
+                                  heads_dir=source.path, acceptance=source.acceptance)
         return gen._with_choice(choice, (source.note,) if source.note else ())
 
     def _with_choice(self, choice: TreeChoice, notes: tuple[str, ...]) -> Generator:
@@ -168,7 +168,7 @@ class Generator:
         if choice.acceptance is None:
             return gen
         local = LocalTrees(choice.acceptance, gen)
-        return dataclasses.replace(gen, tree=local.at(1), tree_name=local.describe(1), policy=local,
+        return dataclasses.replace(gen, tree=local.at(1), tree_name=local.label(1), policy=local,
                                    notes=(*gen.notes, local.describe(1)))
 
     @property
@@ -183,13 +183,13 @@ class Generator:
     def autoregressive(self) -> Generator:
         """The plain autoregressive decoder of the same target (the baseline every speed-up is measured on)."""
         return dataclasses.replace(self, drafter=None, draft_params=None, tree=None, tree_name="-", method="ar",
-                                   heads_dir=None, notes=(), policy=None, programs={}, variants={})
+                                   heads_dir=None, notes=(), policy=None, acceptance=None, programs={}, variants={})
 
     def with_tree(self, tree: str | Tree) -> Generator:
         """The same target and drafter on another tree (`drafter_source.choose_tree`, checked against both)."""
         if self.drafter is None:
             raise GeneratorError("autoregressive decoding has no tree: load heads or a draft model")
-        source = DrafterSource(self.method, self.drafter, self.heads_dir, acceptance=acceptance_file(self.heads_dir))
+        source = DrafterSource(self.method, self.drafter, self.heads_dir, acceptance=self.acceptance)
         return self._with_choice(choose_tree(tree, source, self.config.vocab_size), ())
 
     def for_batch(self, batch: int) -> Generator:
@@ -201,7 +201,7 @@ class Generator:
         if self.policy is None or ((tree := self.policy.at(batch)) == self.tree and tree is not None):
             return self
         if tree not in self.variants:
-            name = self.policy.describe(batch) if isinstance(self.policy, LocalTrees) else \
+            name = self.policy.label(batch) if isinstance(self.policy, LocalTrees) else \
                 f"{self.tree_name}: " + ("no speculation" if tree is None else f"{tree.num_nodes - 1} nodes") + \
                 f" at batch {batch}"
             plain = self.autoregressive() if tree is None else dataclasses.replace(
@@ -249,7 +249,7 @@ class Generator:
         """The decode spec of one call (AR when there is no drafter), checked as it is made. With `adapt`, the
         drafter as it decodes at this temperature (`Drafter.sampling_at`); without, as it is (a caller that set
         it already)."""
-        drafter = self.drafter
+        drafter = self.drafter if self.tree is not None else None  # no tree (`auto` chose none): AR
         if drafter is not None and adapt:
             drafter = drafter.sampling_at(sampling.temperature, self.tree)
         return DecodeSpec(self.config, drafter, self.tree if drafter is not None else None, max_new_tokens, sampling,
@@ -259,7 +259,7 @@ class Generator:
     def cache_size(self, prompt_len: int, max_new_tokens: int) -> int:
         """Slots of a cache for padded prompts of `prompt_len` tokens: the prompt, the new tokens and the scratch
         slots a verify forward writes (the tree's nodes and the drafter's extras)."""
-        scratch = 0 if self.drafter is None else scratch_slots(self.drafter, self.tree)
+        scratch = 0 if self.drafter is None or self.tree is None else scratch_slots(self.drafter, self.tree)
         return prompt_len + max_new_tokens + scratch
 
     def _draft_params(self, spec: DecodeSpec) -> Any:
@@ -323,7 +323,10 @@ class Generator:
         spec = gen.spec(max_new_tokens, sampling, acceptance, stop_at_eos)
         tokens, lengths = pad_prompts(ids, length=bucket(max(len(i) for i in ids)), pad_id=self.pad_id)
         out, seconds, compile_s = gen.run(tokens, lengths, spec, seed, cache_size)
-        return gen._generation(out, seconds, compile_s, spec.eos_ids)
+        generation = gen._generation(out, seconds, compile_s, spec.eos_ids)
+        if isinstance(self.policy, LocalTrees):  # which tree `auto` chose here at this batch size, and why
+            return dataclasses.replace(generation, tree=self.policy.describe(len(ids)))
+        return generation
 
     def _generation(self, out: GenerateOutput, seconds: float, compile_s: float, eos_ids: tuple[int, ...]
                     ) -> Generation:

@@ -13,7 +13,7 @@
    with autoregressive decoding measured the same way.
 4. **Per batch size.** Steps are priced at each batch size asked for (a verify forward of B x nodes tokens costs
    more, relative to an AR step of B tokens, as B grows), so the pick may shrink with the batch and, where no tree
-   is predicted to beat AR, be no speculation at all (`TreePolicy`, what `--tree auto` follows at each batch). The
+   is predicted to beat AR, be no speculation at all (`TreePolicy`, a policy file `--tree` takes). The
    picked tree's speed-up is also measured by decoding B calibration prompts with it and with AR.
 """
 
@@ -116,7 +116,7 @@ def tree_policy(results: dict[int, SearchResult], trees: Sequence[TreeSpec]) -> 
 def greedy_outputs(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 8,
                    progress: Callable[[int], None] | None = None) -> Iterator[tuple[Any, slice]]:
     """(output, its real rows) of greedy decoding of `prompts` with `gen` (its tree), `batch_size` at a time (a
-    short last batch padded with copies: one compile)."""
+    short last batch padded with one-token pad rows: one compile)."""
     tokens, lengths = pad_prompts(prompts, pad_id=gen.pad_id, multiple=64)
     spec = gen.spec(max_new_tokens, SamplingConfig())
     for i in range(0, len(prompts), batch_size):
@@ -340,7 +340,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
            batch_sizes: Sequence[int] = (1,), depth: int | None = None) -> tuple[dict[int, SearchResult], TreePolicy]:
     """The whole search for trained heads: statistics on `prompts`, growth, timing on this device at each of
     `batch_sizes`; writes the tree picked at the smallest batch size to `out_path` (JSON paths), the tree policy
-    per batch size (`<stem>.batch.json`, what `--tree auto` follows), `<stem>.report.{json,md}` and the plots
+    per batch size (`<stem>.batch.json`, decoded on with `--tree <path>`), `<stem>.report.{json,md}` and the plots
     `<stem>.png` (trees at the smallest batch size) and `<stem>.batch.png` (speed-up against batch size).
     `depth`: the deepest draft node (default: the heads' depth; `DEFAULT_DEPTH` for a drafter that drafts to any
     depth, such as EAGLE's, whose static trees are grown from the same statistics). `heads_dir` may also name a

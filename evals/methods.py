@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import jax
 import yaml
 
 from amphista_jax.calibration import LocalTrees
@@ -45,6 +44,9 @@ from amphista_jax.trees import Tree, TreeBudget, TreeSpec
 
 AR = "ar"
 DRAFT_MODEL = "draft-model"
+
+
+CHOSEN = ("tree", "tree_nodes", "tree_choices", "tree_budget")  # what `auto` decides only once the target has loaded
 
 
 class MethodSpecError(UserError, ValueError):
@@ -95,13 +97,14 @@ class Method:
         return dataclasses.replace(self, tree=gen.policy.at(batch), tree_name=gen.policy.label(batch), choice=None)
 
     def describe(self) -> dict[str, Any]:
+        """What a run records of this method (`run.json`); `auto` not yet chosen leaves out the tree (`CHOSEN`)."""
         settings = dataclasses.asdict(self.drafter) if self.drafter is not None else {}
         choices = [list(p) for p in self.tree.choices] if isinstance(self.tree, TreeSpec) else None
         budget = dataclasses.asdict(self.tree) if isinstance(self.tree, TreeBudget) else None
-        return {"label": self.label, "spec": self.spec, "method": self.method, "tree": self.tree_name,
-                "tree_nodes": self.tree_nodes, "tree_choices": choices, "tree_budget": budget,
-                "settings": settings} | (
-                    {"heads_files": self.heads_files} if self.heads_dir is not None else {})
+        tree = {"tree": self.tree_name, "tree_nodes": self.tree_nodes, "tree_choices": choices, "tree_budget": budget}
+        return {"label": self.label, "spec": self.spec, "method": self.method, "settings": settings} | (
+            {} if self.choice is not None else tree) | (
+                {"heads_files": self.heads_files} if self.heads_dir is not None else {})
 
 
 def split_label(spec: str) -> tuple[str, str]:
@@ -116,9 +119,10 @@ def split_label(spec: str) -> tuple[str, str]:
 def resolve_method(spec: str, default_tree: str, config: ModelConfig | None = None, model_dir: str | None = None,
                    temperature: float = 0.0, batch: int = 1) -> Method:
     """One spec (see the module docstring) -> Method for a run of the target of `config` (checked against its
-    vocabulary) at `model_dir` (the heads shipped for it), at `temperature` and `batch` rows (`auto` picks its
-    tree by it; where tree search found no tree faster than AR there, the method decodes autoregressively). Reads
-    and checks; loads no params (`Method.generator` does)."""
+    vocabulary) at `model_dir` (the heads shipped for it), at `temperature` and `batch` rows (a tree policy file
+    picks its tree by it, where it says none the method decodes autoregressively; `auto` with acceptance statistics
+    is chosen once the target has loaded, `Method.chosen`). Reads and checks; loads no params (`Method.generator`
+    does)."""
     label, rest = split_label(spec)
     rest, _, overrides = rest.partition("#")
     source, at, tree_name = rest.partition("@")
@@ -143,14 +147,14 @@ def resolve_method(spec: str, default_tree: str, config: ModelConfig | None = No
             tree_name = found.drafter.paper_tree
         vocab = config.vocab_size if config is not None else None
         choice = choose_tree(tree_name or default_tree, found, vocab)
-        if choice.acceptance is not None:  # chosen on this machine once the target has loaded (`Method.generator`)
+        if choice.acceptance is not None and not found.is_model_dir:  # chosen here once the target has loaded
             drafter = with_settings(found.drafter, parse_settings(spec, overrides))
             return Method(_label(label, name, untrained, tree_name), spec, name,
                           dataclasses.replace(found, drafter=drafter, note=None), None, AUTO, _identity(found), choice)
         tree = choice.at(batch)
-        if tree is None:  # `auto`: no tree beats AR at this batch size on this device
-            print(f"note: tree {tree_name or default_tree}: no speculation at batch {batch} (tree search on "
-                  f"{jax.default_backend()} predicted autoregressive decoding faster than every tree)", file=sys.stderr)
+        if tree is None:  # a tree policy file: no tree beats AR at this batch size
+            print(f"note: tree {tree_name or default_tree}: no speculation at batch {batch} (the tree search that "
+                  "wrote it predicted autoregressive decoding faster than every tree)", file=sys.stderr)
             return Method(label or name + (f"@{tree_name}" if tree_name else ""), spec, name,
                           tree_name=f"{tree_name or default_tree}: none at batch {batch}")
         # a draft model samples its drafts at the run's temperature on static trees (`#temperature=0`: top-k)

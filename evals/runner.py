@@ -34,13 +34,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from amphista_jax.calibration import LocalTrees
 from amphista_jax.compiled_programs import release_if_crowded
 from amphista_jax.decode import pad_prompts
 from amphista_jax.decode_spec import check_decode_settings
 from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
 from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
 from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
-from amphista_jax.evals.methods import Method, resolve_methods
+from amphista_jax.evals.methods import CHOSEN, Method, resolve_methods
 from amphista_jax.evals.metrics import breakdown, lossless_mismatches, tree_statistics
 from amphista_jax.evals.report import write_reports
 from amphista_jax.evals.results import ResultWriter, process_file, read_results, safe_label
@@ -153,7 +154,10 @@ def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list
     changed = changes(previous.get("settings"), settings)
     for label, now in described.items():
         if label in previous.get("methods", {}):
-            changed |= changes(previous["methods"][label], now, f"method {label}")
+            before = previous["methods"][label]
+            if "tree" not in now:  # `auto` not chosen yet: its tree is compared once it is (`_evaluate`)
+                before = {k: v for k, v in before.items() if k not in CHOSEN}
+            changed |= changes(before, now, f"method {label}")
     if changed:
         raise RunMismatchError(f"{out_dir} holds results made with other settings or inputs (before, now): "
                                f"{_format_changes(changed)}; use a new out_dir, or pass --replace to discard those "
@@ -185,6 +189,17 @@ def write_run_file(out_dir: Path, run: dict[str, Any]) -> None:
     _barrier("eval-run-file")
     if jax.process_index() == 0:
         write_atomic(out_dir / "run.json", json.dumps(run, indent=2) + "\n")
+
+
+def _agree_on_trees(gens: dict[str, Generator], batch: int) -> None:
+    """Under several processes, every process decodes on the tree process 0's calibration chose for each `auto`
+    method (each machine calibrates on its own; timing noise must not split one method between two trees)."""
+    if jax.process_count() == 1:
+        return
+    local = [g.policy for _, g in sorted(gens.items()) if isinstance(g.policy, LocalTrees)]
+    picks = np.array([-1 if (i := p.decision(batch).index) is None else i for p in local], np.int32)
+    for policy, pick in zip(local, multihost_utils.broadcast_one_to_all(picks), strict=True):
+        policy.decisions[batch] = dataclasses.replace(policy.decision(batch), index=None if pick < 0 else int(pick))
 
 
 def _barrier(name: str) -> None:
@@ -418,12 +433,14 @@ def run_eval(cfg: EvalConfig, replace: bool = False) -> dict[str, Any] | None:
 def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None, prompts: list[Prompt],
               methods: list[Method], replace: bool) -> dict[str, Any] | None:
     """`run_eval` under the output directory's lock."""
-    # again, under the lock
-    run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset), replace)
+    check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset), replace)  # again, under the lock
     # On a mesh each device reads only its slices of the target (no whole copy on the host).
     base = Generator.load(model_dir, dtype=cfg.dtype, mesh=mesh, attention=cfg.attention)
     attached = {m.label: m.generator(base, cfg.seed) for m in methods}  # every method's heads, loaded and checked
+    _agree_on_trees(attached, cfg.batch_size)
     methods = [m.chosen(attached[m.label], cfg.batch_size) for m in methods]  # `auto`: chosen on this machine
+    # and once more with the trees `auto` chose: a resumed run must not mix results of two trees under one label
+    run = check_run_file(out_dir, cfg, model_dir, methods, dataset_file(cfg.dataset), replace)
     gens = {label: gen.for_batch(cfg.batch_size) for label, gen in attached.items()}
     _barrier("eval-checked")  # every process has read run.json before process 0 may discard it
     if jax.process_index() == 0:

@@ -79,7 +79,7 @@ def test_main_writes_the_table_json_and_plot(tmp_path, monkeypatch):
 
 
 def test_auto_picks_and_ar_timed_again(tmp_path, monkeypatch):
-    """`auto` shows the tree tree search picked at each batch size (AR where none); AR timed again is the runs' noise:
+    """`auto` shows the tree it picked at each batch size (AR where none); AR timed again is the runs' noise:
     shown, never "off"."""
     auto = {1: ("eagle3", "auto", 5), 4: ("eagle3", "auto: none at batch 4", 0)}
     runs = [_eval_run(tmp_path, b, {"e3-auto": s, "ar-end": n}, trees={"e3-auto": auto[b], "ar-end": ("ar", "-", 0)})

@@ -74,5 +74,5 @@ def test_the_demo_asks_the_real_target_a_question(fetched, monkeypatch, capsys):
     assert main(["demo", "--method", "prompt_lookup", "--max-new-tokens", "16", "--runs", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(demo.DEMO_QUESTION + "\n\n") and "| prompt_lookup |" in out
-    assert "target: SmolLM2-135M-Instruct, 2.1M parameters" in out and "drafter: prompt_lookup; tree: auto (" in out
+    assert "target: SmolLM2-135M-Instruct, 2.1M parameters" in out and "drafter: prompt_lookup; tree: auto" in out
     assert "output identical to autoregressive greedy decoding: yes" in out

@@ -140,7 +140,7 @@ def test_another_drafters_params_are_refused_on_the_host(hydra, door):
     leaf that differs, not an error from inside the trace."""
     from amphista_jax.prompt_checks import DraftParamsError
 
-    medusa = Generator.load(heads="medusa").draft_params
+    medusa = Generator.load(heads="medusa", tree="chain-1").draft_params
     two_heads = dataclasses.replace(hydra.drafter, num_heads=2).init(jax.random.key(0),
                                                                      Target(hydra.config, hydra.params))
     tokens, lengths = pad_prompts([hydra.encode(PROMPTS[0])], pad_id=hydra.pad_id)

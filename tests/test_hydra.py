@@ -249,7 +249,7 @@ FAST_GREEDY = {("trained", "mc_sim_7b_63"), ("untrained", "chain-1")}
 @default_cases('hydra++-trained-mc_sim_7b_63')
 def test_greedy_hydra_equals_ar(target, trained, variant, heads, tree):
     """By default Hydra++'s trained heads run on the 63-node tree; plain Hydra's trained heads decode losslessly
-    by default in test_shipped_heads_decode_losslessly_with_long_paths[hydra-auto] (the shipped heads are plain
+    by default in test_shipped_heads_decode_losslessly_with_long_paths[hydra-searched] (the shipped heads are plain
     Hydra), and untrained heads and other trees take the same decode code path."""
     hydra = VARIANTS[variant]
     params = trained(variant) if heads == "trained" else _random_heads(hydra, target)

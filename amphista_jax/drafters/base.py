@@ -145,8 +145,9 @@ class Drafter(abc.ABC):
 
     @property
     def paper_tree(self) -> str:
-        """The name of the tree the method's paper drafts (`tree_names.get_tree`): used where no tree is named or
-        searched (`--tree auto` without a search, `amphista-jax plan`)."""
+        """The name of the tree the method's paper drafts (`tree_names.get_tree`): used where no tree is named and
+        no acceptance statistics let `--tree auto` choose (and `amphista-jax plan`); always one of `auto`'s
+        candidates."""
         return PAPER_TREE
 
     @property

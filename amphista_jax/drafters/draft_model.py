@@ -77,7 +77,7 @@ class DraftModelError(UserError, ValueError):
 class DraftModel(LogicalInit):
     name = "draft_model"
     tree_kinds = (TreeSpec, TreeBudget)
-    paper_tree = "chain-4"  # what `--tree auto` means for a draft model where no tree was searched for it
+    paper_tree = "chain-4"  # what `--tree auto` means for a draft model without acceptance statistics
     # the draft model's own architecture (a loaded checkpoint); None: the target's, cut to its first `layers`
     config: ModelConfig | None = None
     # 0: top-k drafts (`q = None`); > 0 (static trees): independent draws from its distribution at this

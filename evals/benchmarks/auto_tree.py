@@ -23,6 +23,7 @@ import numpy as np
 
 from amphista_jax.acceptance import Acceptance
 from amphista_jax.calibration import LocalTrees, StepCosts, calibrate, choose
+from amphista_jax.drafter_source import read_source
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.evals.datasets import DatasetConfig, load_prompts
 from amphista_jax.fetch import resolve_data
@@ -71,6 +72,9 @@ def main() -> None:
     parser.add_argument("--candidates", action="store_true", help="also decode on every candidate tree")
     args = parser.parse_args()
     base = Generator.load(args.model or "smollm2")
+    if missing := [m for m in args.methods if read_source(m, base.model_dir, base.config).acceptance is None]:
+        raise SystemExit(f"no acceptance statistics ship for {', '.join(missing)} on this target: "
+                         "`amphista-jax calibrate --acceptance --heads <method>`, or leave them out (--methods)")
     data, _ = load_prompts(DatasetConfig("mt_bench", resolve_data("mt-bench"), limit=args.prompts, turns=1))
     prompts = [base.encode(p.turns[0], chat=True) for p in data]
     local: dict[str, LocalTrees] = {}
@@ -79,8 +83,8 @@ def main() -> None:
     for method in args.methods:
         t0 = time.perf_counter()
         gen = base.with_drafter(method, "auto")
-        if not isinstance(gen.policy, LocalTrees):
-            raise SystemExit(f"{method} has no acceptance statistics: `amphista-jax calibrate --acceptance`")
+        if not isinstance(gen.policy, LocalTrees):  # no candidate its settings can draft
+            raise SystemExit(f"{method}: `auto` fell back to its paper's tree ({'; '.join(gen.notes)})")
         local[method], gens[method] = (trees := gen.policy), gen.for_batch(1)
         costs = calibrate(gen, trees.acceptance, 1)
         elsewhere = costs_elsewhere(gen.heads_dir, trees.acceptance)

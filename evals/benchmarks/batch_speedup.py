@@ -52,7 +52,7 @@ class Measured:
 
     speedup: Curves
     tau: Curves
-    picks: dict[str, dict[int, str]]  # `auto` methods: the tree tree search picked there ("AR": none)
+    picks: dict[str, dict[int, str]]  # `auto` methods: the tree auto picked there on its machine ("AR": none)
     noise: tuple[str, ...]  # labels of AR timed again (a later `ar` spec): the runs' timing noise, not a method
     settings: dict[str, Any]
 
@@ -197,7 +197,7 @@ def main() -> None:
     machine = f"{Path(settings['model']).name} on {settings['backend']}, T={settings['temperature']:g}"
     lines = [f"**Measured** speed-up over AR against batch size: {machine}, {settings['max_new_tokens']} new "
              "tokens; each column is one evaluation run (" + ", ".join(str(p) for p in args.measured) + "). In "
-             "brackets: tau and, for `auto`, the tree tree search picked at that batch size (AR: none, no "
+             "brackets: tau and, for `auto`, the tree it picked at that batch size on that machine (AR: none, no "
              "speculation).", "", *table(speedup, measured.tau, measured.picks, measured.noise)]
     if predicted:
         lines += ["", f"**Predicted** (roofline, not measured) speed-up over AR at tau {args.tau:g} on "

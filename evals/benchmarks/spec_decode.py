@@ -4,7 +4,8 @@
         [--trees auto mc_sim_7b_63 chain-4] [--new-tokens 128] [--runs 3] [--out runs/benchmarks]
 
 Part 1 runs the AR baseline and each set of heads (any method: Medusa, Amphista, ...) with each tree
-(`auto`: the tree searched for each set of heads on this device) on the same prompts and settings (greedy,
+(`auto`: the tree `--tree auto` chooses for each set of heads on this machine, calibrated on first use) on the
+same prompts and settings (greedy,
 batch 1), checks the outputs are identical, and prints tokens/s, tau (tokens per decoding forward; the
 prefill's token is not counted) and speed-up over AR, medians of `--runs` timed runs after a warm-up. Without
 `--heads` the heads are untrained (tau near 1): the numbers then show the engine's overhead, not a method.
@@ -28,10 +29,11 @@ from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculativ
 from amphista_jax.drafters import Medusa
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
+from amphista_jax.generator import Generator
 from amphista_jax.models.llama import new_cache, target_model
 from amphista_jax.target import Target
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.tree_names import resolve_tree
+from amphista_jax.tree_names import AUTO, resolve_tree
 from amphista_jax.trees import TreeSpec, tree_arrays
 
 PROMPTS = (
@@ -42,17 +44,22 @@ PROMPTS = (
 
 
 
-def end_to_end(params, config, tok, drafters: list[tuple[str, object, object, str | None]], trees, new_tokens: int,
+def end_to_end(base: Generator, drafters: list[tuple[str, object, object, str | None]], trees, new_tokens: int,
                runs: int) -> list[dict]:
     """`drafters`: (label, drafter, draft params, heads directory) tuples, all timed against one AR run per
-    prompt."""
+    prompt on `base`'s target."""
+    params, config, tok = base.params, base.config, base.tokenizer
     rows = []
     specs = {}
-    for (label, drafter, _, heads), name in itertools.product(drafters, trees):
-        tree, note = resolve_tree(name, heads, drafter.paper_tree)
-        if note:
-            print(f"note: {note}", file=sys.stderr)
-        if tree is not None:  # None: `auto` found no tree faster than AR (that row is the AR row)
+    for (label, drafter, draft_params, heads), name in itertools.product(drafters, trees):
+        if name == AUTO and heads is not None:  # chosen on this machine, as `Generator` does
+            gen = base.with_drafter(heads, name, draft_params=draft_params).for_batch(1)
+            tree = gen.tree if gen.drafter is not None else None
+        else:
+            tree, note = resolve_tree(name, heads, drafter.paper_tree)
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+        if tree is not None:  # None: `auto` chose no speculation here (that row is the AR row)
             specs[label, name] = tree
     drafter_of = {label: drafter for label, drafter, _, _ in drafters}
     scratch = max(scratch_slots(drafter_of[label], tree) for (label, _), tree in specs.items())
@@ -103,7 +110,7 @@ def main() -> None:
     parser = benchmark_parser(__doc__, runs=3)
     parser.add_argument("--heads", nargs="+", default=[], help="draft-head checkpoints (default: untrained Medusa)")
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "small-8", "chain-4"],
-                        help="presets, JSON files, or `auto` (the tree searched for each set of heads)")
+                        help="presets, JSON files, or `auto` (the tree chosen for each set of heads on this machine)")
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     model, params, config = load_target(args.model)
@@ -114,7 +121,8 @@ def main() -> None:
         drafters.append((method if len(args.heads) == 1 else f"{method} ({path})", drafter, draft_params, path))
     if not drafters:
         drafters = [("untrained medusa", Medusa(), Medusa().init(jax.random.key(0), Target(config, params)), None)]
-    e2e = end_to_end(params, config, tok, drafters, args.trees, args.new_tokens, args.runs)
+    e2e = end_to_end(Generator(config, params, tok, (), model_dir=model), drafters, args.trees, args.new_tokens,
+                     args.runs)
     cost = verify_cost(params, config, (1, 8, 16, 32, 64), committed=256, runs=args.runs)
 
     lines = [f"model: {model}; heads: {', '.join(args.heads) or 'untrained medusa'}; backend: {jax.default_backend()}",
