@@ -38,9 +38,10 @@ DEMO_TASK = "HumanEval/0"
 # does, an example with its right output: 138 tokens, greedy), so the speed-up shown is that of a real answer, not of
 # a loop (its answer to the code-editing task below loops)
 DEMO_QUESTION = "Write a Python function that returns the sum of the even numbers in a list."
-# The default method per target whose heads are shipped (`assets`): the fastest on the demo's prompt (on SmolLM2,
-# `DEMO_QUESTION`, 128 tokens, each shipped method on its `auto` tree, medians of 3 interleaved runs on a 2-core CPU:
-# EAGLE-3 1.32x, Amphista 1.20x, SAR 1.09x, prompt lookup 0.86x, EAGLE 0.47x, Medusa 0.40x)
+# The default method per target whose heads are shipped (`assets`): the fastest on the demo's prompt on the
+# developers' 2-core CPU (SmolLM2, `DEMO_QUESTION`, 128 tokens, each shipped method on the tree tree search found
+# there, medians of 3 interleaved runs: EAGLE-3 1.32x, Amphista 1.20x, SAR 1.09x, prompt lookup 0.86x, EAGLE 0.47x,
+# Medusa 0.40x); its tree is chosen again on each machine (`--tree auto`)
 DEFAULT_METHOD = {DEFAULT_MODEL: "hydra", REAL_TARGET: "eagle3"}
 
 

@@ -98,7 +98,7 @@ class Method:
 
     def describe(self) -> dict[str, Any]:
         """What a run records of this method (`run.json`); `auto` not yet chosen leaves out the tree (`CHOSEN`)."""
-        settings = dataclasses.asdict(self.drafter) if self.drafter is not None else {}
+        settings = dataclasses.asdict(self.source.drafter) if self.source is not None else {}
         choices = [list(p) for p in self.tree.choices] if isinstance(self.tree, TreeSpec) else None
         budget = dataclasses.asdict(self.tree) if isinstance(self.tree, TreeBudget) else None
         tree = {"tree": self.tree_name, "tree_nodes": self.tree_nodes, "tree_choices": choices, "tree_budget": budget}

@@ -195,3 +195,26 @@ def test_calibrate_command_shows_the_table_and_refuses_heads_without_statistics(
     taken.write_text("mine")
     assert main(["calibrate", "--model", "tiny", "--heads", "medusa", "--acceptance", "--out", str(taken)]) != 0
     assert "exists: pass --replace" in capsys.readouterr().err and taken.read_text() == "mine"  # not overwritten
+
+
+def test_an_eval_records_the_tree_auto_chose_and_a_resume_that_chooses_another_is_refused(medusa_heads, tmp_path,
+                                                                                          monkeypatch, capsys):
+    from amphista_jax.cli import main
+    from tests.helpers import ROOT
+
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    _patch(monkeypatch, lambda batch: _costs(batch, 10.0, (11.0, 13.0, 16.0)))  # grown-3 wins
+    out = tmp_path / "out"
+    argv = ["eval", "--config", str(ROOT / "configs/eval/humaneval-code.yaml"), "--methods", "ar",
+            f"m={medusa_heads}", "--set", "dataset.limit=1", "--set", "max_new_tokens=4", "--set", f"out_dir={out}",
+            "--set", "heldout_batches=0"]
+    assert main(argv) == 0
+    run = json.loads((out / "run.json").read_text())["methods"]["m"]
+    assert run["tree"] == "auto: grown-3" and run["tree_choices"] == [list(p) for p in STATS.candidates[1].tree.choices]
+    assert "| m | auto: grown-3 |" in (out / "report.md").read_text()
+    calibration.cache_file().unlink()  # another machine's costs: AR wins there
+    _patch(monkeypatch, lambda batch: _costs(batch, 10.0, (16.0, 21.0, 30.0)))
+    capsys.readouterr()
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "holds results made with other settings" in err and "auto: grown-3" in err and "auto: none" in err
