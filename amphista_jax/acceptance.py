@@ -137,27 +137,3 @@ def is_chat_target(model_dir: str | Path, tokenizer: Any) -> bool:
     from amphista_jax.fetch import shipped_target
 
     return shipped_target(model_dir) != DEFAULT_MODEL and bool(tokenizer.chat_template)
-
-
-HELD_OUT_PROMPT_TOKENS = 256  # calibration prompts longer than this are skipped
-
-
-def calibration_prompts(gen: Any, n: int) -> tuple[list[list[int]], str]:
-    """(token ids of `n` calibration prompts, what they are in words), kept apart from training, regeneration and
-    every evaluation set: for a chat target the last ShareGPT first turns of at most `HELD_OUT_PROMPT_TOKENS` tokens
-    (heads train on and answers are regenerated from the file's start), through the chat template; otherwise
-    HumanEval tasks 100 onwards (evaluations use the first ones)."""
-    if is_chat_target(gen.model_dir, gen.tokenizer):
-        from amphista_jax.fetch import resolve_data
-        from amphista_jax.train.distill import read_prompts
-
-        ids: list[list[int]] = []
-        for _, text in reversed(read_prompts(resolve_data("sharegpt"))[0]):
-            if len(ids) == n:
-                break
-            if len(prompt := gen.encode(text, chat=True)) <= HELD_OUT_PROMPT_TOKENS:
-                ids.append(prompt)
-        return ids, "ShareGPT first turns from the end of the file (held out), through the chat template"
-    from amphista_jax.demo import humaneval_prompts
-
-    return [gen.encode(p) for p in humaneval_prompts(100, min(100 + n, 164))], "HumanEval prompts from task 100"

@@ -1,7 +1,7 @@
 """Step costs measured on the machine that decodes, and `auto`'s choice from them and the shipped acceptance.
 
 A head set's acceptance statistics (`acceptance`) ship with it; what a decode step costs is this machine's. On first
-use of a head set here, at each batch size asked for, `calibrate` times the real decode loop (`tree_search.StepClock`)
+use of a head set here, at each batch size asked for, `calibrate` times the real decode loop (`step_clock.StepClock`)
 of the candidate trees, in ascending size, against autoregressive decoding's (timed once per target, batch size and
 cache size, and shared by its head sets), and caches the costs under `AMPHISTA_HOME/calibration/<machine key>.json`
 (`machine.Machine.key`: the CPU model and vector extensions or the accelerator, cores, memory and the library's
@@ -25,18 +25,18 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from amphista_jax.acceptance import Acceptance, is_chat_target
 from amphista_jax.compiled_programs import release_if_crowded
+from amphista_jax.decode import pad_prompts, scratch_slots
 from amphista_jax.errors import UserError
 from amphista_jax.machine import Machine, this_machine
 from amphista_jax.output_lock import write_atomic
+from amphista_jax.step_clock import StepClock
 from amphista_jax.trees import Tree
 
-if TYPE_CHECKING:
-    from amphista_jax.generator import Generator
-    from amphista_jax.tree_search import StepClock
+Generator = Any  # a `generator.Generator` (which imports this module for `LocalTrees`)
 
 MIN_MARGIN = 0.03  # the least margin over AR a tree must be predicted to beat it by, whatever the measured noise
 CALIBRATION_TOKENS = 24  # decode steps timed per program (no EOS stop)
@@ -134,9 +134,6 @@ def calibration_clock(gen: Generator, acceptance: Acceptance, batch: int) -> Ste
     """`batch` copies of `CALIBRATION_PROMPT` in one cache size for AR and every candidate (`CALIBRATION_SCRATCH`
     slots beyond the prompt and the new tokens, or the largest candidate's scratch if more), so only the step
     differs between the programs timed, and AR's timing serves every head set of this target."""
-    from amphista_jax.decode import pad_prompts, scratch_slots
-    from amphista_jax.tree_search import StepClock
-
     prompt = gen.encode(CALIBRATION_PROMPT, chat=is_chat_target(gen.model_dir, gen.tokenizer))
     tokens, lengths = pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
     scratch = max(CALIBRATION_SCRATCH, *(scratch_slots(gen.drafter, c.tree) for c in acceptance.candidates))

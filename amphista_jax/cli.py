@@ -181,11 +181,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from amphista_jax.acceptance import ACCEPTANCE_FILE, calibration_prompts
+    from amphista_jax.acceptance import ACCEPTANCE_FILE
     from amphista_jax.calibration import LocalTrees, cache_file, calibrate, table
     from amphista_jax.generator import Generator, print_notes
     from amphista_jax.machine import this_machine
-    from amphista_jax.tree_search import measure_acceptance
+    from amphista_jax.tree_search import calibration_prompts, measure_acceptance
 
     if args.max_new_tokens < 2 or args.prompts < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} / --prompts {args.prompts}: must be >= 2 / >= 1")

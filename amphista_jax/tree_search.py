@@ -29,9 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from amphista_jax.acceptance import CANDIDATE_NODES, Acceptance, Candidate, candidate_trees, mean_tau
-from amphista_jax.compiled_programs import release_if_crowded
-from amphista_jax.decode import pad_prompts, scratch_slots
+from amphista_jax.acceptance import CANDIDATE_NODES, Acceptance, Candidate, candidate_trees, is_chat_target, mean_tau
+from amphista_jax.decode import pad_prompts
 from amphista_jax.drafters.base import Drafter
 from amphista_jax.errors import UserError
 from amphista_jax.figures import pyplot, save_figure
@@ -39,6 +38,7 @@ from amphista_jax.generator import Generator
 from amphista_jax.machine import this_machine
 from amphista_jax.output_lock import write_atomic
 from amphista_jax.sampling import SamplingConfig
+from amphista_jax.step_clock import StepClock
 from amphista_jax.tree_names import TreePolicy
 from amphista_jax.trees import TreeSpec, efficient_tree
 
@@ -149,6 +149,37 @@ def measured_tau(gen: Generator, prompts: Sequence[Sequence[int]], max_new_token
     return mean_tau(np.concatenate(new), np.concatenate(steps))
 
 
+HELD_OUT_PROMPT_TOKENS = 256  # calibration prompts longer than this are skipped
+
+
+def calibration_prompts(gen: Generator, n: int) -> tuple[list[list[int]], str]:
+    """(token ids of `n` calibration prompts, what they are in words), kept apart from training, regeneration and
+    every evaluation set: for a chat target the last ShareGPT first turns (the first user turn of each conversation,
+    from the end of the file) of at most `HELD_OUT_PROMPT_TOKENS` tokens (heads train on and answers are regenerated
+    from the file's start), through the chat template; otherwise HumanEval tasks 100 onwards (evaluations use the
+    first ones)."""
+    import json
+
+    from amphista_jax.demo import humaneval_prompts
+    from amphista_jax.fetch import resolve_data
+
+    if not is_chat_target(gen.model_dir, gen.tokenizer):
+        return [gen.encode(p) for p in humaneval_prompts(100, min(100 + n, 164))], "HumanEval prompts from task 100"
+    ids: list[list[int]] = []
+    for line in reversed(Path(resolve_data("sharegpt")).read_text(encoding="utf-8").splitlines()):
+        try:
+            turns = json.loads(line).get("conversations") or []
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        text = next((t.get("value", "") for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")),
+                    "")
+        if text.strip() and len(prompt := gen.encode(text, chat=True)) <= HELD_OUT_PROMPT_TOKENS:
+            ids.append(prompt)
+        if len(ids) == n:
+            break
+    return ids, "ShareGPT first turns from the end of the file (held out), through the chat template"
+
+
 def measure_acceptance(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, measured_on: str, *,
                        ranks: int = 10, depth: int | None = None, batch_size: int = 8,
                        progress: Callable[[int], None] | None = None) -> Acceptance:
@@ -167,66 +198,6 @@ def measure_acceptance(gen: Generator, prompts: Sequence[Sequence[int]], max_new
         for name, tree in candidate_trees(drafter.tree_kinds, drafter.paper_tree, grown,
                                           lambda t: drafter.check_tree(t, vocab)))
     return Acceptance(gen.method, measured_on, candidates, tuple(tuple(r) for r in rates.round(4).tolist()))
-
-
-@dataclasses.dataclass(frozen=True)
-class StepClock:
-    """Times whole decode loops of `batch` copies of one prompt, every program in one cache size (so only the step
-    differs between them), no EOS stop so every run decodes `max_new_tokens` tokens; each time the fastest of
-    `runs` after a compile and warm-up run (noise on a shared machine only adds time)."""
-
-    tokens: np.ndarray  # [B, T]
-    lengths: np.ndarray  # [B]
-    cache_size: int
-    max_new_tokens: int
-    runs: int
-
-    @classmethod
-    def for_trees(cls, gens: Sequence[Generator], prompt: Sequence[int], trees: Sequence[TreeSpec],
-                  max_new_tokens: int, runs: int, batch: int = 1) -> StepClock:
-        """A clock whose cache holds the scratch slots of any of `trees` under any of `gens`' drafters."""
-        tokens, lengths = pad_prompts([prompt] * batch, pad_id=gens[0].pad_id, multiple=64)
-        scratch = max((scratch_slots(g.drafter, t) for g in gens if g.drafter is not None for t in trees), default=0)
-        return cls(tokens, lengths, tokens.shape[1] + max_new_tokens + scratch, max_new_tokens, runs)
-
-    def timed_runs(self, gen: Generator, new_tokens: int) -> tuple[list[float], int]:
-        """(seconds of each of `runs` timed runs, decode steps) of `gen` writing `new_tokens` tokens, after a compile
-        and warm-up run."""
-        spec = gen.spec(new_tokens, SamplingConfig(), stop_at_eos=False)
-        gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size)  # compile + warm-up
-        results = [gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size) for _ in range(self.runs)]
-        return [r[1] for r in results], int(results[-1][0].steps)
-
-    def decode(self, gen: Generator, new_tokens: int) -> tuple[float, int]:
-        """(fastest seconds, decode steps) of `gen` writing `new_tokens` tokens."""
-        seconds, steps = self.timed_runs(gen, new_tokens)
-        return min(seconds), steps
-
-    def step_seconds(self, gen: Generator, prefill_s: float) -> float:
-        """Seconds per decode step of `gen`: (decode time - `prefill_s`) / steps."""
-        seconds, steps = self.decode(gen, self.max_new_tokens)
-        if steps < 1 or seconds <= prefill_s:
-            raise TreeSearchError(f"timing noise: a whole decode ({seconds * 1e3:.2f} ms, {steps} steps) took no "
-                                  f"longer than its prefill ({prefill_s * 1e3:.2f} ms); raise --max-new-tokens")
-        return (seconds - prefill_s) / steps
-
-    def ar_step_seconds(self, ar: Generator) -> float:
-        """Seconds per step of `ar`, an autoregressive generator (`Generator.autoregressive()`; the caller keeps it,
-        so a second timing reuses its compiled programs)."""
-        return self.step_seconds(ar, self.decode(ar, 1)[0])
-
-    def spec_step_seconds(self, gen: Generator, trees: Sequence[TreeSpec],
-                          progress: Callable[[int], None] | None = None) -> list[float]:
-        """Seconds per speculative step of `gen`'s drafter on each of `trees`. The prefill (with the drafter's own,
-        the same for every tree) is timed by the same programs with one new token."""
-        prefill = self.decode(gen.with_tree(trees[0]), 1)[0]
-        steps = []
-        for tree in trees:
-            steps.append(self.step_seconds(gen.with_tree(tree), prefill))
-            release_if_crowded()  # a program per tree and batch size: past the memory-mapping limit otherwise
-            if progress:
-                progress(1)
-        return steps
 
 
 def measure_step_seconds(gen: Generator, prompt: Sequence[int], trees: Sequence[TreeSpec], max_new_tokens: int,

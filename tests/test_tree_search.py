@@ -153,12 +153,12 @@ def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path, m
     """EAGLE drafts to any depth: the search calibrates to `depth`, grows and times static trees no deeper (offering
     to release compiled programs after each, against the memory-mapping limit), and `auto` then decodes on the
     searched tree with AR's tokens. Heads of a fixed depth refuse a deeper search."""
-    from amphista_jax import Generator, tree_search
+    from amphista_jax import Generator, step_clock
     from amphista_jax.demo import humaneval_prompts
     from amphista_jax.tree_search import TreeSearchError, search
 
     releases = []
-    monkeypatch.setattr(tree_search, "release_if_crowded", lambda: releases.append(1) or False)
+    monkeypatch.setattr(step_clock, "release_if_crowded", lambda: releases.append(1) or False)
 
     heads = tmp_path / "eagle"
     shutil.copytree(shipped_heads_dir("eagle"), heads)

@@ -6,7 +6,7 @@
         [--out runs/benchmarks]
 
 A step is the whole loop body (`spec_step`: propose, verify forward, accept, compact, commit, emit), timed as
-tree search prices trees (`tree_search.StepClock`): (decode time - prefill time) / steps, `--batch` copies of
+tree search prices trees (`step_clock.StepClock`): (decode time - prefill time) / steps, `--batch` copies of
 one prompt, no EOS stop, the fastest of `--runs` runs after a warm-up, every program of a batch size in one cache
 size. The AR step is timed once per batch size and attention path. `--target` times a known shape (Vicuna,
 LLaMA-3, `models.shapes`) with random weights, so a GPU or TPU can time a real model's steps with nothing to
@@ -40,10 +40,10 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import init_params, split_layers
 from amphista_jax.models.shapes import KNOWN_TARGETS
+from amphista_jax.step_clock import StepClock
 from amphista_jax.target import Target
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.tree_names import get_tree
-from amphista_jax.tree_search import StepClock
 from amphista_jax.trees import TreeError
 
 SHIPPED_NAME = {"hydra++": "hydra-plus"}

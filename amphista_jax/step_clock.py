@@ -1,0 +1,81 @@
+"""Timing whole decode loops: what a decode step costs on this machine (tree search's pricing, `auto`'s calibration,
+the step-time benchmark). A `gen` here is a `generator.Generator` (typed `Any`: the generator imports the modules
+that time it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from amphista_jax.compiled_programs import release_if_crowded
+from amphista_jax.decode import pad_prompts, scratch_slots
+from amphista_jax.errors import UserError
+from amphista_jax.sampling import SamplingConfig
+from amphista_jax.trees import Tree
+
+
+class TimingError(UserError, ValueError):
+    """A timing that noise made meaningless (a decode no longer than its prefill)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepClock:
+    """Times whole decode loops of `batch` copies of one prompt, every program in one cache size (so only the step
+    differs between them), no EOS stop so every run decodes `max_new_tokens` tokens; each time the fastest of
+    `runs` after a compile and warm-up run (noise on a shared machine only adds time)."""
+
+    tokens: np.ndarray  # [B, T]
+    lengths: np.ndarray  # [B]
+    cache_size: int
+    max_new_tokens: int
+    runs: int
+
+    @classmethod
+    def for_trees(cls, gens: Sequence[Any], prompt: Sequence[int], trees: Sequence[Tree],
+                  max_new_tokens: int, runs: int, batch: int = 1) -> StepClock:
+        """A clock whose cache holds the scratch slots of any of `trees` under any of `gens`' drafters."""
+        tokens, lengths = pad_prompts([prompt] * batch, pad_id=gens[0].pad_id, multiple=64)
+        scratch = max((scratch_slots(g.drafter, t) for g in gens if g.drafter is not None for t in trees), default=0)
+        return cls(tokens, lengths, tokens.shape[1] + max_new_tokens + scratch, max_new_tokens, runs)
+
+    def timed_runs(self, gen: Any, new_tokens: int) -> tuple[list[float], int]:
+        """(seconds of each of `runs` timed runs, decode steps) of `gen` writing `new_tokens` tokens, after a compile
+        and warm-up run."""
+        spec = gen.spec(new_tokens, SamplingConfig(), stop_at_eos=False)
+        gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size)  # compile + warm-up
+        results = [gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size) for _ in range(self.runs)]
+        return [r[1] for r in results], int(results[-1][0].steps)
+
+    def decode(self, gen: Any, new_tokens: int) -> tuple[float, int]:
+        """(fastest seconds, decode steps) of `gen` writing `new_tokens` tokens."""
+        seconds, steps = self.timed_runs(gen, new_tokens)
+        return min(seconds), steps
+
+    def step_seconds(self, gen: Any, prefill_s: float) -> float:
+        """Seconds per decode step of `gen`: (decode time - `prefill_s`) / steps."""
+        seconds, steps = self.decode(gen, self.max_new_tokens)
+        if steps < 1 or seconds <= prefill_s:
+            raise TimingError(f"timing noise: a whole decode ({seconds * 1e3:.2f} ms, {steps} steps) took no "
+                                  f"longer than its prefill ({prefill_s * 1e3:.2f} ms); raise --max-new-tokens")
+        return (seconds - prefill_s) / steps
+
+    def ar_step_seconds(self, ar: Any) -> float:
+        """Seconds per step of `ar`, an autoregressive generator (`Generator.autoregressive()`; the caller keeps it,
+        so a second timing reuses its compiled programs)."""
+        return self.step_seconds(ar, self.decode(ar, 1)[0])
+
+    def spec_step_seconds(self, gen: Any, trees: Sequence[Tree],
+                          progress: Callable[[int], None] | None = None) -> list[float]:
+        """Seconds per speculative step of `gen`'s drafter on each of `trees`. The prefill (with the drafter's own,
+        the same for every tree) is timed by the same programs with one new token."""
+        prefill = self.decode(gen.with_tree(trees[0]), 1)[0]
+        steps = []
+        for tree in trees:
+            steps.append(self.step_seconds(gen.with_tree(tree), prefill))
+            release_if_crowded()  # a program per tree and batch size: past the memory-mapping limit otherwise
+            if progress:
+                progress(1)
+        return steps
