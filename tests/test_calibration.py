@@ -218,3 +218,21 @@ def test_an_eval_records_the_tree_auto_chose_and_a_resume_that_chooses_another_i
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert "holds results made with other settings" in err and "auto: grown-3" in err and "auto: none" in err
+
+
+def test_acceptance_statistics_are_measured_on_held_out_prompts():
+    """`measure_acceptance` (what `calibrate --acceptance` writes): candidates grown from the rates, ascending, the
+    paper's tree among them, each tau measured by decoding the calibration prompts (HumanEval from task 100 for the
+    embedded code model)."""
+    from amphista_jax import Generator
+    from amphista_jax.tree_names import get_tree
+    from amphista_jax.tree_search import calibration_prompts, measure_acceptance
+
+    gen = Generator.load(heads="medusa", tree="chain-1")
+    prompts, where = calibration_prompts(gen, 2)
+    assert len(prompts) == 2 and where == "HumanEval prompts from task 100"
+    stats = measure_acceptance(gen, prompts, 8, where, ranks=3)
+    nodes = [c.nodes for c in stats.candidates]
+    assert nodes == sorted(nodes) and stats.candidates[-1].tree == get_tree(gen.drafter.paper_tree)
+    assert all(c.name.startswith("grown-") for c in stats.candidates[:-1]) and len(stats.rates) == 4
+    assert all(1.0 <= c.tau <= 1 + c.tree.depth for c in stats.candidates) and stats.method == "medusa"
