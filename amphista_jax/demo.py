@@ -190,7 +190,8 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
     spec, off = loaded.for_batch(1), None
     if spec.drafter is None and isinstance(local := loaded.policy, LocalTrees):  # `auto` chose no speculation here
         off, best = local.describe(1), local.acceptance.candidates[local.decision(1).best]
-        spec = dataclasses.replace(loaded.with_tree(best.tree), tree_name=f"{best.name}, auto's best candidate")
+        spec = dataclasses.replace(loaded.with_tree(best.tree),
+                                   tree_name=f"auto: none here; shown on {best.name}, its best candidate")
     elif spec.drafter is None:  # a tree policy file that says no speculation at batch 1: its first tree instead
         off, spec = f"{loaded.tree_name}: no speculation at batch 1", loaded
     ar = spec.autoregressive()
