@@ -141,21 +141,12 @@ def calibration_clock(gen: Generator, acceptance: Acceptance, batch: int) -> Ste
                      CALIBRATION_RUNS)
 
 
-def _step_ms(clock: StepClock, gen: Generator, prefill_s: float) -> tuple[float, float]:
-    """(ms per decode step of `gen`: its fastest decode less `prefill_s`, over its steps; the runs' spread)."""
-    seconds, steps = clock.timed_runs(gen, clock.max_new_tokens)
-    if steps < 1 or min(seconds) <= prefill_s:
-        raise CalibrationError(f"timing noise: a whole decode ({min(seconds) * 1e3:.2f} ms, {steps} steps) took no "
-                               f"longer than its prefill ({prefill_s * 1e3:.2f} ms): calibrate again on a quieter "
-                               "machine (--remeasure)")
-    return (min(seconds) - prefill_s) / steps * 1e3, (max(seconds) - min(seconds)) / min(seconds)
-
-
 def measure_ar(gen: Generator, clock: StepClock) -> ARCosts:
     """The target's prefill (a one-token decode) and AR step on `clock`."""
     ar = gen.autoregressive()
     prefill = clock.decode(ar, 1)[0]
-    return ARCosts(prefill * 1e3, *_step_ms(clock, ar, prefill))
+    step, spread = clock.step_timing(ar, prefill)
+    return ARCosts(prefill * 1e3, step * 1e3, spread)
 
 
 def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCosts, progress: Any = None
@@ -170,7 +161,8 @@ def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCost
         if last is not None and not worth_timing(acceptance, ar.step_ms, last, best, MIN_MARGIN):
             steps.append(None)
             continue
-        last, spread = _step_ms(clock, gen.with_tree(candidate.tree), ar.prefill_ms / 1e3)
+        step, spread = clock.step_timing(gen.with_tree(candidate.tree), ar.prefill_ms / 1e3)
+        last = step * 1e3
         release_if_crowded()  # a program per candidate: past the memory-mapping limit otherwise
         steps.append(last)
         spreads.append(spread)

@@ -147,9 +147,8 @@ def choose_tree(tree: str | Tree | TreeChoice, source: DrafterSource, vocab_size
     else:
         spec, note = resolve_tree(tree, source.path, drafter.paper_tree)
         choice = TreeChoice(spec, tree, None, None if source.is_model_dir else note)
-    candidates = [c.tree for c in choice.acceptance.candidates] if choice.acceptance else []
-    for t in {choice.tree, *(t for _, t in (choice.policy.by_batch if choice.policy else ())), *candidates} - {None}:
-        drafter.check_tree(t, vocab_size)
+    for t in {choice.tree, *(t for _, t in (choice.policy.by_batch if choice.policy else ()))} - {None}:
+        drafter.check_tree(t, vocab_size)  # `auto`'s candidates: checked as `usable_acceptance` keeps them
     return choice
 
 

@@ -56,11 +56,12 @@ class StepClock:
 
     def step_seconds(self, gen: Any, prefill_s: float) -> float:
         """Seconds per decode step of `gen`: (decode time - `prefill_s`) / steps."""
-        seconds, steps = self.decode(gen, self.max_new_tokens)
-        if steps < 1 or seconds <= prefill_s:
-            raise TimingError(f"timing noise: a whole decode ({seconds * 1e3:.2f} ms, {steps} steps) took no "
-                                  f"longer than its prefill ({prefill_s * 1e3:.2f} ms); raise --max-new-tokens")
-        return (seconds - prefill_s) / steps
+        return _per_step(*self.decode(gen, self.max_new_tokens), prefill_s)
+
+    def step_timing(self, gen: Any, prefill_s: float) -> tuple[float, float]:
+        """(`step_seconds` of `gen`, the relative spread of its timed runs: (slowest - fastest) / fastest)."""
+        runs, steps = self.timed_runs(gen, self.max_new_tokens)
+        return _per_step(min(runs), steps, prefill_s), (max(runs) - min(runs)) / min(runs)
 
     def ar_step_seconds(self, ar: Any) -> float:
         """Seconds per step of `ar`, an autoregressive generator (`Generator.autoregressive()`; the caller keeps it,
@@ -79,3 +80,12 @@ class StepClock:
             if progress:
                 progress(1)
         return steps
+
+
+def _per_step(seconds: float, steps: int, prefill_s: float) -> float:
+    """(a whole decode's `seconds` - `prefill_s`) / `steps`, refused where noise made the decode no longer than its
+    prefill."""
+    if steps < 1 or seconds <= prefill_s:
+        raise TimingError(f"timing noise: a whole decode ({seconds * 1e3:.2f} ms, {steps} steps) took no longer "
+                          f"than its prefill ({prefill_s * 1e3:.2f} ms): time more tokens, or on a quieter machine")
+    return (seconds - prefill_s) / steps
