@@ -250,7 +250,7 @@ def _train(args: argparse.Namespace) -> int:
     from amphista_jax.train.config import TrainConfig
     from amphista_jax.train.heads import train_heads
 
-    train_heads(load_config(TrainConfig, args.config, args.set or []))
+    train_heads(load_config(TrainConfig, args.config, args.set or []), store_only=args.store_only)
     return 0
 
 

@@ -164,7 +164,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     c.add_argument("--heads-from", nargs=2, metavar=("FORMAT", "DIR"), default=None,
                    help="convert heads released in another project's layout for --model: medusa (FasterDecoding's "
                    "medusa_lm_head.safetensors / .pt), eagle (SafeAILab's EAGLE-1/2 heads), eagle3 (SafeAILab's or "
-                   "SpecForge's EAGLE-3 heads); pytorch_model.bin / .pt files are read without torch")
+                   "SpecForge's EAGLE-3 heads), dflash (z-lab's or SpecForge's DFlash drafters); pytorch_model.bin / "
+                   ".pt files are read without torch")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     c.add_argument("--max-shard-mb", type=int, default=0, help="0 = one file")
@@ -179,6 +180,9 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     t = sub.add_parser("train", help="train draft heads on a frozen target")
     t.add_argument("--config", required=True, help="YAML, e.g. configs/medusa/code.yaml")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    t.add_argument("--store-only", action="store_true", help="only fill data.hidden_store with the target's hidden "
+                   "states, captured layers and labels this method trains on, and stop (a killed run leaves no "
+                   "half-written file; later runs read them)")
     t.set_defaults(func=commands["train"])
 
     pl = sub.add_parser("plan", help="per-device memory of a train config's train step and decoding, compiled from "

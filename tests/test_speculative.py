@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
-from amphista_jax.drafters import Amphista, BiTA, Eagle, Eagle3, Gumiho, Hydra, Medusa, SemiAutoregressive
+from amphista_jax.drafters import Amphista, BiTA, DFlash, Eagle, Eagle3, Gumiho, Hydra, Medusa, SemiAutoregressive
 from amphista_jax.drafters.base import DraftContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.models.config import tiny_llama_config
@@ -316,10 +316,12 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32), temperature=1.0), PRESETS["small-8"]),
     # made from the target's first layer, its draws over 9 of the 16 tokens (q zero on the other 7)
     (DraftModel(layers=1, draft_vocab=(0, 2, 3, 5, 7, 8, 11, 13, 15), temperature=1.0), PRESETS["small-8"]),
-    (BiTA(), PRESETS["small-8"])],
+    (BiTA(), PRESETS["small-8"]),
+    # one distribution per depth, every node an independent draw from its depth's (base.sampled_proposal)
+    (DFlash(block_size=4, num_layers=1, temperature=1.0), PRESETS["small-8"])],
     ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "eagle-3", "gumiho", "sar", "draft-model",
-         "draft-model-iid-q", "made-draft-model-draft-vocab-iid-q", "bita"])
-@default_cases('eagle-2', 'draft-model-iid-q')
+         "draft-model-iid-q", "made-draft-model-draft-vocab-iid-q", "bita", "dflash-iid-q"])
+@default_cases('eagle-2', 'draft-model-iid-q', 'dflash-iid-q')
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target. One default case per acceptance path: q = None on

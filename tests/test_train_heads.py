@@ -18,12 +18,13 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.cli import main
 from amphista_jax.drafters import VARIANTS, Medusa
 from amphista_jax.drafters.io import load_draft
+from amphista_jax.errors import BAD_INPUT_EXIT
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.sharding import make_mesh, param_shardings, train_state_shardings
 from amphista_jax.target import Target
-from amphista_jax.tokenizer import load_tokenizer
+from amphista_jax.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.train.data import DataError, conversation_examples, example_dataset, render_with_mask
 from amphista_jax.train.distill import distill
 from amphista_jax.train.loop import LoopConfig, Preempted, read_metrics, run_loop
@@ -212,8 +213,20 @@ def test_distill_is_resumable_and_feeds_training(smoke_model, tmp_path):
     rows = {(r := json.loads(line))["id"]: r for line in out.read_text().splitlines()}  # answered shortest first
     assert sorted(rows) == ["4", "7", "a"] and len(out.read_text().splitlines()) == 3
     assert rows["7"]["conversations"][0] == {"from": "human", "value": "write a loop"}
-    examples, report = conversation_examples(out, load_tokenizer(model), max_len=64)
+    tok = load_tokenizer(model)
+    examples, report = conversation_examples(out, tok, max_len=64)
     assert report.kept == 3
+    for example, line in zip(examples, out.read_text().splitlines(), strict=True):  # the target's own tokens
+        record = json.loads(line)
+        prompt = encode_prompt(tok, record["conversations"][0]["value"], chat=True)
+        n = len(prompt) + len(record["answer_ids"])
+        assert example["tokens"][:n].tolist() == prompt + record["answer_ids"]
+        assert example["loss_mask"].tolist() == [0] * len(prompt) + [1] * len(record["answer_ids"]) + [0] * (64 - n)
+    bad = {"id": "b", "conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}
+    out.write_text(out.read_text() + json.dumps(bad | {"answer_ids": [len(tok)]}) + "\n"
+                   + json.dumps(bad | {"answer_ids": "y"}) + "\n")
+    assert conversation_examples(out, tok, max_len=64)[1].skipped == {
+        f"answer_ids is not a non-empty list of token ids below {len(tok)}": 2}
 
 
 def test_train_cli_end_to_end(smoke_model, tmp_path, capsys):
@@ -225,10 +238,15 @@ def test_train_cli_end_to_end(smoke_model, tmp_path, capsys):
             "--set", "data.max_len=32", "--set", "data.batch_size=4", "--set", "loop.steps=4",
             "--set", "loop.eval_every=2", "--set", "loop.log_every=1", "--set", "method_settings.num_heads=2",
             "--set", "data.cache_target_hidden=true", "--set", f"data.hidden_store={tmp_path / 'hidden'}"]
-    assert main(args) == 0
+    assert main(args[:-4] + ["--store-only"]) == BAD_INPUT_EXIT  # no store to fill: one line
+    assert "--store-only fills data.hidden_store: set data.cache_target_hidden=true" in capsys.readouterr().err
+    assert main(args + ["--store-only"]) == 0  # the store's one command: fills it, trains nothing
     assert len(list((tmp_path / "hidden").glob("hidden-*.npy"))) == 2  # train and held-out; no temporary left
+    assert not out.exists()
+    assert "2 files" in capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out.count("target hidden states: read from") == 2
     assert [p.name for p in (tmp_path / "hidden").iterdir() if ".tmp" in p.name] == []
-    capsys.readouterr()
     assert main(args[:-2] + ["--set", f"data.hidden_store={tmp_path / 'hidden'}", "--set",
                              f"out_dir={tmp_path / 'run2'}"]) == 0  # another run on the same data and target
     assert capsys.readouterr().out.count("target hidden states: read from") == 2

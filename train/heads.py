@@ -199,20 +199,27 @@ def _finished(cfg: TrainConfig) -> dict[str, Any] | None:
     return json.loads((out / "summary.json").read_text()) if done and (out / "summary.json").is_file() else None
 
 
-def train_heads(cfg: TrainConfig) -> dict[str, Any]:
-    """Train `cfg`'s heads into `cfg.out_dir` (resuming what it holds of this run), under the directory's lock."""
+def train_heads(cfg: TrainConfig, store_only: bool = False) -> dict[str, Any]:
+    """Train `cfg`'s heads into `cfg.out_dir` (resuming what it holds of this run), under the directory's lock.
+    With `store_only`, fill `data.hidden_store` with what this method's training reads (the target's hidden
+    states, its captured layers and, with `loss.labels: target`, its top-k labels, for the train and held-out
+    examples) and stop: the store's one command, reused by every later run over the same data and target."""
     maybe_initialize_distributed()
+    if store_only and not (cfg.data.cache_target_hidden and cfg.data.hidden_store):
+        raise TrainConfigError("--store-only fills data.hidden_store: set data.cache_target_hidden=true and "
+                               "data.hidden_store=DIR")
     preflight(cfg)  # every bad setting fails here, before anything is written
+    if store_only:
+        return _store(cfg, *preflight(cfg))
     with output_lock(cfg.out_dir, "train") if jax.process_index() == 0 else contextlib.nullcontext():
         return _train(cfg, *preflight(cfg))  # checked again under the lock: another run may have written meanwhile
 
 
-def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[str, Any]:
-    if (summary := _finished(cfg)) is not None:
-        print(f"{cfg.out_dir} is already trained ({summary['steps']} steps with these settings, target and data): "
-              f"its heads are in {Path(cfg.out_dir) / 'heads'}; nothing was changed (use a new out_dir to train "
-              "again)")
-        return summary
+def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
+             ) -> tuple[TrainJob, dict, ModelConfig, list[dict], list[dict]]:
+    """The job (checked to fit), the target's params and config, and the (train, held-out) examples, with the
+    target's states attached from `data.hidden_store` (computed into it where missing) under
+    `data.cache_target_hidden`."""
     target_config = load_config(model_dir)
     tok = load_tokenizer(model_dir)
     train_examples, heldout = example_source(cfg.data).split(tok)
@@ -232,6 +239,27 @@ def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
         train_examples = with_hidden(train_examples, job.model, target_params, cfg.data.batch_size, store, target,
                                      captures, top_k)
         heldout = with_hidden(heldout, job.model, target_params, cfg.data.batch_size, store, target, captures, top_k)
+    return job, target_params, target_config, train_examples, heldout
+
+
+def _store(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[str, Any]:
+    """`train_heads(store_only=True)`: the store filled, its files and sizes printed and returned."""
+    _, _, _, train_examples, heldout = _prepare(cfg, model_dir, identity)
+    store = Path(cfg.data.hidden_store)
+    files = {p.name: p.stat().st_size for p in sorted(store.glob("*.npy"))}
+    print(f"{store}: {len(train_examples)} train / {len(heldout)} held-out examples of {cfg.data.max_len} tokens; "
+          f"{len(files)} files, {sum(files.values()) / GIB:.2f} GiB")
+    return {"store": str(store), "train_examples": len(train_examples), "heldout_examples": len(heldout),
+            "files": files}
+
+
+def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[str, Any]:
+    if (summary := _finished(cfg)) is not None:
+        print(f"{cfg.out_dir} is already trained ({summary['steps']} steps with these settings, target and data): "
+              f"its heads are in {Path(cfg.out_dir) / 'heads'}; nothing was changed (use a new out_dir to train "
+              "again)")
+        return summary
+    job, target_params, target_config, train_examples, heldout = _prepare(cfg, model_dir, identity)
     drafter, train_step, eval_step = job.drafter, job.train_step, job.eval_step
     init_state = functools.partial(job.new_state, Target(target_config, target_params))  # made in place on shards
 

@@ -3,6 +3,7 @@
 from amphista_jax.drafters.amphista import Amphista
 from amphista_jax.drafters.base import DraftContext, Drafter, Proposal
 from amphista_jax.drafters.bita import BiTA
+from amphista_jax.drafters.dflash import DFlash
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.drafters.eagle import Eagle
 from amphista_jax.drafters.eagle3 import Eagle3
@@ -15,13 +16,15 @@ from amphista_jax.drafters.sar import SemiAutoregressive
 # The methods by name: those whose heads `amphista-jax train` writes (a draft model made from the target's first
 # layers among them; one with its own checkpoint loads from it instead), and those with nothing to train
 # (`trainable` False: prompt lookup).
-DRAFTERS: dict[str, type[Drafter]] = {cls.name: cls for cls in (Amphista, BiTA, DraftModel, Eagle, Eagle3, Gumiho,
-                                                                Hydra, Medusa, PromptLookup, SemiAutoregressive)}
+DRAFTERS: dict[str, type[Drafter]] = {cls.name: cls for cls in (Amphista, BiTA, DFlash, DraftModel, Eagle, Eagle3,
+                                                                Gumiho, Hydra, Medusa, PromptLookup,
+                                                                SemiAutoregressive)}
 # Each method's default settings, and the named variants that are settings of a method (Hydra++).
 VARIANTS: dict[str, Drafter] = {"medusa": Medusa(), "amphista": Amphista(), "hydra": Hydra(),
                                 "hydra++": Hydra.plus_plus(), "eagle": Eagle(), "eagle3": Eagle3(), "gumiho": Gumiho(),
                                 "sar": SemiAutoregressive(), "sar-lstm": SemiAutoregressive(encoder="lstm"),
-                                "bita": BiTA(), "prompt_lookup": PromptLookup(), "draft_model": DraftModel()}
+                                "bita": BiTA(), "dflash": DFlash(), "prompt_lookup": PromptLookup(),
+                                "draft_model": DraftModel()}
 
-__all__ = ["DRAFTERS", "VARIANTS", "Amphista", "BiTA", "DraftContext", "DraftModel", "Drafter", "Eagle", "Eagle3",
-           "Gumiho", "Hydra", "Medusa", "PromptLookup", "Proposal", "SemiAutoregressive"]
+__all__ = ["DRAFTERS", "VARIANTS", "Amphista", "BiTA", "DFlash", "DraftContext", "DraftModel", "Drafter", "Eagle",
+           "Eagle3", "Gumiho", "Hydra", "Medusa", "PromptLookup", "Proposal", "SemiAutoregressive"]

@@ -22,11 +22,19 @@ from typing import Any, ClassVar, Self
 
 import flax.linen as nn
 import jax
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from amphista_jax.drafters.draft_vocab import DraftVocab, project_columns, restrict, to_draft, to_target
+from amphista_jax.drafters.draft_vocab import (
+    DraftVocab,
+    project_columns,
+    restrict,
+    to_draft,
+    to_target,
+    to_vocab,
+)
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
 from amphista_jax.target import Extras, Target
@@ -339,6 +347,19 @@ def topk_proposal(logits: jax.Array, root: jax.Array, tree: TreeSpec, draft_voca
     `draft_vocab` (ids mapped back to the target's)."""
     topk = to_target(jax.lax.top_k(logits, tree.num_ranks)[1].astype(jax.numpy.int32), draft_vocab)  # [B, K, R]
     return Proposal(fill_tree_from_topk(root, topk, tree), batched(tree_arrays(tree), root.shape[0]))
+
+
+def sampled_proposal(logits: jax.Array, root: jax.Array, tree: TreeSpec, rng: jax.Array, temperature: float,
+                     vocab_size: int, draft_vocab: DraftVocab = ()) -> Proposal:
+    """Drafts of a static tree sampled from one draft distribution per depth, whatever the parent (`logits [B, K,
+    V_d]` over `draft_vocab`, depth k + 1's at k; DFlash's block): every node at depth d is an independent draw
+    from depth d's distribution at `temperature`, which the proposal passes on as the node's `q` (siblings are
+    i.i.d. draws from one `q`: lossless under rejection sampling; siblings may repeat)."""
+    arrays = tree_arrays(tree)
+    dist = jax.nn.log_softmax(logits / temperature, axis=-1)[:, np.maximum(arrays.depth - 1, 0)]  # [B, N, V_d]
+    draws = to_target(jax.random.categorical(rng, dist).astype(jax.numpy.int32), draft_vocab)  # [B, N]
+    q = to_vocab(jax.numpy.exp(dist), draft_vocab, vocab_size)  # [B, N, V]
+    return Proposal(draws.at[:, 0].set(root), batched(arrays, root.shape[0]), q)
 
 
 def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array,

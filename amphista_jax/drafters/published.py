@@ -20,6 +20,8 @@ files: `fc.weight [D, 3D]` (no bias), `midlayer.{self_attn,mlp}.*` (q/k/v read `
 [V_d, D]`, and `d2t [V_d]` (draft index i is target token `i + d2t[i]`; `t2d`, its inverse mask, is checked
 against it): our `Eagle3` with `draft_vocab = i + d2t[i]` and the reference's feature layers.
 
+`dflash` (z-lab/dflash, SpecForge): `config.json` and `model.safetensors` of a DFlash drafter (`read_dflash`).
+
 Every checkpoint is checked against the target (hidden size, vocabulary) before anything is written, one line
 each.
 """
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.drafters.base import Drafter
+from amphista_jax.drafters.dflash import DFlash
 from amphista_jax.drafters.eagle import Eagle
 from amphista_jax.drafters.eagle3 import Eagle3
 from amphista_jax.drafters.io import params_fit
@@ -214,4 +217,66 @@ def read_eagle3(src: str | Path, target: Target) -> tuple[Eagle3, dict]:
     return _fitted(Eagle3(draft_vocab=vocab), params, target)
 
 
-READERS = {"medusa": read_medusa, "eagle": read_eagle, "eagle3": read_eagle3}
+_DFLASH_SHAPES = {  # our name: (the reference's, its torch shape from the target's config)
+    "q_proj": ("self_attn.q_proj", lambda c: (c.num_heads * c.head_dim, c.hidden_size)),
+    "k_proj": ("self_attn.k_proj", lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size)),
+    "v_proj": ("self_attn.v_proj", lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size)),
+    "o_proj": ("self_attn.o_proj", lambda c: (c.hidden_size, c.num_heads * c.head_dim)),
+    "q_norm": ("self_attn.q_norm", lambda c: (c.head_dim,)),
+    "k_norm": ("self_attn.k_norm", lambda c: (c.head_dim,)),
+    "input_layernorm": ("input_layernorm", lambda c: (c.hidden_size,)),
+    "post_attention_layernorm": ("post_attention_layernorm", lambda c: (c.hidden_size,)),
+    "mlp/gate_proj": ("mlp.gate_proj", lambda c: (c.intermediate_size, c.hidden_size)),
+    "mlp/up_proj": ("mlp.up_proj", lambda c: (c.intermediate_size, c.hidden_size)),
+    "mlp/down_proj": ("mlp.down_proj", lambda c: (c.hidden_size, c.intermediate_size)),
+}
+
+
+def read_dflash(src: str | Path, target: Target) -> tuple[DFlash, dict]:
+    """(the drafter, its params) of released DFlash drafters (z-lab, SpecForge) in `src`, checked against `target`:
+    `config.json` (`block_size`, `num_hidden_layers`, `dflash_config.target_layer_ids` and `mask_token_id`, the
+    layers' shape, which must be the target's) beside `model.safetensors`: `fc.weight [D, C D]`, `hidden_norm`,
+    `norm` and `layers.{i}.` Qwen3 decoder layers (`self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`, the two
+    layer norms, `mlp.{gate,up,down}_proj`; no biases). MASK's embedding is the target's row `mask_token_id`."""
+    src, t, config = _read(src, EAGLE_FILES, "dflash", target)
+    c = target.config
+    dflash = config.get("dflash_config") or {}
+    if "block_size" not in config or "num_hidden_layers" not in config:
+        raise PublishedHeadsError(f"{src / 'config.json'} has no block_size or num_hidden_layers: not a DFlash "
+                                  "drafter's config")
+    for key, ours in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
+                      ("head_dim", c.head_dim), ("intermediate_size", c.intermediate_size),
+                      ("rope_theta", c.rope_theta)):
+        if key in config and config[key] is not None and float(config[key]) != float(ours):
+            raise PublishedHeadsError(f"{src / 'config.json'} has {key} {config[key]} but the target's layers have "
+                                      f"{ours}: the drafter's layers must be the target's shape; pass its target as "
+                                      "--model")
+    try:
+        drafter = DFlash(block_size=int(config["block_size"]), num_layers=int(config["num_hidden_layers"]),
+                         target_layer_ids=tuple(dflash.get("target_layer_ids", ())),
+                         mask_token_id=int(dflash.get("mask_token_id", -1)))
+        ids = drafter.layer_ids(c)
+    except ValueError as e:
+        raise PublishedHeadsError(f"{src / 'config.json'}: {e}") from None
+    if not 0 <= drafter.mask_token_id < c.vocab_size:
+        raise PublishedHeadsError(f"{src / 'config.json'}: dflash_config.mask_token_id {drafter.mask_token_id} is not "
+                                  f"a token of the target's {c.vocab_size}: pass its target as --model")
+    d = c.hidden_size
+    params: dict = {"fc": {"kernel": jnp.asarray(t.get("fc.weight", (d, len(ids) * d)).T)},
+                    "hidden_norm": {"scale": jnp.asarray(t.get("hidden_norm.weight", (d,)))},
+                    "norm": {"scale": jnp.asarray(t.get("norm.weight", (d,)))},
+                    "mask_embedding": target.embed(jnp.asarray(drafter.mask_token_id))}
+    for i in range(drafter.num_layers):
+        layer: dict = {}
+        for ours, (theirs, shape) in _DFLASH_SHAPES.items():
+            value = t.get(f"layers.{i}.{theirs}.weight", shape(c))
+            node = layer
+            *parents, leaf = ours.split("/")
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = {"kernel": jnp.asarray(value.T)} if value.ndim == 2 else {"scale": jnp.asarray(value)}
+        params[f"layers_{i}"] = layer
+    return _fitted(drafter, params, target)
+
+
+READERS = {"medusa": read_medusa, "eagle": read_eagle, "eagle3": read_eagle3, "dflash": read_dflash}

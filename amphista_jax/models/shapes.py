@@ -16,6 +16,10 @@ KNOWN_TARGETS: dict[str, Callable[[], ModelConfig]] = {
                                       max_position_embeddings=8192),
     "llama-3-70b": lambda: ModelConfig(128256, 8192, 28672, 80, 64, 8, 128, rms_norm_eps=1e-5,
                                        rope_theta=500000.0, max_position_embeddings=8192),
+    # Qwen3-8B's shape (DFlash's reference target) as a Llama-family decoder: the same matrices; Qwen3's per-head
+    # q/k norms (2 x 128 weights a layer) are left out, which no plan or roofline can see
+    "qwen3-8b": lambda: ModelConfig(151936, 4096, 12288, 36, 32, 8, 128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                    max_position_embeddings=40960),
 }
 
 
