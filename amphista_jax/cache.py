@@ -50,6 +50,14 @@ def write(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     return jax.vmap(one)(layer_cache, new, start)
 
 
+def write_layer(cache: jax.Array, new: jax.Array, start: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """`write` into layer `layer` of a whole cache `[L, B, S, KVH, Dh]`, which XLA updates in place (a written
+    slice of it would be a copy)."""
+    b, t = new.shape[:2]
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None]  # [B, T]
+    return cache.at[layer, jnp.arange(b)[:, None], slots].set(new.astype(cache.dtype), mode="promise_in_bounds")
+
+
 def compact(cache: KVCache, accepted_slots: jax.Array, n_accepted: jax.Array) -> KVCache:
     """Move accepted scratch entries to the committed region and commit them.
 

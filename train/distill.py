@@ -227,7 +227,7 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
               f"in {out}; {len(todo)} to go")
         if not todo:
             return 0
-        params, config = load_params(model)
+        params, config = load_params(model, layout="split")  # decoding's layout: no per-step weight or cache copies
         eos = stop_token_ids(model, tok, config)
         pad = config.pad_token_id or 0
         sampling, passes = SamplingConfig(temperature), itertools.count()

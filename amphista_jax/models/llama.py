@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from amphista_jax.cache import KVCache, write
+from amphista_jax.cache import KVCache, write, write_layer
 from amphista_jax.models.attention import AttentionBackend, causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
@@ -105,7 +105,7 @@ class Attention(nn.Module):
     attention: str = "xla"
 
     @nn.compact
-    def __call__(self, x, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix):
+    def __call__(self, x, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix, index=None):
         c = self.config
         b, t, _ = x.shape
         q = _dense(c.num_heads * c.head_dim, ("embed", "heads"), c.qkv_bias, "q_proj", self.param_dtype)(x)
@@ -116,7 +116,10 @@ class Attention(nn.Module):
         k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         new_k, new_v = k, v
-        if layer_k is not None:
+        if layer_k is not None and layer_k.ndim == 5:  # the whole cache [L, B, S, ...] (`split_layers`): in place
+            layer_k, layer_v = write_layer(layer_k, k, lengths, index), write_layer(layer_v, v, lengths, index)
+            k, v = layer_k[index].astype(q.dtype), layer_v[index].astype(q.dtype)
+        elif layer_k is not None:
             layer_k, layer_v = write(layer_k, k, lengths), write(layer_v, v, lengths)
             k, v = layer_k.astype(q.dtype), layer_v.astype(q.dtype)
         if prefix is not None:  # keys/values that only some queries see: the dense path
@@ -190,7 +193,7 @@ class DecoderLayer(nn.Module):
         elif self.input_norm:
             attn_in = RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x)
         h, layer_k, layer_v = Attention(c, self.param_dtype, self.attention, name="attn")(
-            attn_in, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix)
+            attn_in, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix, index)
         x = x + h
         x = x + MLP(c, self.param_dtype, name="mlp")(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="post_attn_norm")(x))
@@ -262,13 +265,15 @@ def captured_run(layers: nn.Module, config: ModelConfig, x: jax.Array, positions
         carry, (k, v) = layers(carry, scanned, shared)
         x, captured = carry if captures else (carry, None)
     else:  # one module per layer (`split_layers`): the captured inputs are read as the loop passes them
+        # Each layer writes its keys/values into the whole cache `[L, B, S, ...]` at its index, in place, and reads
+        # its own slice there: under XLA:CPU a per-layer slice of the cache and a restack of the layers would each
+        # copy the whole cache on every decode step (the batch-64 step's largest cost, docs/ar_decode.md).
         shared = (positions, new_mask, visible, distance, lengths, pvis, None)
-        outs, caught = [], {}
+        caught = {}
+        k, v = scanned[:2]
         for i, layer in enumerate(layers):
             caught[i] = x
-            x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], scanned), shared)
-            outs.append(out)
-        k, v = jax.tree.map(lambda *a: jnp.stack(a), *outs) if cache is not None else (None, None)
+            x, (k, v) = layer(x, (k, v) + jax.tree.map(lambda a, i=i: a[i], scanned[2:]), shared)
         captured = jnp.stack([caught[i] for i in captures]) if captures else None
     if captured is not None:  # [C, B, T, D] -> [B, T, C * D]
         captured = jnp.moveaxis(captured, 0, -2).reshape(x.shape[:2] + (-1,))
