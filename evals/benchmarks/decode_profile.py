@@ -1,0 +1,308 @@
+"""Where the AR decode step's flops and memory traffic go, per component, read from the compiled programs.
+
+    python -m amphista_jax.evals.benchmarks.decode_profile [--model smollm2] [--batches 1 64] [--cache-size 320]
+        [--layouts split stacked] [--out runs/benchmarks]
+
+Static: for each layout and batch, the program decoding runs (`decode.advance` with an AR `DecodeSpec`: a
+`while_loop` of `ar_step`s on a `start`ed state) is compiled from `jax.ShapeDtypeStruct`s (no weights are read: a
+program depends only on shapes and dtypes) and its optimized HLO text is parsed; one iteration of the loop is one
+step. The teacher-forced forward over [8, 256] tokens (no cache) is compiled beside it, for the intensity. Nothing is
+timed but the memory bandwidth probe (`ar_decode.memory_bandwidth`) that turns bytes into predicted tokens/s.
+
+GFLOP: 2 x multiply-adds of the matrix products. Bytes, a model of the traffic (not a measurement): every
+instruction reads its operands and writes its output (a nested loop's body counts its trip count times), except
+that a fused operand used only through slices counts the bytes taken, a scatter or dynamic-update-slice (or a fusion
+whose root is one) works in place and counts 2 x the update, and parameters, tuples and bitcasts count nothing.
+Components come from each instruction's JAX name stack. Cache copies: the instructions of a step that write at
+least one layer's K or V (a cache-shaped output, or an in-place update that size). Writes decode_profile.json and
+decode_profile.md to `--out`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+
+from amphista_jax.decode import advance, start
+from amphista_jax.decode_spec import DecodeSpec
+from amphista_jax.evals.benchmarks.ar_decode import memory_bandwidth
+from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
+from amphista_jax.fetch import resolve_model
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.hf import LAYOUTS, load_config
+from amphista_jax.models.llama import param_shapes
+
+NEW_TOKENS = 64  # the state's token buffer [B, 64]; the prompt fills the rest of the cache
+FORCED = (8, 256)  # the teacher-forced forward's tokens [B, T]
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
+               "u64": 8, "token": 0}
+FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "opt-barrier", "partition-id"}
+IN_PLACE = ("scatter", "dynamic-update-slice")
+Shapes = list[tuple[str, tuple[int, ...]]]  # (dtype, shape) of each output of an instruction
+
+
+def nbytes(dims: Shapes) -> int:
+    return sum(DTYPE_BYTES[d] * math.prod(s) for d, s in dims)
+
+
+@dataclasses.dataclass
+class Instr:
+    """One HLO instruction: `%name = shape op(args), attrs`; `args`: operands, or a parameter's index."""
+
+    name: str
+    dims: Shapes
+    op: str
+    args: str
+    attrs: str
+
+    @classmethod
+    def parse(cls, line: str) -> Instr:
+        name, shape, op, args, attrs = re.match(
+            r"\s*(?:ROOT )?%(\S+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:, (.*))?$", line).groups()
+        dims = [(d, tuple(int(x) for x in s.split(",") if x))
+                for d, s in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape) if d in DTYPE_BYTES]
+        return cls(name, dims, op, args, attrs or "")
+
+    @functools.cached_property
+    def operands(self) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", self.args)
+
+    def called(self, key: str = "calls") -> str:
+        return re.search(rf"{key}=%([\w.\-]+)", self.attrs).group(1)
+
+    @property
+    def scope(self) -> str:
+        """The JAX name stack (`jit(advance)/while/body/Transformer/layer_3/attn/q_proj/dot_general`), or an entry
+        parameter's path (`params['layer_3']['attn']['q_proj']['kernel']` -> `params/layer_3/attn/q_proj/kernel`)."""
+        name = re.search(r'op_name="([^"]*)"', self.attrs)
+        return re.sub(r"\[\\'(\w+)\\'\]", r"/\1", name.group(1)) if name else ""
+
+
+class Hlo:
+    """An optimized HLO module: its computations (instructions by name) and their roots."""
+
+    def __init__(self, text: str):
+        self.comps: dict[str, dict[str, Instr]] = {}
+        self.roots: dict[str, Instr] = {}
+        self.entry = comp = ""
+        for line in text.splitlines():
+            if (header := re.match(r"^(ENTRY )?%(\S+) \(.*\{$", line)) is not None:
+                comp = header.group(2)
+                self.comps[comp] = {}
+                self.entry = comp if header.group(1) else self.entry
+            elif comp and (instr := re.match(r"\s*(?:ROOT )?%(\S+) = ", line)) is not None:
+                ins = self.comps[comp][instr.group(1)] = Instr.parse(line)
+                if line.lstrip().startswith("ROOT"):
+                    self.roots[comp] = ins
+        self.loops = {i.called(k): (c, i) for c, ins in self.comps.items() for i in ins.values() if i.op == "while"
+                      for k in ("body", "condition")}  # loop computation -> (the computation of its while, the while)
+
+    def root_op(self, ins: Instr) -> str:
+        return self.roots[ins.called()].op if ins.op == "fusion" else ins.op
+
+    def weight(self, comp: str, name: str, index: int | None = None) -> str:
+        """The path of the entry parameter that value `name` (its element `index`, for a tuple) comes from, through
+        loop carries, tuples, bitcasts, copies and slices; "" for none."""
+        ins = self.comps[comp][name]
+        if ins.op == "get-tuple-element" and index is None:
+            return self.weight(comp, ins.operands[0], int(re.search(r"index=(\d+)", ins.attrs).group(1)))
+        if ins.op == "tuple" and index is not None:
+            return self.weight(comp, ins.operands[index])
+        if ins.op == "parameter" and comp == self.entry and index is None:
+            return ins.scope
+        if ins.op == "parameter" and comp in self.loops and index is not None:
+            outer, loop = self.loops[comp]
+            return self.weight(outer, loop.operands[0], index)
+        moves = ("bitcast", "copy", "slice", "dynamic-slice")  # of operand 0, alone or as a fusion's root
+        return self.weight(comp, ins.operands[0], index) if self.root_op(ins) in moves else ""
+
+    def flops(self, comp: str, ins: Instr) -> float:
+        """2 x multiply-adds of `ins` (a dot, or a fusion's dots)."""
+        if ins.op == "fusion":
+            return sum(self.flops(ins.called(), i) for i in self.comps[ins.called()].values())
+        if ins.op != "dot":
+            return 0.0
+        lhs = self.comps[comp][ins.operands[0]].dims[0][1]
+        contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs).group(1)
+        return 2.0 * math.prod(ins.dims[0][1]) * math.prod(lhs[int(d)] for d in contracted.split(",") if d)
+
+    def taken(self, comp: str, name: str) -> float:
+        """Bytes read of fused value `name` when it is used only through (bitcasts to) slices, else infinity."""
+        total = 0
+        for user in (i for i in self.comps[comp].values() if name in i.operands):
+            if user.op in ("slice", "dynamic-slice") or (user.op == "gather" and user.operands[0] == name):
+                total += nbytes(user.dims)
+            elif user.op == "bitcast" and (inner := self.taken(comp, user.name)) < math.inf:
+                total += inner
+            else:
+                return math.inf
+        return total
+
+    def update(self, comp: str, ins: Instr) -> Instr | None:
+        """What an in-place `ins` (a scatter or dynamic-update-slice, or a fusion whose root is one) writes into its
+        operand 0; None for any other instruction."""
+        if ins.op == "fusion":
+            comp, ins = ins.called(), self.roots[ins.called()]
+        return self.comps[comp][ins.operands[-1 if ins.op == "scatter" else 1]] if ins.op in IN_PLACE else None
+
+    def traffic(self, comp: str, ins: Instr) -> int:
+        """Bytes `ins` moves (the module docstring's byte model)."""
+        if ins.op in FREE:
+            return 0
+        if (update := self.update(comp, ins)) is not None:
+            return 2 * nbytes(update.dims)
+        if ins.op in ("slice", "dynamic-slice"):
+            return 2 * nbytes(ins.dims)
+        operands = [nbytes(self.comps[comp][o].dims) for o in ins.operands]
+        if ins.op != "fusion":
+            return nbytes(ins.dims) + sum(operands)
+        params = (i for i in self.comps[ins.called()].values() if i.op == "parameter")  # i.args: operand index
+        return nbytes(ins.dims) + int(sum(min(operands[int(p.args)], self.taken(ins.called(), p.name)) for p in params))
+
+
+def component(scope: str, ins: Instr, root_op: str, out_cache: bool, whole_cache: bool) -> str:
+    """The component of `ins`, from its name stack `scope`, whether its output is shaped like one layer's K or V (in
+    any axis order) or like the whole cache, and, for a fusion, its root's op."""
+    scope = re.sub(r"layer_\d+/", "", scope)
+    last = scope.rsplit("/", 1)[-1]
+    rules = (("whole-cache copy / zero-init", whole_cache and (ins.op == "copy" or (ins.op == "fusion" and not scope))),
+             ("q/k/v projections", any(f"{p}_proj" in scope for p in "qkv")),
+             ("o projection", "o_proj" in scope),
+             ("MLP (gate/up/down)", "/mlp/" in scope),
+             ("argmax / sampling", any(k in scope for k in ("argmax", "categorical", "select_token"))
+              or (last == "reduce" and any(d == "s32" for d, _ in ins.dims[1:]))),
+             ("vocabulary projection", any(k in scope for k in ("attend", "lm_head", "logits"))),
+             ("KV-cache write (scatter)", "scatter" in scope and "/attn/" in scope),
+             ("KV-cache layer write (dynamic-update-slice)", out_cache and "dynamic_update_slice" in scope),
+             ("KV-cache layer slice copy", out_cache and root_op in ("bitcast", "slice", "dynamic-slice")
+              and last in ("slice", "squeeze", "dynamic_slice")),
+             ("K/V copy before the products", out_cache and "dot_general" not in scope and root_op != "dot"),
+             ("stacked-layer weight slice copy", ("dynamic_slice" in scope or "Transformer/slice" in scope)
+              and ins.op != "dot"),
+             ("attention products (QK^T, PV)", "/attn/" in scope and "dot_general" in scope),
+             ("attention: RoPE, mask, softmax", "/attn/" in scope),
+             ("RMSNorm", "norm" in scope),
+             ("token embedding", "embed" in scope))
+    return next((name for name, hit in rules if hit), "other")
+
+
+def profile(hlo: Hlo, kv: tuple[int, ...], layers: int, step: bool) -> dict:
+    """Flops and bytes by component, and the cache copies, of one iteration of the entry's decode loop (`step`: its
+    `while` of no known trip count) or of the whole program. `kv`: one layer's K or V shape `[B, S, KVH, Dh]` (empty:
+    no cache). Nested loops count their trip count times, both branches of a conditional count, and a dot that lost
+    its name stack (XLA:CPU's matrix-vector products and XNNPACK fusions) takes its weight's path."""
+    layer = sorted(d for d in kv if d != 1)
+
+    def cache_like(shape: tuple[int, ...]) -> bool:  # a layer's K or V in any axis order (size-1 axes aside), or L
+        dims = [d for d in shape if d != 1]
+        return bool(layer) and (sorted(dims) == layer or (dims[:1] == [layers] and sorted(dims[1:]) == layer))
+
+    parts: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # component -> [flops, bytes]
+    copies = [0, 0]  # [instructions, bytes written]
+
+    def walk(comp: str, times: int) -> None:
+        for ins in hlo.comps[comp].values():
+            if ins.op in ("while", "call", "conditional"):
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+                for inner in set(re.findall(r"%([\w.\-]+)", ins.attrs)) & hlo.comps.keys():
+                    walk(inner, times * (int(trip.group(1)) if trip else 1))
+                continue
+            root_op, update = hlo.root_op(ins), hlo.update(comp, ins)
+            scope = ins.scope
+            if not scope and root_op == "dot":  # a product with a weight (its right operand), else attention's
+                reads = [hlo.comps[comp][o] for o in reversed(ins.operands)]
+                scope = next(filter(None, (hlo.weight(comp, o.name) for o in reads)), "") or (
+                    "/attn/dot_general" if any(cache_like(d) for o in reads for _, d in o.dims) else "")
+            out_cache = any(cache_like(d) for _, d in ins.dims)
+            part = parts[component(scope, ins, root_op, out_cache, out_cache and ins.dims[0][1][:1] == (layers,))]
+            part[0] += times * hlo.flops(comp, ins)
+            part[1] += times * hlo.traffic(comp, ins)
+            written = update.dims if update else [] if ins.op in FREE or root_op == "dot" else ins.dims
+            if any(cache_like(s) for _, s in written):
+                copies[0] += times
+                copies[1] += times * nbytes(written)
+
+    if step:
+        loop = next(i for i in hlo.comps[hlo.entry].values() if i.op == "while" and "known_trip_count" not in i.attrs)
+        walk(loop.called("body"), 1)
+        walk(loop.called("condition"), 1)
+    else:
+        walk(hlo.entry, 1)
+    return {"components": {k: {"flops": f, "bytes": b} for k, (f, b) in parts.items()},
+            "flops": sum(f for f, _ in parts.values()), "bytes": sum(b for _, b in parts.values()),
+            "cache_copies": copies[0], "cache_copy_bytes": copies[1]}
+
+
+def decode_program(config: ModelConfig, params: dict, batch: int, cache_size: int) -> Hlo:
+    """`advance`'s compiled program (AR, greedy) on the state `start` leaves after a `[B, cache_size - NEW_TOKENS]`
+    prompt."""
+    spec = DecodeSpec(config, None, None, NEW_TOKENS, eos_ids=config.eos_token_ids, pad_id=config.pad_token_id or 0)
+    prompt = jax.ShapeDtypeStruct((batch, cache_size - NEW_TOKENS), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    state = jax.eval_shape(functools.partial(start, spec=spec, cache_size=cache_size), params, None, prompt, lengths,
+                           jax.random.key(0))
+    return Hlo(advance.lower(params, None, state, spec=spec, steps=NEW_TOKENS).compile().as_text())
+
+
+def forced_program(config: ModelConfig, params: dict) -> Hlo:
+    """The compiled teacher-forced forward: logits `[B, T, V]` of `FORCED` tokens, no cache."""
+    model = DecodeSpec(config, None, None, 1).model(params)
+    positions = jnp.broadcast_to(jnp.arange(FORCED[1]), FORCED)  # [B, T]
+    forward = jax.jit(lambda p, tokens: model.apply({"params": p}, tokens, positions).logits)
+    return Hlo(forward.lower(params, jax.ShapeDtypeStruct(FORCED, jnp.int32)).compile().as_text())
+
+
+def component_table(row: dict) -> str:
+    lines = [f"### {row['program']} ({row['tokens']} tokens per step)", "",
+             "| component | GFLOP | GB per step | share of bytes |", "|---|---:|---:|---:|"]
+    lines += [f"| {k} | {c['flops'] / 1e9:.3f} | {c['bytes'] / 1e9:.3f} | {c['bytes'] / row['bytes']:.1%} |"
+              for k, c in sorted(row["components"].items(), key=lambda kc: -kc[1]["bytes"])]
+    return "\n".join(lines + [f"| **total** | {row['flops'] / 1e9:.2f} | {row['bytes'] / 1e9:.3f} | 100% |"])
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__)
+    parser.set_defaults(model="smollm2")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    parser.add_argument("--cache-size", type=int, default=320)
+    parser.add_argument("--layouts", nargs="+", default=["split", "stacked"], choices=LAYOUTS)
+    args = parser.parse_args()
+    if args.cache_size <= NEW_TOKENS:
+        parser.error(f"--cache-size {args.cache_size} must exceed the {NEW_TOKENS} new tokens")
+    model_dir = resolve_model(args.model)
+    config = load_config(model_dir)
+    bandwidth = memory_bandwidth()
+    rows = []
+    for layout in args.layouts:
+        params, _ = param_shapes(config, split=layout == "split")  # hf.load_params(layout=layout)'s tree, fp32
+        for batch in args.batches:
+            kv = (batch, args.cache_size, config.num_kv_heads, config.head_dim)
+            rows.append({"program": f"decode, {layout}, batch {batch}", "layout": layout, "tokens": batch} | profile(
+                decode_program(config, params, batch, args.cache_size), kv, config.num_layers, step=True))
+        rows.append({"program": f"teacher-forced, {layout}, {list(FORCED)}", "layout": layout,
+                     "tokens": math.prod(FORCED)}
+                    | profile(forced_program(config, params), (), config.num_layers, step=False))
+    for r in rows:
+        r["predicted_tokens_per_s"] = r["tokens"] * bandwidth / r["bytes"]
+    lines = [f"{model_dir}, fp32, cache of {args.cache_size} slots. Flops and bytes of one step of each compiled "
+             "program (bytes: the byte model of the module's docstring); predicted tokens/s = tokens per step x "
+             f"bandwidth / bytes per step, at {bandwidth / 1e9:.1f} GB/s (fp32 matrix-vector product over 512 MiB, "
+             "measured in this run).", "",
+             "| program | GFLOP/step | GB/step | flop/B | MB/token | cache copies/step (GB) | predicted tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['program']} | {r['flops'] / 1e9:.2f} | {r['bytes'] / 1e9:.3f} | {r['flops'] / r['bytes']:.2f} | "
+              f"{r['bytes'] / r['tokens'] / 1e6:.2f} | {r['cache_copies']} ({r['cache_copy_bytes'] / 1e9:.3f}) | "
+              f"{r['predicted_tokens_per_s']:.0f} |" for r in rows]
+    data = {"model": model_dir, "cache_size": args.cache_size, "new_tokens": NEW_TOKENS,
+            "bandwidth_bytes_per_s": bandwidth, "rows": rows}
+    write_report(args.out, "decode_profile", data, "\n\n".join(["\n".join(lines)] + [component_table(r) for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
