@@ -301,7 +301,7 @@ def _distill(args: argparse.Namespace) -> int:
     out, shard = process_shard(args.out, args.shard)
     distill(args.model, resolve_data(args.prompts), out, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, chat=args.chat,
-            temperature=args.temperature, seed=args.seed, limit=args.limit, chunk=args.chunk, shard=shard)
+            temperature=args.temperature, seed=args.seed, limit=args.limit, refill=args.refill, shard=shard)
     return 0
 
 

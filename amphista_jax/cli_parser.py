@@ -215,8 +215,9 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
                    "shard and answers into <out stem>.process<i><suffix>")
     d.add_argument("--merge", nargs="+", default=None, metavar="FILE", help="join the --out files of a run's shards "
                    "into a new --out")
-    d.add_argument("--chunk", type=int, default=64, help="new tokens per batch pass: stopped rows are refilled with "
-                   "the next prompts between passes")
+    d.add_argument("--refill", action=argparse.BooleanOptionalAction, default=True,
+                   help="in-flight batching: rows that stop are refilled with the next prompts inside the decode "
+                   "while the others go on (default); --no-refill runs static batches")
     d.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="use the chat template (default: when the tokenizer has one)")
     d.add_argument("--temperature", type=float, default=0.0)

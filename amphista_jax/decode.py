@@ -25,6 +25,7 @@ from flax import struct
 from amphista_jax.cache import KVCache, compact, constrain_caches
 from amphista_jax.decode_spec import DEFAULT_ACCEPTANCE, GREEDY, DecodeSpec
 from amphista_jax.drafters.base import DraftContext, Drafter, PrefillContext, Proposal, accepted_tokens
+from amphista_jax.errors import DecodeSpecError
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache
@@ -361,13 +362,16 @@ def decode(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: j
     return output(final, spec)
 
 
-def _advance(step: Callable[[Any], Any], state: Any, steps: int) -> Any:
+def _advance(step: Callable[[Any], Any], state: Any, steps: int, until_done: jax.Array | None = None) -> Any:
     """At most `steps` iterations of `step` (a decode step on `ARState` or `SpecState`), fewer once every row is
-    done: a chunk of a stream."""
+    done, or once `until_done` rows are (in-flight batching: the caller then refills them): a chunk of a stream."""
+    batch = state.done.shape[0]
+    enough = batch if until_done is None else until_done
+
     def body(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
         return carry[0] + 1, step(carry[1])
 
-    return jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done), body,
+    return jax.lax.while_loop(lambda c: (c[0] < steps) & (jnp.sum(c[1].done) < enough), body,
                               (jnp.zeros((), jnp.int32), state))[1]
 
 
@@ -381,8 +385,41 @@ def start(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: ja
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "steps"))
-def advance(params: dict, draft_params: Any, state: ARState | SpecState, *, spec: DecodeSpec,
-            steps: int) -> ARState | SpecState:
-    """Up to `steps` more decode steps of a `start`ed generation (fewer once every row is done); `draft_params` as
+def advance(params: dict, draft_params: Any, state: ARState | SpecState, until_done: jax.Array | None = None, *,
+            spec: DecodeSpec, steps: int) -> ARState | SpecState:
+    """Up to `steps` more decode steps of a `start`ed generation, fewer once every row is done or, given
+    `until_done` (a traced count: any value, one program), once that many rows are; `draft_params` as
     `start`'s."""
-    return _advance(lambda s: step(params, draft_params, s, spec), state, steps)
+    return _advance(lambda s: step(params, draft_params, s, spec), state, steps, until_done)
+
+
+def ar_idle(config: ModelConfig, batch: int, cache_size: int, max_new_tokens: int, rng: jax.Array,
+            dtype: jnp.dtype = jnp.float32, pad_id: int = 0) -> ARState:
+    """An autoregressive state whose `batch` rows are all done and empty: in-flight batching `refill`s its slots."""
+    return ARState(cache=new_cache(config, batch, cache_size, dtype), last=jnp.full((batch,), pad_id, jnp.int32),
+                   tokens=jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+                   num_tokens=jnp.zeros((batch,), jnp.int32), done=jnp.ones((batch,), bool),
+                   steps=jnp.zeros((), jnp.int32), rng=rng)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def refill(params: dict, state: ARState, slots: jax.Array, prompt: jax.Array, prompt_lengths: jax.Array,
+           rng: jax.Array, *, spec: DecodeSpec) -> ARState:
+    """In-flight batching: start the right-padded prompts `[R, T]` in rows `slots [R]` of a running autoregressive
+    state (rows that are done): their prefill (`ar_init` at the state's cache size), scattered over those rows'
+    cache, tokens and flags; the other rows go on untouched. A slot `>= B` is dropped (padding up to a fixed R, so
+    that a few refill sizes share programs). `state` is donated: its cache is updated in place."""
+    if spec.speculative:
+        raise DecodeSpecError("drafter", spec.drafter, "in-flight refill is autoregressive only: pass None")
+    _check_static_fit(prompt.shape[1], spec.max_new_tokens, 0, state.cache.size)
+    new = ar_init(spec.model(params), params, prompt, prompt_lengths, rng, state.cache.size, spec.max_new_tokens,
+                  spec.sampling, spec.eos_ids, spec.pad_id)
+
+    def put(old: jax.Array, fresh: jax.Array, axis: int = 0) -> jax.Array:
+        index = (slice(None),) * axis + (slots,)
+        return old.at[index].set(fresh, mode="drop")
+
+    cache = KVCache(put(state.cache.k, new.cache.k, 1), put(state.cache.v, new.cache.v, 1),
+                    put(state.cache.lengths, new.cache.lengths))
+    return state.replace(cache=cache, last=put(state.last, new.last), tokens=put(state.tokens, new.tokens),
+                         num_tokens=put(state.num_tokens, new.num_tokens), done=put(state.done, new.done))

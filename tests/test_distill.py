@@ -18,7 +18,7 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.decode import generate, pad_prompts
 from amphista_jax.models.hf import load_params
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-from amphista_jax.train.distill import Answering, answer_in_chunks, distill, length_buckets
+from amphista_jax.train.distill import Answering, InFlight, answer_in_flight, distill, length_buckets
 
 MODEL = str(default_model_dir())
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def __init__(self):", "x = [",
@@ -36,47 +36,78 @@ def _answers(path) -> dict[str, list[int]]:
     return {r["id"]: r["answer_ids"] for r in records}
 
 
-def test_chunks_refill_stopped_rows_and_continue_the_others():
-    """Shortest prompts first; after each pass of `chunk` tokens stopped rows leave (a stop token, or the budget) and
-    the next prompts take their slots, while unfinished rows go on from their prompt and answer so far."""
+class FakeRows:
+    """`Rows` on the host: a prompt `[n]` stops after n tokens (all 1s, then the stop id 9); `log` records each
+    refill's slots and each run's `until_done`."""
+
+    def __init__(self, batch):
+        self.batch, self.log = batch, []
+        self.left, self.answer = [0] * batch, [None] * batch  # tokens still to come per row (0: done)
+
+    def refill(self, slots, contexts):
+        self.log.append(("refill", slots))
+        for i, c in zip(slots, contexts, strict=True):
+            self.left[i], self.answer[i] = c[0], []
+
+    def run(self, until_done):
+        self.log.append(("run", until_done))
+        while sum(n == 0 for n in self.left) < until_done:
+            for i, n in enumerate(self.left):
+                if n:
+                    self.left[i] -= 1
+                    self.answer[i].append(9 if n == 1 else 1)
+        return [list(a) if n == 0 and a is not None else None for a, n in zip(self.answer, self.left, strict=True)]
+
+
+def test_in_flight_batching_refills_stopped_rows_while_the_others_go_on():
+    """Shortest prompts first; the decode stops once `min_refill` rows are done, the next prompts take those rows
+    and the others go on; once the queue is empty the last rows run out. Static batching waits for the last row."""
     assert length_buckets([1, 16, 17, 40, 300], 256) == [16, 16, 32, 64, 256]
-    stop_after = {"a": 3, "b": 9, "c": 2, "d": 100}  # tokens until the row's stop token (9 = the stop id)
-    passes = []
-
-    def run(contexts, steps):
-        passes.append([len(c) for c in contexts])
-        out = []
-        for c in contexts:
-            key, answered = chr(ord("a") + c[0]), len(c) - 1  # context = [prompt id] + answer so far
-            n = min(steps, stop_after[key] - answered)
-            out.append([1] * (n - 1) + [9] if n < steps or answered + n == stop_after[key] else [1] * steps)
-        return out
-
-    todo = [Answering(k, k, [ord(k) - ord("a")] * 1) for k in "dcba"]
-    done = list(answer_in_chunks(todo, run, batch_size=2, chunk=4, max_new_tokens=8, eos=(9,)))
-    assert [(a.key, len(a.answer), a.answer[-1]) for a in done] == [
-        ("c", 2, 9), ("d", 8, 1), ("b", 8, 1), ("a", 3, 9)]
-    assert passes == [[1, 1], [5, 1], [5, 1]]  # d goes on beside b (c's slot), then b beside a (d's)
+    # (key, tokens until its stop); the prompt's length sets the order: e, a, b, c, d
+    todo = [Answering(k, k, [n] * (1 + "eabcd".index(k))) for k, n in (("d", 9), ("a", 2), ("c", 5), ("b", 3),
+                                                                         ("e", 1))]
+    rows = FakeRows(2)
+    done = list(answer_in_flight(todo, rows, refill=True, min_refill=1))
+    assert [(a.key, len(a.answer)) for a in done] == [("e", 1), ("a", 2), ("b", 3), ("d", 9), ("c", 5)]
+    assert all(a.answer[-1] == 9 for a in done)
+    # e stops; b takes its row beside a; a stops, c takes its row; b stops, d takes its row; the queue is empty,
+    # so c and d run out together
+    assert rows.log == [("refill", [0, 1]), ("run", 1), ("refill", [0]), ("run", 1), ("refill", [1]), ("run", 1),
+                        ("refill", [0]), ("run", 2)]
+    static = FakeRows(2)
+    assert [a.key for a in answer_in_flight(todo, static, refill=False, min_refill=1)] == ["e", "a", "b", "c", "d"]
+    assert static.log == [("refill", [0, 1]), ("run", 2), ("refill", [0, 1]), ("run", 2), ("refill", [0]),
+                          ("run", 2)]
 
 
 def test_batched_answers_equal_each_prompt_answered_alone(tmp_path, monkeypatch):
-    """Batch 4 over ragged prompts in two length buckets, with a stop token ending some rows early (here the first
-    line break also stops, so rows stop at different steps): each row equals its prompt answered alone by `generate`
-    at its bucket's shape; the 40-word prompt is over --prompt-len and is skipped, not cut."""
+    """Batch 2 over ragged prompts in two length buckets, with a stop token ending some rows early (here the first
+    line break also stops, so rows stop at different steps) and stopped rows refilled while the other goes on: each
+    row equals its prompt answered alone by `generate` at its bucket's shape; the 40-word prompt is over
+    --prompt-len and is skipped, not cut."""
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
     _write_prompts(prompts)
     tok = load_tokenizer(MODEL)
     eos = (*stop_token_ids(MODEL, tok, load_params(MODEL)[1]), *tok.encode("\n", add_special_tokens=False))
     monkeypatch.setattr("amphista_jax.train.distill.stop_token_ids", lambda *_: eos)
-    assert distill(MODEL, str(prompts), str(out), batch_size=4, max_new_tokens=12, prompt_len=32,
+    going_on = []  # per refill: how many rows were still decoding beside the refilled ones
+    refill = InFlight.refill
+
+    def spy(rows, slots, contexts):
+        going_on.append(int((~np.asarray(rows.state.done)).sum()))
+        refill(rows, slots, contexts)
+
+    monkeypatch.setattr(InFlight, "refill", spy)
+    assert distill(MODEL, str(prompts), str(out), batch_size=2, max_new_tokens=12, prompt_len=32,
                    chat=False) == 5
+    assert max(going_on) == 1  # a row was refilled while the other went on with its cache
     answers = _answers(out)
     assert set(answers) == {f"p{i}" for i in range(5)}
     params, config = load_params(MODEL)
     stopped_early = 0
     for i, prompt in enumerate(PROMPTS[:5]):
         ids = encode_prompt(tok, prompt, chat=False)
-        tokens, lengths = pad_prompts([ids] * 4, length=length_buckets([len(ids)], 32)[0])
+        tokens, lengths = pad_prompts([ids] * 2, length=length_buckets([len(ids)], 32)[0])
         alone = generate(params, tokens, lengths, jax.random.key(0), config=config, max_new_tokens=12,
                          cache_size=tokens.shape[1] + 12, eos_ids=eos, pad_id=config.pad_token_id or 0)
         stopped_early += int(alone.num_tokens[0]) < 12
@@ -98,15 +129,16 @@ def test_a_killed_run_resumes_without_losing_or_repeating_an_answer(tmp_path):
     assert _answers(out) == _answers(whole)
 
 
-def test_answers_in_chunks_equal_answers_in_one_pass(tmp_path):
-    """Continuing a row from its prompt and answer so far (a new prefill every 3 tokens, slots refilled) gives the
-    answers one pass of 12 tokens gives."""
-    prompts, chunked, whole = tmp_path / "prompts.jsonl", tmp_path / "chunked.jsonl", tmp_path / "whole.jsonl"
+def test_in_flight_answers_equal_static_batches(tmp_path, capsys):
+    """Rows refilled while the others go on (their caches kept) answer what static batches answer, and the run
+    reports its idle row-steps."""
+    prompts, flight, static = tmp_path / "prompts.jsonl", tmp_path / "flight.jsonl", tmp_path / "static.jsonl"
     _write_prompts(prompts)
     kw = dict(batch_size=2, max_new_tokens=12, prompt_len=32, chat=False)
-    assert distill(MODEL, str(prompts), str(chunked), chunk=3, **kw) == 5
-    assert distill(MODEL, str(prompts), str(whole), chunk=12, **kw) == 5
-    assert _answers(chunked) == _answers(whole)
+    assert distill(MODEL, str(prompts), str(flight), refill=True, **kw) == 5
+    assert distill(MODEL, str(prompts), str(static), refill=False, **kw) == 5
+    assert _answers(flight) == _answers(static)
+    assert "of the decode row-steps idle" in capsys.readouterr().out
 
 
 def test_two_shards_merge_to_one_runs_answers(tmp_path, capsys):

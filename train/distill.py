@@ -5,10 +5,11 @@
 Prompts come from JSONL (`prompt`, `turns` (first turn) or a ShareGPT/messages record (first user turn));
 each record's `id` (or `question_id`, else its line number) identifies it. Prompts longer than `--prompt-len`
 tokens (after the chat template) are skipped and counted, never cut: a cut chat prompt would lose its template's
-header. The rest are answered shortest first, `--batch-size` rows at a time and `--chunk` new tokens per pass: after
-each pass the rows that stopped are written and their slots refilled with the next prompts, the others go on from
-their prompt and answer so far (`answer_in_chunks`), so a batch never idles while one long answer finishes. Contexts
-are padded to power-of-two length buckets (one compiled program per bucket).
+header. The rest are answered shortest first, one power-of-two length bucket at a time, `--batch-size` rows on
+device with in-flight batching: the jitted decode loop stops once a few rows have stopped, those are written and
+their rows refilled with the next prompts (a prefill scattered into their cache rows), while the others go on with
+their caches (`answer_in_flight`), so a batch never idles while one long answer finishes. `--no-refill` runs
+static batches instead (each until its last row stops), for comparison.
 
 Answers are appended to `--out` as ShareGPT JSONL, one line per finished prompt, with the answer's token ids
 (`answer_ids`, a stop token included) and why it stopped (`stop`: "eos" or "length"), so a rerun skips what is
@@ -27,20 +28,20 @@ import itertools
 import json
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.decode import advance, ar_idle, pad_prompts, refill
+from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
 from amphista_jax.generator import bucket
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.output_lock import file_lock, lock_beside, write_atomic
-from amphista_jax.prompt_checks import check_fits
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.data import DataError, DataReport, normalize_messages, read_records
@@ -137,10 +138,9 @@ def _record_id(raw: bytes) -> str | None:
 
 
 def check_distill_args(model: str, prompts_file: str, out_file: str, batch_size: int, max_new_tokens: int,
-                       prompt_len: int, temperature: float, limit: int = 0, chunk: int = 64) -> None:
+                       prompt_len: int, temperature: float, limit: int = 0) -> None:
     """UsageError (or the checkpoint's own error) for arguments that cannot work, before anything is loaded."""
-    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("prompt_len", prompt_len),
-                        ("chunk", chunk)):
+    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("prompt_len", prompt_len)):
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 1")
     if limit < 0:
@@ -163,7 +163,7 @@ def length_buckets(lengths: list[int], prompt_len: int) -> list[int]:
 
 @dataclasses.dataclass
 class Answering:
-    """A prompt being answered: its token ids and the answer so far."""
+    """A prompt being answered: its token ids and, once done, its answer."""
 
     key: str
     prompt: str
@@ -171,38 +171,87 @@ class Answering:
     answer: list[int] = dataclasses.field(default_factory=list)
 
 
-def answer_in_chunks(todo: list[Answering], run: Callable[[list[list[int]], int], list[list[int]]],
-                     batch_size: int, chunk: int, max_new_tokens: int, eos: tuple[int, ...]) -> Iterator[Answering]:
-    """Answer `todo` (shortest prompts first) in batches of `batch_size` rows, `chunk` new tokens at a time: after each
-    chunk the rows that stopped (a stop token, or `max_new_tokens` reached) are yielded and their slots refilled
-    with the next prompts, while the others go on in the next batch from their prompt and answer so far (a new
-    prefill). A batch then waits for its longest row for at most `chunk` steps, not `max_new_tokens`.
-    `run(contexts, new_tokens)` continues each context greedily by up to `new_tokens` tokens."""
-    fresh = iter(sorted(todo, key=lambda a: len(a.ids)))
-    going: list[Answering] = []
+class Rows(Protocol):
+    """`batch` decoding rows on device, as in-flight batching drives them (`InFlight`)."""
+
+    batch: int
+
+    def refill(self, slots: list[int], contexts: list[list[int]]) -> None:
+        """Start `contexts` in the (done) rows `slots`."""
+
+    def run(self, until_done: int) -> list[list[int] | None]:
+        """Decode until at least `until_done` rows are done; per row, its answer if done, else None."""
+
+
+def answer_in_flight(todo: list[Answering], rows: Rows, refill: bool, min_refill: int) -> Iterator[Answering]:
+    """Answer `todo` in `rows` (shortest prompts first), yielding each prompt as its row stops. With `refill`
+    (in-flight batching) the decode loop stops once `min_refill` more rows are done (fewer when fewer are live) and
+    the next prompts take those rows, while the others go on with their caches; without it, batches run until
+    their last row stops (static batching)."""
+    queue = sorted(todo, key=lambda a: len(a.ids))
+    held: list[Answering | None] = [None] * rows.batch
     while True:
-        batch = going + list(itertools.islice(fresh, batch_size - len(going)))
-        if not batch:
+        free = [i for i, a in enumerate(held) if a is None]
+        if queue and (refill or len(free) == rows.batch):
+            new, queue = queue[: len(free)], queue[len(free):]
+            rows.refill(free[: len(new)], [a.ids for a in new])
+            for i, a in zip(free[: len(new)], new, strict=True):
+                held[i] = a
+        live = rows.batch - held.count(None)
+        if not live:
             return
-        going = []
-        for row, new in zip(batch, run([a.ids + a.answer for a in batch], chunk), strict=True):
-            row.answer = (row.answer + new)[:max_new_tokens]
-            stopped = bool(row.answer) and row.answer[-1] in eos
-            if stopped or len(row.answer) >= max_new_tokens:
-                yield row
-            else:
-                going.append(row)
+        until = rows.batch - live + min(min_refill, live) if refill and queue else rows.batch
+        for i, answer in enumerate(rows.run(until)):
+            if answer is not None and held[i] is not None:
+                held[i].answer = answer
+                yield held[i]
+                held[i] = None
+
+
+class InFlight:
+    """`Rows` on `decode`: an autoregressive state of `batch` rows with a cache of `prompt_len + max_new_tokens`
+    slots, prompts right-padded to `prompt_len`. A refill prefills a power of two of rows, at least `min_refill`
+    (padding rows dropped), so a few programs serve every refill; `run` is one program for any `until_done`."""
+
+    def __init__(self, params: dict, spec: DecodeSpec, batch: int, prompt_len: int, seed: int, min_refill: int):
+        self.params, self.spec, self.batch, self.prompt_len, self.min_refill = params, spec, batch, prompt_len, \
+            min_refill
+        steps_key, self.key = jax.random.split(jax.random.key(seed))  # the decode steps' draws, the refills'
+        self.refills = itertools.count()
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.state = ar_idle(spec.config, batch, prompt_len + spec.max_new_tokens, spec.max_new_tokens,
+                             steps_key, dtype, spec.pad_id)
+        self.row_steps = 0  # batch x decode steps run: the slots the answers' tokens could have used
+
+    def refill(self, slots: list[int], contexts: list[list[int]]) -> None:
+        r = min(self.batch, max(self.min_refill, 1 << (len(slots) - 1).bit_length()))
+        tokens, lengths = pad_prompts(contexts + [contexts[0]] * (r - len(contexts)), length=self.prompt_len,
+                                      pad_id=self.spec.pad_id)
+        index = np.array(slots + [self.batch] * (r - len(slots)), np.int32)  # `batch`: a dropped padding row
+        self.state = refill(self.params, self.state, index, tokens, lengths,
+                            jax.random.fold_in(self.key, next(self.refills)), spec=self.spec)
+
+    def run(self, until_done: int) -> list[list[int] | None]:
+        before = int(self.state.steps)
+        self.state = advance(self.params, None, self.state, until_done, spec=self.spec,
+                             steps=self.spec.max_new_tokens)
+        done, counts = np.asarray(self.state.done), np.asarray(self.state.num_tokens)
+        self.row_steps += (int(self.state.steps) - before) * self.batch
+        tokens = np.asarray(self.state.tokens)
+        return [row[:n].tolist() if d else None for row, n, d in zip(tokens, counts, done, strict=True)]
+
+
+MIN_REFILL = 4  # rows a refill waits for (at most half the batch) and prefills at least (padding dropped)
 
 
 def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, max_new_tokens: int = 256,
             prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0,
-            limit: int = 0, chunk: int = 64, shard: tuple[int, int] = (0, 1)) -> int:
-    """Answer every prompt (the first `limit` that fit, with `limit`) not yet in `out_file`, `chunk` new tokens per
-    batch pass (`answer_in_chunks`); with `shard` (i, n) only every n-th of them from the i-th, so n processes
-    answer disjoint shards into their own files (`merge_answers` joins them). Returns how many were answered in
-    this run."""
-    check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature, limit,
-                       chunk)
+            limit: int = 0, refill: bool = True, shard: tuple[int, int] = (0, 1)) -> int:
+    """Answer every prompt (the first `limit` that fit, with `limit`) not yet in `out_file`, one length bucket at a
+    time, `batch_size` rows with in-flight refills (`answer_in_flight`; static batches without `refill`); with
+    `shard` (i, n) only every n-th of them from the i-th, so n processes answer disjoint shards into their own
+    files (`merge_answers` joins them). Returns how many were answered in this run."""
+    check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature, limit)
     out = Path(out_file)
     with file_lock(lock_beside(out), "distill"):  # one run appends to a file at a time
         done, cut = _answered_ids(out)
@@ -229,38 +278,33 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
             return 0
         params, config = load_params(model, layout="split")  # decoding's layout: no per-step weight or cache copies
         eos = stop_token_ids(model, tok, config)
-        pad = config.pad_token_id or 0
-        sampling, passes = SamplingConfig(temperature), itertools.count()
-        new_tokens = 0  # answered tokens, for the progress bar's tokens/s (compiles included)
-
-        def run(contexts: list[list[int]], steps: int) -> list[list[int]]:
-            nonlocal new_tokens
-            length = length_buckets([max(map(len, contexts))], prompt_len + max_new_tokens)[0]
-            rows = contexts + [contexts[0]] * (batch_size - len(contexts))  # fixed shape: one compile per bucket
-            tokens, lengths = pad_prompts(rows, length=length, pad_id=pad)
-            check_fits(lengths, steps, length + steps)
-            result = generate(params, tokens, lengths, jax.random.fold_in(jax.random.key(seed), next(passes)),
-                              config=config, max_new_tokens=steps, cache_size=length + steps, sampling=sampling,
-                              eos_ids=eos, pad_id=pad)
-            out_rows, counts = np.asarray(result.tokens), np.asarray(result.num_tokens)
-            new_tokens += int(counts[: len(contexts)].sum())
-            bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - t0):.1f}")
-            return [r[:n].tolist() for r, n in zip(out_rows[: len(contexts)], counts[: len(contexts)], strict=True)]
-
+        spec = DecodeSpec(config, None, None, max_new_tokens, SamplingConfig(temperature), eos_ids=eos,
+                          pad_id=config.pad_token_id or 0)
         out.parent.mkdir(parents=True, exist_ok=True)
         if cut is not None:
             print(f"warning: cutting the torn last line of {out} (an interrupted run); that prompt is redone")
             with out.open("r+b") as f:
                 f.truncate(cut)
-        t0 = time.perf_counter()
+        buckets = itertools.groupby(sorted(todo, key=lambda a: len(a.ids)),
+                                    key=lambda a: length_buckets([len(a.ids)], prompt_len)[0])
+        t0, new_tokens, row_steps = time.perf_counter(), 0, 0
         with out.open("a") as f, tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
-            for a in answer_in_chunks(todo, run, batch_size, min(chunk, max_new_tokens), max_new_tokens, eos):
-                f.write(json.dumps({"id": a.key, "conversations": [
-                    {"from": "human", "value": a.prompt},
-                    {"from": "gpt", "value": tok.decode(a.answer, skip_special_tokens=True)}],
-                    "answer_ids": a.answer, "stop": "eos" if a.answer[-1] in eos else "length"}) + "\n")
-                f.flush()
-                bar.update(1)
+            for length, group in buckets:
+                rows = InFlight(params, spec, batch_size, length, seed, MIN_REFILL)
+                for a in answer_in_flight(list(group), rows, refill, max(1, min(MIN_REFILL, batch_size // 2))):
+                    f.write(json.dumps({"id": a.key, "conversations": [
+                        {"from": "human", "value": a.prompt},
+                        {"from": "gpt", "value": tok.decode(a.answer, skip_special_tokens=True)}],
+                        "answer_ids": a.answer, "stop": "eos" if a.answer[-1] in eos else "length"}) + "\n")
+                    f.flush()
+                    new_tokens += len(a.answer)
+                    bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - t0):.1f}")
+                    bar.update(1)
+                row_steps += rows.row_steps
+        seconds = time.perf_counter() - t0
+        print(f"answered {len(todo)} prompts, {new_tokens} tokens in {seconds:.0f} s ({new_tokens / seconds:.1f} "
+              f"tokens/s, compiles included); {1 - (new_tokens - len(todo)) / max(row_steps, 1):.1%} of the decode "
+              "row-steps idle")  # each answer's first token comes from its prefill
         return len(todo)
 
 

@@ -1,0 +1,110 @@
+"""Regeneration throughput: tokens/s of `distill`'s answering at each batch size, with in-flight refills and with
+static batches, in one run.
+
+    python -m amphista_jax.evals.benchmarks.regen_throughput [--model smollm2] [--batches 1 4 16 64 128 256]
+        [--rows-per-batch 2] [--max-new-tokens 256] [--bucket 64] [--out runs/benchmarks]
+
+The prompts are ShareGPT first turns (`amphista-jax fetch sharegpt`) whose chat-templated length falls in one
+`--bucket` (so every batch size answers the same kind of prompt at one padded length), in file order,
+`--rows-per-batch` x batch of them per batch size, greedy, up to `--max-new-tokens` each, stopping at the target's
+stop tokens: what `amphista-jax distill` does. Both modes answer the same prompts with the same programs
+(`train.distill.InFlight`): `refill` stops the decode loop once a few rows are done and starts the next prompts in
+their rows while the others go on (`answer_in_flight`); `static` runs each batch until its last row stops. Every
+program (the refill sizes and the decode loop) is compiled before the clock starts. Idle: the share of the decode
+loop's row-steps (batch x steps) that produced no token (rows done and waiting; each answer's first token comes
+from its prefill, not the loop). Writes `regen_throughput.json`
+and `.md` to `--out`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+from amphista_jax.decode_spec import DecodeSpec
+from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
+from amphista_jax.fetch import resolve_data
+from amphista_jax.generator import bucket
+from amphista_jax.sampling import SamplingConfig
+from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from amphista_jax.train.distill import MIN_REFILL, Answering, InFlight, answer_in_flight, read_prompts
+
+
+def bucket_prompts(model: str, count: int, length: int) -> list[Answering]:
+    """The first `count` ShareGPT first turns whose chat-templated ids pad to `length` (`generator.bucket`)."""
+    tok = load_tokenizer(model)
+    prompts, _ = read_prompts(resolve_data("sharegpt"))
+    picked = []
+    for key, text in prompts:
+        ids = encode_prompt(tok, text, chat=bool(tok.chat_template))
+        if bucket(len(ids)) == length:
+            picked.append(Answering(key, text, ids))
+            if len(picked) == count:
+                return picked
+    raise SystemExit(f"only {len(picked)} ShareGPT prompts pad to {length} tokens: lower --rows-per-batch or pick "
+                     "another --bucket")
+
+
+def warm(rows: InFlight) -> None:
+    """Compile every program `rows` can run: each refill size and the decode loop (run for zero steps)."""
+    r = min(rows.batch, rows.min_refill)
+    while True:
+        rows.refill(list(range(r)), [[0]] * r)
+        if r == rows.batch:
+            break
+        r = min(rows.batch, 2 * r)
+    rows.run(0)
+
+
+def answer(params: dict, spec: DecodeSpec, prompts: list[Answering], batch: int, length: int, refill: bool) -> dict:
+    """Answer `prompts` at `batch` rows (`refill`: in-flight, else static batches); time and idle share."""
+    warm(InFlight(params, spec, batch, length, 0, MIN_REFILL))
+    rows = InFlight(params, spec, batch, length, 0, MIN_REFILL)
+    todo = [Answering(a.key, a.prompt, a.ids) for a in prompts]
+    start = time.perf_counter()
+    tokens = sum(len(a.answer) for a in answer_in_flight(todo, rows, refill, max(1, min(MIN_REFILL, batch // 2))))
+    seconds = time.perf_counter() - start
+    decoded = tokens - len(todo)  # each answer's first token comes from its prefill
+    return {"batch": batch, "mode": "refill" if refill else "static", "prompts": len(prompts), "tokens": tokens,
+            "seconds": seconds, "tokens_per_s": tokens / seconds, "idle": 1 - decoded / max(rows.row_steps, 1),
+            "answers": {a.key: a.answer for a in todo}}
+
+
+def _gain(row: dict) -> str:
+    return f"{row['gain']:.2f}x" if "gain" in row else "-"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    parser.add_argument("--rows-per-batch", type=int, default=2, help="prompts answered per batch row")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--bucket", type=int, default=64, help="the prompts' padded length (a power of two)")
+    args = parser.parse_args(argv)
+    model, params, config = load_target(args.model or "smollm2")
+    tok = load_tokenizer(model)
+    spec = DecodeSpec(config, None, None, args.max_new_tokens, SamplingConfig(0.0),
+                      eos_ids=stop_token_ids(model, tok, config), pad_id=config.pad_token_id or 0)
+    prompts = bucket_prompts(model, args.rows_per_batch * max(args.batches), args.bucket)
+    rows = []
+    for batch in args.batches:
+        mine = prompts[: args.rows_per_batch * batch]
+        static, flight = (answer(params, spec, mine, batch, args.bucket, refill) for refill in (False, True))
+        if static.pop("answers") != flight.pop("answers"):
+            raise SystemExit(f"batch {batch}: in-flight answers differ from static batches'")
+        flight["gain"] = flight["tokens_per_s"] / static["tokens_per_s"]
+        rows += [static, flight]
+        print(f"batch {batch}: static {static['tokens_per_s']:.1f} tokens/s ({static['idle']:.0%} idle), refill "
+              f"{flight['tokens_per_s']:.1f} ({flight['idle']:.0%} idle): {flight['gain']:.2f}x", flush=True)
+    table = (f"SmolLM2 regeneration ({model}), ShareGPT prompts padded to {args.bucket} tokens, up to "
+             f"{args.max_new_tokens} new tokens, greedy; {args.rows_per_batch} prompts per row; jax "
+             f"{jax.__version__}\n\n| batch | mode | prompts | tokens | s | tokens/s | idle row-steps | refill gain |\n"
+             "|---|---|---|---|---|---|---|---|\n")
+    table += "".join(f"| {r['batch']} | {r['mode']} | {r['prompts']} | {r['tokens']} | {r['seconds']:.1f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['idle']:.1%} | {_gain(r)} |\n" for r in rows)
+    write_report(args.out, "regen_throughput", {"rows": rows, "args": vars(args)}, table)
+
+
+if __name__ == "__main__":
+    main()
