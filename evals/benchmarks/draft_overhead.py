@@ -25,8 +25,9 @@ then the drafter's), then one `spec_step`. On that state each part of the step i
   drafter weight (a Medusa-style head has its own `[D, V]` projection) costs at least this share of an AR step.
 Hydra's appendix D (Table 1) splits the draft overhead into each head; here that split comes from timing
 `spec_propose` with the tree cut at depth 1, 2, ..., D: the increments are what each deeper head adds (for
-Medusa and Amphista, whose heads all run in one pass, they are ~0 apart from the top-k gather). Heads are
-untrained (a step's time depends on the tree's shape, not on the weights). Writes draft_overhead.json and
+Medusa and Amphista, whose heads all run in one pass, they are ~0 apart from the top-k gather). A method name
+takes the heads shipped for `--model`, else untrained ones; a heads directory its trained heads and their settings
+(a step's time depends on the settings and the tree's shape, not on the weights). Writes draft_overhead.json and
 draft_overhead.md to `--out`.
 """
 
@@ -54,6 +55,7 @@ from amphista_jax.decode import (
     spec_verify,
 )
 from amphista_jax.decode_spec import DecodeSpec
+from amphista_jax.drafter_source import load_draft_params, read_source
 from amphista_jax.drafters import VARIANTS
 from amphista_jax.evals.benchmarks.common import (
     SIZES,
@@ -124,7 +126,9 @@ def step_parts_ms(params: dict, draft_params: Any, settings: DecodeSpec, s: Spec
 
 def main() -> None:
     parser = benchmark_parser(__doc__, runs=20)
-    parser.add_argument("--methods", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--methods", nargs="+", default=list(VARIANTS),
+                        help="method names (the heads shipped for --model, else untrained ones) or trained heads "
+                             "directories (their settings: block size, layers, draft vocabulary)")
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "small-16", "chain-4"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--committed", type=int, default=256)
@@ -141,8 +145,10 @@ def main() -> None:
     ar_ms = ar_step_ms(params, config, args.batch, args.committed, args.runs)
     rows = []
     for method, tree in tqdm(list(itertools.product(args.methods, args.trees)), desc="draft overhead"):
-        drafter, spec = VARIANTS[method], get_tree(tree)
-        draft_params = drafter.decode_params(drafter.init(jax.random.key(0), target))
+        model_dir = None if args.size else model
+        drafter, draft_params = load_draft_params(read_source(method, model_dir, config), target, model_dir,
+                                                  "float32")
+        draft_params, spec = drafter.decode_params(draft_params), get_tree(tree)
         settings = DecodeSpec(config, drafter, spec, MAX_NEW_TOKENS)
         s = steady_state(params, draft_params, settings, args.batch, args.committed)
         cuts = range(1, spec.depth + 1) if isinstance(spec, TreeSpec) else ()  # a dynamic budget has no cuts

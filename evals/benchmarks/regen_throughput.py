@@ -12,7 +12,10 @@ stop tokens: what `amphista-jax distill` does. Both modes answer the same prompt
 their rows while the others go on (`answer_in_flight`); `static` runs each batch until its last row stops. Every
 program (the refill sizes and the decode loop) is compiled before the clock starts. Idle: the share of the decode
 loop's row-steps (batch x steps) that produced no token (rows done and waiting; each answer's first token comes
-from its prefill, not the loop). Writes `regen_throughput.json`
+from its prefill, not the loop). The whole run ends with its last rows draining (both modes alike), which weighs
+more the fewer prompts each row answers; the steady columns stop at the last refill (static: every batch but the
+last; refill: the phase where the queue still feeds the rows): the regime of a long job such as the 8,000-prompt
+regeneration, where each bucket drains once. Writes `regen_throughput.json`
 and `.md` to `--out`.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import time
 
 import jax
+import numpy as np
 
 from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
@@ -57,22 +61,47 @@ def warm(rows: InFlight) -> None:
     rows.run(0)
 
 
+class Marked(InFlight):
+    """`InFlight` that notes, at each refill, the clock, the tokens decoded so far (finished answers and the live
+    rows' answers so far) and the loop's row-steps: at the last refill they measure the steady phase, before the
+    queue runs dry and the last rows drain."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.start, self.finished, self.mark = time.perf_counter(), 0, (0.0, 0, 0)
+
+    def refill(self, slots: list[int], contexts: list[list[int]]) -> None:
+        done, counts = np.asarray(self.state.done), np.asarray(self.state.num_tokens)
+        live = int(np.maximum(counts[~done] - 1, 0).sum())  # each answer's first token comes from its prefill
+        self.mark = (time.perf_counter() - self.start, self.finished + live, self.row_steps)
+        super().refill(slots, contexts)
+
+
 def answer(params: dict, spec: DecodeSpec, prompts: list[Answering], batch: int, length: int, refill: bool) -> dict:
-    """Answer `prompts` at `batch` rows (`refill`: in-flight, else static batches); time and idle share."""
+    """Answer `prompts` at `batch` rows (`refill`: in-flight, else static batches): time and idle share, whole and
+    in the steady phase (up to the last refill)."""
     warm(InFlight(params, spec, batch, length, 0, MIN_REFILL))
-    rows = InFlight(params, spec, batch, length, 0, MIN_REFILL)
+    rows = Marked(params, spec, batch, length, 0, MIN_REFILL)
     todo = [Answering(a.key, a.prompt, a.ids) for a in prompts]
-    start = time.perf_counter()
-    tokens = sum(len(a.answer) for a in answer_in_flight(todo, rows, refill, max(1, min(MIN_REFILL, batch // 2))))
-    seconds = time.perf_counter() - start
-    decoded = tokens - len(todo)  # each answer's first token comes from its prefill
+    rows.start = time.perf_counter()
+    for a in answer_in_flight(todo, rows, refill, max(1, min(MIN_REFILL, batch // 2))):
+        rows.finished += len(a.answer) - 1
+    seconds = time.perf_counter() - rows.start
+    tokens = sum(len(a.answer) for a in todo)
+    at, decoded, row_steps = rows.mark
     return {"batch": batch, "mode": "refill" if refill else "static", "prompts": len(prompts), "tokens": tokens,
-            "seconds": seconds, "tokens_per_s": tokens / seconds, "idle": 1 - decoded / max(rows.row_steps, 1),
+            "seconds": seconds, "tokens_per_s": tokens / seconds, "idle": 1 - rows.finished / max(rows.row_steps, 1),
+            "steady_s": at, "steady_tokens_per_s": decoded / at if at else None,
+            "steady_idle": 1 - decoded / row_steps if row_steps else None,
             "answers": {a.key: a.answer for a in todo}}
 
 
-def _gain(row: dict) -> str:
-    return f"{row['gain']:.2f}x" if "gain" in row else "-"
+def _gain(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}x" if key in row else "-"
+
+
+def _num(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,15 +123,21 @@ def main(argv: list[str] | None = None) -> None:
         if static.pop("answers") != flight.pop("answers"):
             raise SystemExit(f"batch {batch}: in-flight answers differ from static batches'")
         flight["gain"] = flight["tokens_per_s"] / static["tokens_per_s"]
+        if flight["steady_tokens_per_s"] and static["steady_tokens_per_s"]:
+            flight["steady_gain"] = flight["steady_tokens_per_s"] / static["steady_tokens_per_s"]
         rows += [static, flight]
         print(f"batch {batch}: static {static['tokens_per_s']:.1f} tokens/s ({static['idle']:.0%} idle), refill "
               f"{flight['tokens_per_s']:.1f} ({flight['idle']:.0%} idle): {flight['gain']:.2f}x", flush=True)
     table = (f"SmolLM2 regeneration ({model}), ShareGPT prompts padded to {args.bucket} tokens, up to "
              f"{args.max_new_tokens} new tokens, greedy; {args.rows_per_batch} prompts per row; jax "
-             f"{jax.__version__}\n\n| batch | mode | prompts | tokens | s | tokens/s | idle row-steps | refill gain |\n"
-             "|---|---|---|---|---|---|---|---|\n")
+             f"{jax.__version__}. Steady: up to the last refill (static: every batch but the last; refill: until the "
+             "queue runs dry), decoded tokens only\n\n"
+             "| batch | mode | prompts | tokens | s | tokens/s | idle row-steps | gain | steady s | steady tokens/s | "
+             "steady idle | steady gain |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     table += "".join(f"| {r['batch']} | {r['mode']} | {r['prompts']} | {r['tokens']} | {r['seconds']:.1f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['idle']:.1%} | {_gain(r)} |\n" for r in rows)
+                     f"{r['tokens_per_s']:.1f} | {r['idle']:.1%} | {_gain(r, 'gain')} | {r['steady_s']:.1f} | "
+                     f"{_num(r['steady_tokens_per_s'], '.1f')} | {_num(r['steady_idle'], '.1%')} | "
+                     f"{_gain(r, 'steady_gain')} |\n" for r in rows)
     write_report(args.out, "regen_throughput", {"rows": rows, "args": vars(args)}, table)
 
 
