@@ -384,12 +384,12 @@ def start(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: ja
     return init(params, draft_params, prompt, prompt_lengths, rng, cache_size, spec)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "steps"))
+@functools.partial(jax.jit, static_argnames=("spec", "steps"), donate_argnames=("state",))
 def advance(params: dict, draft_params: Any, state: ARState | SpecState, until_done: jax.Array | None = None, *,
             spec: DecodeSpec, steps: int) -> ARState | SpecState:
     """Up to `steps` more decode steps of a `start`ed generation, fewer once every row is done or, given
     `until_done` (a traced count: any value, one program), once that many rows are; `draft_params` as
-    `start`'s."""
+    `start`'s. `state` is donated (the loop carries its cache in place): use the state returned."""
     return _advance(lambda s: step(params, draft_params, s, spec), state, steps, until_done)
 
 

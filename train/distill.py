@@ -213,10 +213,11 @@ class InFlight:
     slots, prompts right-padded to `prompt_len`. A refill prefills a power of two of rows, at least `min_refill`
     (padding rows dropped), so a few programs serve every refill; `run` is one program for any `until_done`."""
 
-    def __init__(self, params: dict, spec: DecodeSpec, batch: int, prompt_len: int, seed: int, min_refill: int):
+    def __init__(self, params: dict, spec: DecodeSpec, batch: int, prompt_len: int, key: jax.Array,
+                 min_refill: int):
         self.params, self.spec, self.batch, self.prompt_len, self.min_refill = params, spec, batch, prompt_len, \
             min_refill
-        steps_key, self.key = jax.random.split(jax.random.key(seed))  # the decode steps' draws, the refills'
+        steps_key, self.key = jax.random.split(key)  # the decode steps' draws, the refills'
         self.refills = itertools.count()
         dtype = jax.tree.leaves(params)[0].dtype
         self.state = ar_idle(spec.config, batch, prompt_len + spec.max_new_tokens, spec.max_new_tokens,
@@ -290,7 +291,9 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
         t0, new_tokens, row_steps = time.perf_counter(), 0, 0
         with out.open("a") as f, tqdm(total=len(todo), desc="distill", unit="prompt") as bar:
             for length, group in buckets:
-                rows = InFlight(params, spec, batch_size, length, seed, MIN_REFILL)
+                # each bucket and shard draws its own keys (at temperature > 0 no two share a sample's noise)
+                keys = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), shard[0]), length)
+                rows = InFlight(params, spec, batch_size, length, keys, MIN_REFILL)
                 for a in answer_in_flight(list(group), rows, refill, max(1, min(MIN_REFILL, batch_size // 2))):
                     f.write(json.dumps({"id": a.key, "conversations": [
                         {"from": "human", "value": a.prompt},
