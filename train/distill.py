@@ -245,6 +245,11 @@ class InFlight:
 MIN_REFILL = 4  # rows a refill waits for (at most half the batch) and prefills at least (padding dropped)
 
 
+def refill_wait(batch: int) -> int:
+    """How many rows in-flight batching waits to stop before it refills: `MIN_REFILL`, at most half the batch."""
+    return max(1, min(MIN_REFILL, batch // 2))
+
+
 def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, max_new_tokens: int = 256,
             prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0,
             limit: int = 0, refill: bool = True, shard: tuple[int, int] = (0, 1)) -> int:
@@ -294,7 +299,7 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
                 # each bucket and shard draws its own keys (at temperature > 0 no two share a sample's noise)
                 keys = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), shard[0]), length)
                 rows = InFlight(params, spec, batch_size, length, keys, MIN_REFILL)
-                for a in answer_in_flight(list(group), rows, refill, max(1, min(MIN_REFILL, batch_size // 2))):
+                for a in answer_in_flight(list(group), rows, refill, refill_wait(batch_size)):
                     f.write(json.dumps({"id": a.key, "conversations": [
                         {"from": "human", "value": a.prompt},
                         {"from": "gpt", "value": tok.decode(a.answer, skip_special_tokens=True)}],

@@ -32,7 +32,14 @@ from amphista_jax.fetch import resolve_data
 from amphista_jax.generator import bucket
 from amphista_jax.sampling import SamplingConfig
 from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-from amphista_jax.train.distill import MIN_REFILL, Answering, InFlight, answer_in_flight, read_prompts
+from amphista_jax.train.distill import (
+    MIN_REFILL,
+    Answering,
+    InFlight,
+    answer_in_flight,
+    read_prompts,
+    refill_wait,
+)
 
 
 def bucket_prompts(model: str, count: int, length: int) -> list[Answering]:
@@ -84,7 +91,7 @@ def answer(params: dict, spec: DecodeSpec, prompts: list[Answering], batch: int,
     rows = Marked(params, spec, batch, length, jax.random.key(0), MIN_REFILL)
     todo = [Answering(a.key, a.prompt, a.ids) for a in prompts]
     rows.start = time.perf_counter()
-    for a in answer_in_flight(todo, rows, refill, max(1, min(MIN_REFILL, batch // 2))):
+    for a in answer_in_flight(todo, rows, refill, refill_wait(batch)):
         rows.finished += len(a.answer) - 1
     seconds = time.perf_counter() - rows.start
     tokens = sum(len(a.answer) for a in todo)
