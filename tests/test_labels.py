@@ -13,11 +13,12 @@ import pytest
 from amphista_jax.drafters.base import head_losses, target_kl, topk_kl
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.train.config import LossConfig
+from amphista_jax.train.config import DataConfig, LossConfig, TrainConfigError, check_store_layers
 from amphista_jax.train.examples import with_hidden
 from amphista_jax.train.step import target_forward, with_target_labels
 
 CONFIG = tiny_llama_config()
+DEEP = tiny_llama_config(num_layers=4)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -42,6 +43,60 @@ def test_the_label_store_holds_the_targets_own_top_k(tmp_path):
     again = with_hidden(examples, model, params, 2, tmp_path, "tiny", label_top_k=5)  # read back, not recomputed
     assert isinstance(again[0]["label_logp"], np.memmap)
     np.testing.assert_array_equal(again[1]["label_ids"], stored[1]["label_ids"])
+
+
+def test_a_killed_store_pass_resumes_where_it_recorded(tmp_path, monkeypatch, capsys):
+    """A pass killed after recording 4 of 7 rows resumes at row 4 into the same `.partial` files, and the store
+    then equals the states computed in one go in memory."""
+    from amphista_jax.train import examples as ex
+
+    params, model = init_params(DEEP, jax.random.key(0)), Transformer(DEEP)
+    tokens = np.random.default_rng(2).integers(0, DEEP.vocab_size, (7, 9)).astype(np.int32)
+    examples = [{"tokens": t, "loss_mask": np.ones_like(t)} for t in tokens]
+    want = ex.with_hidden(examples, model, params, 2, "", None, (1, 3), label_top_k=3)  # in memory
+    monkeypatch.setattr(ex, "SAVE_EVERY_S", -1.0)  # record after every batch
+    record, calls = ex._record, []
+
+    def killed_after_two(*args):
+        record(*args)
+        calls.append(args[-1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the kill, right after the second record
+
+    monkeypatch.setattr(ex, "_record", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        ex.with_hidden(examples, model, params, 2, tmp_path, "tiny", (1, 3), label_top_k=3)
+    assert calls == [2, 4] and not list(tmp_path.glob("*.npy"))  # nothing complete under a final name
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*.partial0")) == [
+        "captured", "hidden", "label_ids", "label_logp"]
+    monkeypatch.setattr(ex, "_record", record)
+    got = ex.with_hidden(examples, model, params, 2, tmp_path, "tiny", (1, 3), label_top_k=3)
+    assert "resuming a killed pass at row 4 of 7" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".npy")) == []  # no partial, no lock
+    for name in ("hidden", "captured", "label_ids", "label_logp"):
+        np.testing.assert_array_equal(np.stack([e[name] for e in got]), np.stack([e[name] for e in want]),
+                                      err_msg=name)
+
+
+def test_methods_with_different_layers_share_one_store_file(tmp_path, capsys):
+    """With `store_layers`, the store keeps those layers' inputs once, and each method reads its own layers'
+    columns, in its own order: equal to the target's inputs of those layers."""
+    params, model = init_params(DEEP, jax.random.key(0)), Transformer(DEEP)
+    tokens = np.random.default_rng(3).integers(0, DEEP.vocab_size, (4, 9)).astype(np.int32)
+    examples = [{"tokens": t, "loss_mask": np.ones_like(t)} for t in tokens]
+    for captures in ((1, 3), (3, 0, 2)):
+        got = with_hidden(examples, model, params, 2, tmp_path, "tiny", captures, store_layers=(0, 1, 2, 3))
+        out = target_forward(model, params, {"tokens": jnp.asarray(tokens)}, captures)
+        np.testing.assert_allclose(np.stack([e["captured"] for e in got]), np.asarray(out.captured), atol=2e-3)
+        assert [e["captured"].shape for e in got[1:3]] == [(9, len(captures) * DEEP.hidden_size)] * 2
+    assert [p.name.split("-", 2)[2] for p in tmp_path.glob("captured-*")] == ["0-1-2-3.npy"]
+    assert "target captured states: read from" in capsys.readouterr().out  # the second method computed nothing
+    with pytest.raises(TrainConfigError, match=r"data.store_layers \[0, 1\] lack the method's captured layers \[3\]"):
+        with_hidden(examples, model, params, 2, tmp_path, "tiny", (1, 3), store_layers=(0, 1))
+    with pytest.raises(TrainConfigError, match=r"data.store_layers \[7\] are not layers of the target"):
+        check_store_layers((1, 7), (1,), DEEP.num_layers)
+    with pytest.raises(ValueError, match="must be distinct layer ids >= 0"):
+        DataConfig(kind="sharegpt", train="x", store_layers=(1, 1))
 
 
 def test_topk_kl_is_the_kl_over_the_top_k_and_the_rest():

@@ -246,7 +246,7 @@ def test_train_cli_end_to_end(smoke_model, tmp_path, capsys):
     assert "2 files" in capsys.readouterr().out
     assert main(args) == 0
     assert capsys.readouterr().out.count("target hidden states: read from") == 2
-    assert [p.name for p in (tmp_path / "hidden").iterdir() if ".tmp" in p.name] == []
+    assert [p.name for p in (tmp_path / "hidden").iterdir() if not p.name.endswith(".npy")] == []
     assert main(args[:-2] + ["--set", f"data.hidden_store={tmp_path / 'hidden'}", "--set",
                              f"out_dir={tmp_path / 'run2'}"]) == 0  # another run on the same data and target
     assert capsys.readouterr().out.count("target hidden states: read from") == 2

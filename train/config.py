@@ -43,6 +43,10 @@ class DataConfig:
     seed: int = 0
     cache_target_hidden: bool = False  # precompute the target's hidden states once (small targets)
     hidden_store: str = ""  # with cache_target_hidden: keep them in this directory for later runs ("": don't)
+    # with hidden_store: the target layers whose inputs the store keeps, a superset of the method's captured layers
+    # (`captured_layers`, as ids from 0), so that methods capturing different layers (EAGLE-3's, DFlash's) share
+    # one target pass and one file; () = the method's own
+    store_layers: tuple[int, ...] = ()
     max_examples: int = 0  # at most this many examples of each data file (0: all); a held-out split comes from them
 
     def __post_init__(self) -> None:
@@ -59,6 +63,9 @@ class DataConfig:
                              f"{self.batch_size}")
         if self.max_examples < 0:
             raise ValueError(f"data.max_examples={self.max_examples} must be >= 0 (0 = all)")
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.store_layers) or len(
+                set(self.store_layers)) != len(self.store_layers):
+            raise ValueError(f"data.store_layers={list(self.store_layers)} must be distinct layer ids >= 0")
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
 
@@ -185,6 +192,16 @@ def check_positions(cfg: TrainConfig, config: ModelConfig) -> None:
     if cfg.data.max_len > config.max_positions:
         raise TrainConfigError(f"data.max_len={cfg.data.max_len} exceeds the target's {config.max_positions} "
                                "positions: lower it")
+
+
+def check_store_layers(store_layers: tuple[int, ...], captures: tuple[int, ...], num_layers: int) -> None:
+    """`data.store_layers` must hold the method's captured layers and be layers of the target."""
+    if missing := sorted(set(captures) - set(store_layers)):
+        raise TrainConfigError(f"data.store_layers {list(store_layers)} lack the method's captured layers {missing}: "
+                               "add them")
+    if beyond := sorted(i for i in store_layers if i >= num_layers):
+        raise TrainConfigError(f"data.store_layers {beyond} are not layers of the target ({num_layers} layers, ids "
+                               f"0-{num_layers - 1}): remove them")
 
 
 def check_batch_split(cfg: TrainConfig) -> None:

@@ -4,12 +4,15 @@ attached where cached, and the data's identity for resumes."""
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import os
 import platform
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,8 @@ from amphista_jax.drafters.draft_vocab import DraftVocab, most_frequent, token_c
 from amphista_jax.fetch import resolve_data
 from amphista_jax.identity import files_digest, json_digest, matching_files
 from amphista_jax.models.llama import Transformer
-from amphista_jax.train.config import DataConfig, TrainConfig, TrainConfigError
+from amphista_jax.output_lock import LOCK_FILE, file_lock, write_atomic
+from amphista_jax.train.config import DataConfig, TrainConfig, TrainConfigError, check_store_layers
 from amphista_jax.train.corpus import build_corpus, package_version
 from amphista_jax.train.data import DataError, conversation_examples, packed_examples, text_examples
 from amphista_jax.train.pretrain_target import PretrainConfig
@@ -181,22 +185,27 @@ def batch_examples(examples: list[dict], batch_size: int, max_batches: int) -> l
 
 
 def with_hidden(examples: list[dict], model: Transformer, target_params: dict, batch: int,
-                store: str | Path = "", target: Any = None, captures: tuple[int, ...] = (), label_top_k: int = 0
-                ) -> list[dict]:
+                store: str | Path = "", target: Any = None, captures: tuple[int, ...] = (), label_top_k: int = 0,
+                store_layers: tuple[int, ...] = ()) -> StoredExamples:
     """Attach the target's hidden states `[T, D]` (fp16 on host) to every example, with `captures` the inputs of
-    those layers `[T, C * D]` (`captured`, EAGLE-3's features), and with `label_top_k` its labels: the top-k
-    next-token log-probabilities at each position (`label_ids [T, k]` int32, `label_logp [T, k]` fp32, from its
-    fp32 logits; the rest of the mass is what they leave). With a `store` directory each is kept there
-    (`hidden-<key>.npy`, `captured-<key>-<layers>.npy`, `label_ids-<key>-top<k>.npy`, ...; key: a digest of the
-    target's identity `target`, its params' dtype and every example's tokens) and read back, memory-mapped, by
-    any later run over the same examples and target, so the methods trained on one data set compute them once; a
-    file is written under a temporary name and renamed when complete (a killed run leaves nothing a later one
-    trusts)."""
+    those layers `[T, C * D]` (`captured`, EAGLE-3's and DFlash's features), and with `label_top_k` its labels:
+    the top-k next-token log-probabilities at each position (`label_ids [T, k]` int32, `label_logp [T, k]` fp32,
+    from its fp32 logits; the rest of the mass is what they leave).
+
+    With a `store` directory each is kept there (`hidden-<key>.npy`, `captured-<key>-<layers>.npy`,
+    `label_ids-<key>-top<k>.npy`, ...; key: a digest of the target's identity `target`, its params' dtype and
+    every example's tokens) and read back, memory-mapped, by any later run over the same examples and target, so
+    the methods trained on one data set compute them once. `store_layers` (a superset of `captures`) is the layers
+    whose inputs the store keeps, so methods capturing different layers share one file and one target pass; each
+    reads its own layers' columns. The pass runs under the store's lock into `<file>.partial` files and records
+    the rows it has finished: a killed pass resumes there, and only complete files get their final names."""
     tokens = np.stack([e["tokens"] for e in examples])  # [N, T]
     d = model.config.hidden_size
+    stored = tuple(store_layers) or tuple(captures)
+    check_store_layers(stored, captures, model.config.num_layers)
     wanted = {"hidden": ("", d, np.float16)}  # name: (file name suffix, width, dtype)
     if captures:
-        wanted["captured"] = ("-" + "-".join(map(str, captures)), len(captures) * d, np.float16)
+        wanted["captured"] = ("-" + "-".join(map(str, stored)), len(stored) * d, np.float16)
     if label_top_k:
         wanted |= {"label_ids": (f"-top{label_top_k}", label_top_k, np.int32),
                    "label_logp": (f"-top{label_top_k}", label_top_k, np.float32)}
@@ -205,14 +214,39 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
         dtype = str(jax.tree.leaves(target_params)[0].dtype)
         key = json_digest([target, dtype, list(tokens.shape), hashlib.sha256(tokens.tobytes()).hexdigest()])[:24]
         paths = {name: Path(store) / f"{name}-{key}{suffix}.npy" for name, (suffix, _, _) in wanted.items()}
-    arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items() if path and path.is_file()}
-    for name in arrays:
-        print(f"target {name} states: read from {paths[name]}")
-    missing = [name for name in wanted if name not in arrays]
-    if missing:
-        arrays |= _compute_states(tokens, model, target_params, batch, {n: wanted[n][1:] for n in missing},
-                                  {n: paths[n] for n in missing}, captures)
-    return [e | {name: a[i] for name, a in arrays.items()} for i, e in enumerate(examples)]
+    # each process of a multi-process run fills its own copy (same rows, same result: the last rename wins)
+    lock = Path(store) / f"{LOCK_FILE}-states-{jax.process_index()}"
+    with file_lock(lock, "the target's states") if store else contextlib.nullcontext():
+        arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items() if path and path.is_file()}
+        for name in arrays:
+            print(f"target {name} states: read from {paths[name]}")
+        if missing := [name for name in wanted if name not in arrays]:
+            arrays |= _compute_states(tokens, model, target_params, batch, {n: wanted[n][1:] for n in missing},
+                                      {n: paths[n] for n in missing}, stored if "captured" in missing else ())
+    columns = [stored.index(layer) for layer in captures]
+    return StoredExamples(examples, arrays, None if columns == list(range(len(stored))) else columns)
+
+
+class StoredExamples(Sequence):
+    """`examples` with row i of each of `arrays` (the target's states, memory-mapped) attached on access, and
+    `captured` cut to the stored layers at positions `columns` (None: all of them)."""
+
+    def __init__(self, examples: list[dict], arrays: dict[str, np.ndarray], columns: list[int] | None) -> None:
+        self.examples, self.arrays, self.columns = examples, arrays, columns
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        example = self.examples[i] | {name: a[i] for name, a in self.arrays.items()}
+        if self.columns is not None:
+            captured = example["captured"]  # [T, stored layers * D]
+            t, width = captured.shape
+            layers = width // self.arrays["hidden"].shape[-1]
+            example["captured"] = captured.reshape(t, layers, -1)[:, self.columns].reshape(t, -1)
+        return example
 
 
 def target_states(model: Transformer, params: dict, tokens: jax.Array, names: dict[str, tuple[int, Any]],
@@ -230,27 +264,62 @@ def target_states(model: Transformer, params: dict, tokens: jax.Array, names: di
     return {name: states[name] for name in names}
 
 
+PARTIAL = ".partial"  # a store file being filled (`<file>.partial<process>`), with `.rows`: how many rows are done
+SAVE_EVERY_S = 60.0  # how often a store pass flushes its files and records its rows
+
+
 def _compute_states(tokens: np.ndarray, model: Transformer, target_params: dict, batch: int,
                     names: dict[str, tuple[int, Any]], paths: dict[str, Path | None], captures: tuple[int, ...]
                     ) -> dict[str, np.ndarray]:
     """One pass of the target over `tokens [N, T]` filling the named states (`target_states`; name: (width,
-    dtype)), each into its file's temporary name (renamed when complete) or into memory."""
+    dtype)) into memory or, where `paths` name files, into their `.partial` files, resumed from the rows every one
+    of them has recorded, and renamed to their paths when complete."""
     forward = jax.jit(functools.partial(target_states, model, names=names, captures=captures))
-    arrays, temps = {}, {}
+    arrays, done = {}, len(tokens)
     for name, (width, dtype) in names.items():
         shape = tokens.shape + (width,)
-        if (path := paths[name]) is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temps[name] = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            arrays[name] = np.lib.format.open_memmap(temps[name], "w+", dtype, shape)
-        else:
-            arrays[name] = np.empty(shape, dtype)
-    for i in tqdm(range(0, len(tokens), batch), desc=f"target {' and '.join(names)}", unit="batch"):
+        if (path := paths[name]) is None:
+            arrays[name], done = np.empty(shape, dtype), 0
+            continue
+        partial, rows = _partial(path)
+        if partial.is_file() and rows.is_file():
+            arrays[name] = np.lib.format.open_memmap(partial, "r+")
+            if arrays[name].shape == shape and arrays[name].dtype == dtype:
+                done = min(done, int(rows.read_text()))
+                continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows.unlink(missing_ok=True)
+        arrays[name], done = np.lib.format.open_memmap(partial, "w+", dtype, shape), 0
+    start = done - done % batch
+    if start:
+        print(f"target {' and '.join(names)}: resuming a killed pass at row {start} of {len(tokens)}")
+    saved = time.monotonic()
+    for i in tqdm(range(start, len(tokens), batch), desc=f"target {' and '.join(names)}", unit="batch",
+                  initial=start // batch, total=-(-len(tokens) // batch)):
         for name, value in forward(target_params, jnp.asarray(tokens[i: i + batch])).items():
             arrays[name][i: i + batch] = np.asarray(value)
-    for name, tmp in temps.items():
-        arrays[name].flush()
-        del arrays[name]
-        os.replace(tmp, paths[name])
-        arrays[name] = np.load(paths[name], mmap_mode="r")
+        if time.monotonic() - saved > SAVE_EVERY_S:
+            _record(arrays, paths, min(i + batch, len(tokens)))
+            saved = time.monotonic()
+    for name, path in paths.items():
+        if path is not None:
+            arrays[name].flush()
+            del arrays[name]
+            os.replace(_partial(path)[0], path)
+            _partial(path)[1].unlink(missing_ok=True)
+            arrays[name] = np.load(path, mmap_mode="r")
     return arrays
+
+
+def _partial(path: Path) -> tuple[Path, Path]:
+    """The file a pass fills for store file `path`, and the one recording its finished rows."""
+    partial = path.with_name(f"{path.name}{PARTIAL}{jax.process_index()}")
+    return partial, partial.with_name(partial.name + ".rows")
+
+
+def _record(arrays: dict[str, np.ndarray], paths: dict[str, Path | None], rows: int) -> None:
+    """Flush the store files being filled and record that their first `rows` rows are done."""
+    for name, path in paths.items():
+        if path is not None:
+            arrays[name].flush()
+            write_atomic(_partial(path)[1], str(rows))

@@ -55,6 +55,7 @@ from amphista_jax.train.config import (
     TrainConfigError,
     check_batch_split,
     check_positions,
+    check_store_layers,
     check_target_shape,
 )
 from amphista_jax.train.data import example_dataset
@@ -97,6 +98,8 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
         raise TrainConfigError(f"method_settings.{DRAFT_VOCAB_SIZE}={cfg.draft_vocab_size} exceeds the target's "
                                f"{target_config.vocab_size} tokens: lower it")
     drafter = cfg.drafter()
+    if cfg.data.store_layers:
+        check_store_layers(cfg.data.store_layers, drafter.captured_layers(target_config), target_config.num_layers)
     if cfg.data.cache_target_hidden and drafter.loss_runs_target:
         raise TrainConfigError(f"method {cfg.method} runs the target inside its own loss, so cached target hidden "
                                "states would be computed and never used: set data.cache_target_hidden=false")
@@ -236,9 +239,9 @@ def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
         store, target = cfg.data.hidden_store, identity["target"]
         captures = job.drafter.captured_layers(target_config)
         top_k = cfg.loss.top_k if cfg.loss.labels == "target" else 0  # the label store
-        train_examples = with_hidden(train_examples, job.model, target_params, cfg.data.batch_size, store, target,
-                                     captures, top_k)
-        heldout = with_hidden(heldout, job.model, target_params, cfg.data.batch_size, store, target, captures, top_k)
+        train_examples, heldout = (
+            with_hidden(examples, job.model, target_params, cfg.data.batch_size, store, target, captures, top_k,
+                        cfg.data.store_layers) for examples in (train_examples, heldout))
     return job, target_params, target_config, train_examples, heldout
 
 

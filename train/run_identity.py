@@ -17,7 +17,8 @@ from amphista_jax.identity import RunMismatchError, changes
 from amphista_jax.output_lock import write_atomic
 
 RUN_FILE = "run.json"
-BOOKKEEPING = frozenset({"out_dir", "mesh", "loop.checkpoint_every", "loop.keep_checkpoints", "loop.log_every"})
+BOOKKEEPING = frozenset({"out_dir", "mesh", "loop.checkpoint_every", "loop.keep_checkpoints", "loop.log_every",
+                         "data.store_layers"})
 
 
 def _bookkeeping(key: str) -> bool:
