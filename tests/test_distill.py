@@ -129,6 +129,15 @@ def test_a_killed_run_resumes_without_losing_or_repeating_an_answer(tmp_path):
     assert _answers(out) == _answers(whole)
 
 
+def test_a_repeated_prompt_is_answered_once(tmp_path, capsys):
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(["x = [", "def f():", "x = ["])))
+    assert distill(MODEL, str(prompts), str(out), batch_size=2, max_new_tokens=4, prompt_len=32, chat=False) == 2
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["p0", "p1"]
+    assert "2 distinct prompts of at most 32 tokens" in capsys.readouterr().out
+
+
 def test_in_flight_answers_equal_static_batches(tmp_path, capsys):
     """Rows refilled while the others go on (their caches kept) answer what static batches answer, and the run
     reports its idle row-steps."""

@@ -253,10 +253,10 @@ def refill_wait(batch: int) -> int:
 def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, max_new_tokens: int = 256,
             prompt_len: int = 256, chat: bool | None = None, temperature: float = 0.0, seed: int = 0,
             limit: int = 0, refill: bool = True, shard: tuple[int, int] = (0, 1)) -> int:
-    """Answer every prompt (the first `limit` that fit, with `limit`) not yet in `out_file`, one length bucket at a
-    time, `batch_size` rows with in-flight refills (`answer_in_flight`; static batches without `refill`); with
-    `shard` (i, n) only every n-th of them from the i-th, so n processes answer disjoint shards into their own
-    files (`merge_answers` joins them). Returns how many were answered in this run."""
+    """Answer every distinct prompt (the first `limit` that fit, with `limit`) not yet in `out_file`, one length
+    bucket at a time, `batch_size` rows with in-flight refills (`answer_in_flight`; static batches without
+    `refill`); with `shard` (i, n) only every n-th of them from the i-th, so n processes answer disjoint shards into
+    their own files (`merge_answers` joins them). Returns how many were answered in this run."""
     check_distill_args(model, prompts_file, out_file, batch_size, max_new_tokens, prompt_len, temperature, limit)
     out = Path(out_file)
     with file_lock(lock_beside(out), "distill"):  # one run appends to a file at a time
@@ -265,19 +265,22 @@ def distill(model: str, prompts_file: str, out_file: str, batch_size: int = 64, 
         print(report.summary())
         tok = load_tokenizer(model)
         chat = bool(tok.chat_template) if chat is None else chat
-        encoded, too_long = [], 0
+        encoded, too_long, seen = [], 0, set()
         for key, prompt in prompts:
             ids = encode_prompt(tok, prompt, chat=chat)
             if len(ids) > prompt_len:
                 too_long += 1
                 continue
+            if tuple(ids) in seen:  # ShareGPT repeats prompts: each is answered once
+                continue
+            seen.add(tuple(ids))
             encoded.append(Answering(key, prompt, ids))
             if limit and len(encoded) == limit:
                 break
         encoded = encoded[shard[0]::shard[1]]
         todo = [a for a in encoded if a.key not in done]
         print(f"{'' if shard[1] == 1 else f'shard {shard[0]}/{shard[1]}: '}"
-              f"{len(encoded)} prompts of at most {prompt_len} tokens ({too_long} longer ones skipped"
+              f"{len(encoded)} distinct prompts of at most {prompt_len} tokens ({too_long} longer ones skipped"
               f"{'' if not limit else f' before the first {limit}'}); {len(encoded) - len(todo)} already answered "
               f"in {out}; {len(todo)} to go")
         if not todo:
