@@ -356,7 +356,7 @@ def decode(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: j
     output equals AR's token for token. `cache_size` slots hold the prompt, the new tokens and a verify forward's
     scratch slots (checked at trace time)."""
     if spec.drafter is not None:
-        draft_params = spec.drafter.decode_params(draft_params)
+        draft_params = spec.drafter.decode_params(draft_params, Target(spec.config, params))
     state = init(params, draft_params, prompt, prompt_lengths, rng, cache_size, spec)
     final = jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: step(params, draft_params, s, spec), state)
     return output(final, spec)

@@ -357,7 +357,8 @@ class Generator:
         tokens, lengths = pad_prompts([ids], length=bucket(len(ids)), pad_id=self.pad_id)
         check_decode_inputs(spec, self.params, self._draft_params(spec), tokens, lengths)
         with self.on_mesh():  # the drafter's decode layout, made once for every chunk
-            draft_params = None if self.drafter is None else jax.jit(self.drafter.decode_params)(self.draft_params)
+            draft_params = None if self.drafter is None else jax.jit(self.drafter.decode_params)(
+                self.draft_params, Target(self.config, self.params))
             state = start(self.params, draft_params, tokens, lengths, jax.random.key(seed), spec=spec,
                           cache_size=self.cache_size(tokens.shape[1], max_new_tokens))
         shown = ""

@@ -5,6 +5,7 @@ settings. (Sampling's losslessness: `test_speculative.py`'s chi-square, case `df
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -189,12 +190,16 @@ def test_the_decode_block_is_the_training_block(released, deep):
     tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, DEEP.vocab_size)
     features = jnp.asarray(_features(deep, drafter, tokens))
     anchors = jnp.asarray([[3, 7, 11], [2, 5, 12]])
-    train = drafter.draft_logits(params, deep, tokens, features, anchors, jnp.ones((2, 3), bool))  # [B, A, Bk-1, V]
-    for a in range(3):
-        p = anchors[:, a]
-        cache = drafter._commit(params, deep, features, p, drafter.init_state(DEEP, 2, 32))
-        decode = drafter.block_logits(params, deep, tokens[jnp.arange(2), p], cache, BLOCK - 1)
-        np.testing.assert_allclose(np.asarray(decode), np.asarray(train[:, a]), rtol=2e-4, atol=2e-4)
+    cut = dataclasses.replace(drafter, draft_vocab=tuple(range(0, DEEP.vocab_size, 3)))  # decode_params cuts lm_head
+    for d in (drafter, cut):
+        train = d.draft_logits(params, deep, tokens, features, anchors, jnp.ones((2, 3), bool))  # [B, A, Bk-1, V]
+        decoding = d.decode_params(params, deep)
+        assert ("lm_head" in decoding) == bool(d.draft_vocab)
+        for a in range(3):
+            p = anchors[:, a]
+            cache = d._commit(decoding, deep, features, p, d.init_state(DEEP, 2, 32))
+            decode = d.block_logits(decoding, deep, tokens[jnp.arange(2), p], cache, BLOCK - 1)
+            np.testing.assert_allclose(np.asarray(decode), np.asarray(train[:, a]), rtol=2e-4, atol=2e-4)
 
 
 def test_loss_equals_a_direct_computation(released, deep):

@@ -166,7 +166,7 @@ class Amphista(LogicalInit):
             return project_heads(project_heads(x, params["lm_a"], kept), params["lm_b"], kept).astype(jnp.float32)
         return project_heads(x, params["lm_head"], kept).astype(jnp.float32)
 
-    def decode_params(self, params: dict) -> dict:
+    def decode_params(self, params: dict, target: Target) -> dict:
         return split_heads(params, ("lm_head", "lm_a", "lm_b"))
 
     def commit(self, params: dict, target: Target, proposal: Proposal, verdict: Verdict, verify_out: Output,

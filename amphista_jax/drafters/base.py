@@ -239,8 +239,9 @@ class Drafter(abc.ABC):
         """Run the method's own layers over the prompt (fill its caches); returns the state."""
         return state
 
-    def decode_params(self, params: Any) -> Any:
-        """The layout `propose` and `commit` read, made once per generation before the decode loop."""
+    def decode_params(self, params: Any, target: Target) -> Any:
+        """The layout `propose` and `commit` read, made once per generation before the decode loop (from the
+        drafter's params and, where it reads the target's, `target`'s)."""
         return params
 
     @abc.abstractmethod

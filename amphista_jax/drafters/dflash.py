@@ -170,9 +170,16 @@ class DFlash(LogicalInit):
             "mask_embedding"].shape)
         return jnp.concatenate([target.embed(roots)[..., None, :], mask], axis=-2)
 
-    def logits(self, target: Target, out: jax.Array) -> jax.Array:
-        """fp32 draft logits `[..., V_d]` of block outputs `[..., D]` (already normed): the target's lm_head."""
-        return out @ project_columns(target.lm_head(), self.draft_vocab)
+    def decode_params(self, params: dict, target: Target) -> dict:
+        """The params with the target's lm_head cut to the draft vocabulary (`lm_head [D, V_d]`), cut once per
+        generation instead of in every step's forward."""
+        return params | {"lm_head": project_columns(target.lm_head(), self.draft_vocab)} if self.draft_vocab else params
+
+    def logits(self, params: dict, target: Target, out: jax.Array) -> jax.Array:
+        """fp32 draft logits `[..., V_d]` of block outputs `[..., D]` (already normed): the target's lm_head (its
+        draft-vocabulary columns, from `decode_params` when decoding)."""
+        head = params["lm_head"] if "lm_head" in params else project_columns(target.lm_head(), self.draft_vocab)
+        return out @ head
 
     def block_logits(self, params: dict, target: Target, root: jax.Array, cache: KVCache, depth: int) -> jax.Array:
         """One forward of the block after the committed context -> logits `[B, depth, V_d]` of depths 1 ..
@@ -184,7 +191,7 @@ class DFlash(LogicalInit):
                                    jnp.ones((b, self.block_size, self.block_size), bool)], axis=-1)
         out = self._net(target.config).apply({"params": params}, self.block_inputs(params, target, root), positions,
                                              cache.k, cache.v, visible, method=_DFlashNet.block)
-        return self.logits(target, out[:, 1: depth + 1])
+        return self.logits(params, target, out[:, 1: depth + 1])
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         self.check_tree(tree, target.config.vocab_size)
@@ -223,7 +230,7 @@ class DFlash(LogicalInit):
         sees_block = (block[:, None] == block[None, :])[None] & jnp.repeat(real, bk, 1)[:, :, None]  # [B, A Bk, A Bk]
         visible = jnp.concatenate([jnp.repeat(sees_context, bk, 1), sees_block], axis=-1)
         out = net.apply({"params": params}, x, positions, k, v, visible, method=_DFlashNet.block)
-        return self.logits(target, out.reshape(b, a, bk, -1)[:, :, 1:])
+        return self.logits(params, target, out.reshape(b, a, bk, -1)[:, :, 1:])
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
         """`sum_k w_k CE_k / sum_k w_k` over slots k = 1 .. B - 1 with `w_k = exp(-(k - 1) / gamma)`, each slot's

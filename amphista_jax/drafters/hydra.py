@@ -150,7 +150,7 @@ class Hydra(LogicalInit):
         mlp = self._net(target.config).apply({"params": params}, head, x, method=_HydraNet.head)
         return (mlp @ params["lm_head"][head]).astype(jnp.float32)
 
-    def decode_params(self, params: dict) -> dict:
+    def decode_params(self, params: dict, target: Target) -> dict:
         return split_heads(params)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:

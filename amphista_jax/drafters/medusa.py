@@ -82,7 +82,7 @@ class Medusa(LogicalInit):
         """Head k drafts depth k + 1."""
         return self.num_heads
 
-    def decode_params(self, params: dict) -> dict:
+    def decode_params(self, params: dict, target: Target) -> dict:
         return split_heads(params)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:

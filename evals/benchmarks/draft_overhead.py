@@ -148,7 +148,7 @@ def main() -> None:
         model_dir = None if args.size else model
         drafter, draft_params = load_draft_params(read_source(method, model_dir, config), target, model_dir,
                                                   "float32")
-        draft_params, spec = drafter.decode_params(draft_params), get_tree(tree)
+        draft_params, spec = drafter.decode_params(draft_params, target), get_tree(tree)
         settings = DecodeSpec(config, drafter, spec, MAX_NEW_TOKENS)
         s = steady_state(params, draft_params, settings, args.batch, args.committed)
         cuts = range(1, spec.depth + 1) if isinstance(spec, TreeSpec) else ()  # a dynamic budget has no cuts

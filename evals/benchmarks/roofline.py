@@ -94,7 +94,8 @@ def spec_cost(config: ModelConfig, params: Any, drafter: Drafter, tree_name: str
     """(cost of one `spec_step` with `context` committed tokens per row, the tree's node budget); `params` in the
     `split_layers` layout."""
     tree = get_tree(tree_name)
-    draft = jax.eval_shape(lambda p: drafter.decode_params(drafter.init(jax.random.key(0), Target(config, p))),
+    draft = jax.eval_shape(lambda p: drafter.decode_params(drafter.init(jax.random.key(0), Target(config, p)),
+                                                           Target(config, p)),
                            params)
     settings = DecodeSpec(config, drafter, tree, MAX_NEW_TOKENS)
     cache_size = context + MAX_NEW_TOKENS + scratch_slots(drafter, tree)
