@@ -1,0 +1,47 @@
+"""The scale curve reads one eval over trained head sets: each point's tokens from its run, tau and agreement from
+the eval; a bad eval directory is one line."""
+
+from __future__ import annotations
+
+import json
+
+from amphista_jax.evals.scale_curve import main
+
+
+def _eval(tmp_path, runs: dict[str, int]) -> str:
+    methods = [{"label": "ar", "spec": "ar", "method": "ar", "tree": "-"}]
+    metrics = {"ar": {"overall": {"tau": 1.0}}}
+    accuracy = {}
+    for i, (name, tokens) in enumerate(runs.items()):
+        run = tmp_path / name
+        (run / "heads").mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"tokens_seen": tokens, "method": "eagle3"}))
+        methods.append({"label": name, "spec": f"{name}={run / 'heads'}@dynamic", "method": "eagle3",
+                        "tree": "dynamic"})
+        metrics[name] = {"overall": {"tau": 1.5 + i}}
+        accuracy[name] = {"0": {"top1": 0.4, "agree": 0.3 + i / 10}, "1": {"top1": 0.2, "agree": 0.1 + i / 10}}
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"methods": methods, "metrics": metrics, "head_accuracy": accuracy,
+                                                  "machine": "cpu: test"}))
+    return str(out)
+
+
+def test_points_in_token_order_with_tau_and_agreement(tmp_path, capsys):
+    eval_dir = _eval(tmp_path, {"big": 4_000_000, "small": 1_000_000})
+    assert main([eval_dir, "--out", str(tmp_path / "curve")]) == 0
+    data = json.loads((tmp_path / "curve" / "scale_curve.json").read_text())
+    assert [(p["label"], p["tokens_seen"], p["tau"], p["agreement"]) for p in data["points"]] == [
+        ("small", 1_000_000, 2.5, [0.4, 0.2]), ("big", 4_000_000, 1.5, [0.3, 0.1])]
+    assert (tmp_path / "curve" / "scale_curve.png").stat().st_size > 1000
+    assert "| eagle3 | dynamic |" in capsys.readouterr().out and data["machine"] == "cpu: test"
+
+
+def test_a_bad_eval_directory_is_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run `amphista-jax eval`" in err
+    eval_dir = _eval(tmp_path, {"one": 10})
+    (tmp_path / "one" / "summary.json").unlink()
+    assert main([eval_dir]) == 2
+    assert "must be a training run's" in capsys.readouterr().err
