@@ -42,7 +42,7 @@ def points(eval_dir: str | Path) -> list[dict[str, Any]]:
                                   "training run's (`<out_dir>/heads`)")
         trained = json.loads((run / "summary.json").read_text())
         accuracy = summary.get("head_accuracy", {}).get(m["label"], {})
-        out.append({"label": m["label"], "method": m["method"], "tree": m["tree"], "run": str(run),
+        out.append({"label": m["label"], "method": m["method"], "tree": m.get("tree", "auto"), "run": str(run),
                     "tokens_seen": trained["tokens_seen"], "tau": summary["metrics"][m["label"]]["overall"]["tau"],
                     "agreement": [accuracy[k]["agree"] for k in sorted(accuracy, key=int) if "agree" in accuracy[k]]})
     if not out:

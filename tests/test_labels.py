@@ -76,6 +76,11 @@ def test_a_killed_store_pass_resumes_where_it_recorded(tmp_path, monkeypatch, ca
     for name in ("hidden", "captured", "label_ids", "label_logp"):
         np.testing.assert_array_equal(np.stack([e[name] for e in got]), np.stack([e[name] for e in want]),
                                       err_msg=name)
+    hidden = next(tmp_path.glob("hidden-*.npy"))
+    leftover = hidden.with_name(hidden.name + ".partial0")  # a killed pass of this process that another completed
+    leftover.write_bytes(b"x")
+    ex.with_hidden(examples, model, params, 2, tmp_path, "tiny", (1, 3), label_top_k=3)
+    assert not leftover.exists()
 
 
 def test_methods_with_different_layers_share_one_store_file(tmp_path, capsys):
@@ -90,6 +95,8 @@ def test_methods_with_different_layers_share_one_store_file(tmp_path, capsys):
         np.testing.assert_allclose(np.stack([e["captured"] for e in got]), np.asarray(out.captured), atol=2e-3)
         assert [e["captured"].shape for e in got[1:3]] == [(9, len(captures) * DEEP.hidden_size)] * 2
     assert [p.name.split("-", 2)[2] for p in tmp_path.glob("captured-*")] == ["0-1-2-3.npy"]
+    plain = with_hidden(examples, model, params, 2, tmp_path, "tiny", (), store_layers=(0, 1, 2, 3))  # no captures
+    assert "captured" not in plain[0] and plain[0]["hidden"].shape == (9, DEEP.hidden_size)
     assert "target captured states: read from" in capsys.readouterr().out  # the second method computed nothing
     with pytest.raises(TrainConfigError, match=r"data.store_layers \[0, 1\] lack the method's captured layers \[3\]"):
         with_hidden(examples, model, params, 2, tmp_path, "tiny", (1, 3), store_layers=(0, 1))

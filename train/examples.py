@@ -115,7 +115,12 @@ class Conversations(TextFiles):
                 raise TrainConfigError(f"{name} {path} is not a file: point it at a conversations JSON / JSONL file")
 
     def load(self, path: str, tok: Any) -> tuple[list, Any]:
-        return conversation_examples(path, tok, self.cfg.max_len, self.cfg.max_examples)
+        examples, report = conversation_examples(path, tok, self.cfg.max_len, self.cfg.max_examples)
+        if self.cfg.max_examples and len(examples) < self.cfg.max_examples:
+            # a file that is still growing (a running distill) yields another split and store key once it grows
+            print(f"note: {path} yields {len(examples)} examples, fewer than data.max_examples="
+                  f"{self.cfg.max_examples}: the held-out split and the store depend on the count")
+        return examples, report
 
 
 class CodeCorpus(ExampleSource):
@@ -197,11 +202,13 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
     every example's tokens) and read back, memory-mapped, by any later run over the same examples and target, so
     the methods trained on one data set compute them once. `store_layers` (a superset of `captures`) is the layers
     whose inputs the store keeps, so methods capturing different layers share one file and one target pass; each
-    reads its own layers' columns. The pass runs under the store's lock into `<file>.partial` files and records
-    the rows it has finished: a killed pass resumes there, and only complete files get their final names."""
+    reads its own layers' columns. Files complete in the store are read without waiting; the pass that fills the
+    missing ones holds the store's lock (another run filling it then fails with a line saying so) and writes
+    `<file>.partial<process>` files, recording the rows it has finished: a killed pass resumes there, and only
+    complete files get their final names."""
     tokens = np.stack([e["tokens"] for e in examples])  # [N, T]
     d = model.config.hidden_size
-    stored = tuple(store_layers) or tuple(captures)
+    stored = (tuple(store_layers) or tuple(captures)) if captures else ()
     check_store_layers(stored, captures, model.config.num_layers)
     wanted = {"hidden": ("", d, np.float16)}  # name: (file name suffix, width, dtype)
     if captures:
@@ -214,17 +221,30 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
         dtype = str(jax.tree.leaves(target_params)[0].dtype)
         key = json_digest([target, dtype, list(tokens.shape), hashlib.sha256(tokens.tobytes()).hexdigest()])[:24]
         paths = {name: Path(store) / f"{name}-{key}{suffix}.npy" for name, (suffix, _, _) in wanted.items()}
-    # each process of a multi-process run fills its own copy (same rows, same result: the last rename wins)
-    lock = Path(store) / f"{LOCK_FILE}-states-{jax.process_index()}"
-    with file_lock(lock, "the target's states") if store else contextlib.nullcontext():
-        arrays = {name: np.load(path, mmap_mode="r") for name, path in paths.items() if path and path.is_file()}
-        for name in arrays:
-            print(f"target {name} states: read from {paths[name]}")
-        if missing := [name for name in wanted if name not in arrays]:
+    arrays = _read_complete(paths)
+    if any(name not in arrays for name in wanted):
+        # each process of a multi-process run fills its own copy (same rows, same result: the last rename wins)
+        lock = Path(store) / f"{LOCK_FILE}-states-{jax.process_index()}"
+        with file_lock(lock, "the target's states") if store else contextlib.nullcontext():
+            arrays |= _read_complete({n: p for n, p in paths.items() if n not in arrays})  # completed meanwhile
+            missing = [name for name in wanted if name not in arrays]
             arrays |= _compute_states(tokens, model, target_params, batch, {n: wanted[n][1:] for n in missing},
                                       {n: paths[n] for n in missing}, stored if "captured" in missing else ())
     columns = [stored.index(layer) for layer in captures]
     return StoredExamples(examples, arrays, None if columns == list(range(len(stored))) else columns)
+
+
+def _read_complete(paths: dict[str, Path | None]) -> dict[str, np.ndarray]:
+    """The store files of `paths` that are complete, memory-mapped (this process's leftovers of a pass that
+    another process completed are removed)."""
+    arrays = {}
+    for name, path in paths.items():
+        if path is not None and path.is_file():
+            arrays[name] = np.load(path, mmap_mode="r")
+            print(f"target {name} states: read from {path}")
+            for leftover in _partial(path):
+                leftover.unlink(missing_ok=True)
+    return arrays
 
 
 class StoredExamples(Sequence):

@@ -98,7 +98,7 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
         raise TrainConfigError(f"method_settings.{DRAFT_VOCAB_SIZE}={cfg.draft_vocab_size} exceeds the target's "
                                f"{target_config.vocab_size} tokens: lower it")
     drafter = cfg.drafter()
-    if cfg.data.store_layers:
+    if cfg.data.cache_target_hidden and cfg.data.store_layers:
         check_store_layers(cfg.data.store_layers, drafter.captured_layers(target_config), target_config.num_layers)
     if cfg.data.cache_target_hidden and drafter.loss_runs_target:
         raise TrainConfigError(f"method {cfg.method} runs the target inside its own loss, so cached target hidden "
