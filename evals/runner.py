@@ -136,8 +136,9 @@ def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list
     if dataset_path is not None:
         dataset["sha256"] = sha256_file(dataset_path)
     values = {k: getattr(cfg, k) for k in RESULT_SETTINGS}
-    settings = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()} | {
-        "model": model_dir, "model_files": target_identity(model_dir), "dataset": dataset}
+    settings = json.loads(json.dumps(  # as stored (tuples -> lists)
+        {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()} | {
+            "model": model_dir, "model_files": target_identity(model_dir), "dataset": dataset}))
     described = json.loads(json.dumps({m.label: m.describe() for m in methods}))  # as stored (tuples -> lists)
     if not path.is_file() and out_dir.is_dir() and any(p.name != LOCK_FILE for p in out_dir.iterdir()):
         raise OutputExistsError(f"out_dir {out_dir} holds files but no run.json, so it is not an eval run: pick a "

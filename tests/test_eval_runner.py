@@ -147,11 +147,11 @@ def test_a_mesh_gives_the_one_device_tokens(reference, tmp_path, monkeypatch):
     test_sharded_speculative_generate_equals_one_device[medusa] and test_cli.py's
     test_generate_on_a_mesh_prints_the_one_device_text decode with the target and the heads sharded over the same
     mesh and get one device's tokens."""
-    from amphista_jax.evals import runner
+    from amphista_jax import sharding
 
     placed = []
-    place = runner.place_for_decoding
-    monkeypatch.setattr(runner, "place_for_decoding", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
+    place = sharding.place_for_decoding  # the generator's placement of the target and the heads
+    monkeypatch.setattr(sharding, "place_for_decoding", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "mesh"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS if p["id"] in ("add", "two-turns")))
     mesh = ["--set", "mesh.data=2", "--set", "mesh.fsdp=2", "--set", "mesh.tensor=2"]
