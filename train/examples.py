@@ -263,9 +263,8 @@ class StoredExamples(Sequence):
         example = self.examples[i] | {name: a[i] for name, a in self.arrays.items()}
         if self.columns is not None:
             captured = example["captured"]  # [T, stored layers * D]
-            t, width = captured.shape
-            layers = width // self.arrays["hidden"].shape[-1]
-            example["captured"] = captured.reshape(t, layers, -1)[:, self.columns].reshape(t, -1)
+            t, d = captured.shape[0], self.arrays["hidden"].shape[-1]
+            example["captured"] = captured.reshape(t, -1, d)[:, self.columns].reshape(t, -1)
         return example
 
 
