@@ -52,7 +52,10 @@ def test_a_killed_store_pass_resumes_where_it_recorded(tmp_path, monkeypatch, ca
 
     params, model = init_params(DEEP, jax.random.key(0)), Transformer(DEEP)
     tokens = np.random.default_rng(2).integers(0, DEEP.vocab_size, (7, 9)).astype(np.int32)
-    examples = [{"tokens": t, "loss_mask": np.ones_like(t)} for t in tokens]
+    lengths = [9, 3, 7, 2, 9, 5, 4]  # the pass runs shortest first: its order is not the rows'
+    examples = [{"tokens": t, "loss_mask": (np.arange(9) < n).astype(np.int32)}
+                for t, n in zip(tokens, lengths, strict=True)]
+    monkeypatch.setattr(ex, "STORE_BUCKET", 4)
     want = ex.with_hidden(examples, model, params, 2, "", None, (1, 3), label_top_k=3)  # in memory
     monkeypatch.setattr(ex, "SAVE_EVERY_S", -1.0)  # record after every batch
     record, calls = ex._record, []
@@ -81,6 +84,35 @@ def test_a_killed_store_pass_resumes_where_it_recorded(tmp_path, monkeypatch, ca
     leftover.write_bytes(b"x")
     ex.with_hidden(examples, model, params, 2, tmp_path, "tiny", (1, 3), label_top_k=3)
     assert not leftover.exists()
+
+
+def test_a_store_pass_cut_at_each_batchs_longest_row_keeps_the_targets_states(tmp_path, monkeypatch):
+    """The pass runs rows shortest first and cuts each batch at its longest row (rounded up to the bucket): every
+    row's states up to its last trained position equal the full-length forward's, the padding after it repeats the
+    last position computed, and each cut compiles once."""
+    from amphista_jax.train import examples as ex
+
+    params, model = init_params(DEEP, jax.random.key(0)), Transformer(DEEP)
+    tokens = np.random.default_rng(4).integers(0, DEEP.vocab_size, (6, 12)).astype(np.int32)
+    lengths = [12, 2, 7, 3, 8, 11]  # batches of 2, shortest first: (2, 3) cut at 4, (7, 8) at 8, (11, 12) at 12
+    masks = [(np.arange(12) >= 1) & (np.arange(12) < n) for n in lengths]  # a prompt position, then the answer
+    examples = [{"tokens": t, "loss_mask": m.astype(np.int32)} for t, m in zip(tokens, masks, strict=True)]
+    monkeypatch.setattr(ex, "STORE_BUCKET", 4)
+    cuts = []
+    forward = ex.target_states
+    monkeypatch.setattr(ex, "target_states", lambda *a, **k: cuts.append(a[2].shape) or forward(*a, **k))
+    got = with_hidden(examples, model, params, 2, tmp_path, "tiny", (1, 3), label_top_k=3)
+    assert cuts == [(2, 4), (2, 8), (2, 12)]  # traced once per cut
+    out = target_forward(model, params, {"tokens": jnp.asarray(tokens)}, (1, 3))
+    want = _log_softmax(np.asarray(out.logits, np.float64))
+    for row, (e, n) in enumerate(zip(got, lengths, strict=True)):
+        cut = -(-n // 4) * 4
+        np.testing.assert_allclose(e["hidden"][:n], np.asarray(out.hidden[row, :n]), atol=2e-3)
+        np.testing.assert_allclose(e["captured"][:n], np.asarray(out.captured[row, :n]), atol=2e-3)
+        order = np.argsort(-want[row, :n], axis=-1, kind="stable")[:, :3]
+        np.testing.assert_array_equal(e["label_ids"][:n], order)
+        for name in ("hidden", "captured", "label_ids", "label_logp"):
+            np.testing.assert_array_equal(e[name][cut:], np.broadcast_to(e[name][cut - 1], e[name][cut:].shape))
 
 
 def test_methods_with_different_layers_share_one_store_file(tmp_path, capsys):

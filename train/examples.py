@@ -205,8 +205,14 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
     reads its own layers' columns. Files complete in the store are read without waiting; the pass that fills the
     missing ones holds the store's lock (another run filling it then fails with a line saying so) and writes
     `<file>.partial<process>` files, recording the rows it has finished: a killed pass resumes there, and only
-    complete files get their final names."""
+    complete files get their final names.
+
+    The pass runs over rows sorted by length (up to each example's last `loss_mask` position) and cuts each batch
+    at its longest row rounded up to `STORE_BUCKET` positions; a row's positions past that cut, all padding after
+    its last trained token, repeat the states of the last position computed (no loss reads them)."""
     tokens = np.stack([e["tokens"] for e in examples])  # [N, T]
+    masks = np.stack([e["loss_mask"] for e in examples]) > 0  # [N, T]
+    lengths = np.where(masks.any(-1), tokens.shape[1] - np.argmax(masks[:, ::-1], -1), 0)  # [N]
     d = model.config.hidden_size
     stored = (tuple(store_layers) or tuple(captures)) if captures else ()
     check_store_layers(stored, captures, model.config.num_layers)
@@ -228,8 +234,9 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
         with file_lock(lock, "the target's states") if store else contextlib.nullcontext():
             arrays |= _read_complete({n: p for n, p in paths.items() if n not in arrays})  # completed meanwhile
             missing = [name for name in wanted if name not in arrays]
-            arrays |= _compute_states(tokens, model, target_params, batch, {n: wanted[n][1:] for n in missing},
-                                      {n: paths[n] for n in missing}, stored if "captured" in missing else ())
+            arrays |= _compute_states(tokens, lengths, model, target_params, batch,
+                                      {n: wanted[n][1:] for n in missing}, {n: paths[n] for n in missing},
+                                      stored if "captured" in missing else ())
     columns = [stored.index(layer) for layer in captures]
     return StoredExamples(examples, arrays, None if columns == list(range(len(stored))) else columns)
 
@@ -283,17 +290,23 @@ def target_states(model: Transformer, params: dict, tokens: jax.Array, names: di
     return {name: states[name] for name in names}
 
 
-PARTIAL = ".partial"  # a store file being filled (`<file>.partial<process>`), with `.rows`: how many rows are done
+PARTIAL = ".partial"  # a store file being filled (`<file>.partial<process>`), with `.rows-by-length`: how many rows
+# are done, in the pass's order (shortest first)
 SAVE_EVERY_S = 60.0  # how often a store pass flushes its files and records its rows
+STORE_BUCKET = 64  # a store pass cuts each batch at its longest row rounded up to this many positions
 
 
-def _compute_states(tokens: np.ndarray, model: Transformer, target_params: dict, batch: int,
+def _compute_states(tokens: np.ndarray, lengths: np.ndarray, model: Transformer, target_params: dict, batch: int,
                     names: dict[str, tuple[int, Any]], paths: dict[str, Path | None], captures: tuple[int, ...]
                     ) -> dict[str, np.ndarray]:
-    """One pass of the target over `tokens [N, T]` filling the named states (`target_states`; name: (width,
-    dtype)) into memory or, where `paths` name files, into their `.partial` files, resumed from the rows every one
-    of them has recorded, and renamed to their paths when complete."""
+    """One pass of the target over `tokens [N, T]`, rows shortest first by `lengths [N]`, each batch cut at its
+    longest row rounded up to `STORE_BUCKET` (the positions past the cut repeat the last one computed), filling the
+    named states (`target_states`; name: (width, dtype)) into memory or, where `paths` name files, into their
+    `.partial` files, resumed from the rows every one of them has recorded, and renamed to their paths when
+    complete."""
     forward = jax.jit(functools.partial(target_states, model, names=names, captures=captures))
+    order = np.argsort(lengths, kind="stable")  # the pass's order; a resume counts rows in it
+    t = tokens.shape[1]
     arrays, done = {}, len(tokens)
     for name, (width, dtype) in names.items():
         shape = tokens.shape + (width,)
@@ -315,8 +328,10 @@ def _compute_states(tokens: np.ndarray, model: Transformer, target_params: dict,
     saved = time.monotonic()
     for i in tqdm(range(start, len(tokens), batch), desc=f"target {' and '.join(names)}", unit="batch",
                   initial=start // batch, total=-(-len(tokens) // batch)):
-        for name, value in forward(target_params, jnp.asarray(tokens[i: i + batch])).items():
-            arrays[name][i: i + batch] = np.asarray(value)
+        picked = np.sort(order[i: i + batch])
+        cut = min(t, max(STORE_BUCKET, -(-int(lengths[picked].max()) // STORE_BUCKET * STORE_BUCKET)))
+        for name, value in forward(target_params, jnp.asarray(tokens[picked, :cut])).items():
+            arrays[name][picked] = np.pad(np.asarray(value), ((0, 0), (0, t - cut), (0, 0)), mode="edge")
         if time.monotonic() - saved > SAVE_EVERY_S:
             _record(arrays, paths, min(i + batch, len(tokens)))
             saved = time.monotonic()
@@ -333,7 +348,7 @@ def _compute_states(tokens: np.ndarray, model: Transformer, target_params: dict,
 def _partial(path: Path) -> tuple[Path, Path]:
     """The file a pass fills for store file `path`, and the one recording its finished rows."""
     partial = path.with_name(f"{path.name}{PARTIAL}{jax.process_index()}")
-    return partial, partial.with_name(partial.name + ".rows")
+    return partial, partial.with_name(partial.name + ".rows-by-length")
 
 
 def _record(arrays: dict[str, np.ndarray], paths: dict[str, Path | None], rows: int) -> None:
