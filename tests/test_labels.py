@@ -13,6 +13,7 @@ import pytest
 from amphista_jax.drafters.base import head_losses, target_kl, topk_kl
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.train import data
 from amphista_jax.train.config import DataConfig, LossConfig, TrainConfigError, check_store_layers
 from amphista_jax.train.examples import with_hidden
 from amphista_jax.train.step import target_forward, with_target_labels
@@ -55,7 +56,7 @@ def test_a_killed_store_pass_resumes_where_it_recorded(tmp_path, monkeypatch, ca
     lengths = [9, 3, 7, 2, 9, 5, 4]  # the pass runs shortest first: its order is not the rows'
     examples = [{"tokens": t, "loss_mask": (np.arange(9) < n).astype(np.int32)}
                 for t, n in zip(tokens, lengths, strict=True)]
-    monkeypatch.setattr(ex, "STORE_BUCKET", 4)
+    monkeypatch.setattr(data, "LENGTH_BUCKET", 4)
     want = ex.with_hidden(examples, model, params, 2, "", None, (1, 3), label_top_k=3)  # in memory
     monkeypatch.setattr(ex, "SAVE_EVERY_S", -1.0)  # record after every batch
     record, calls = ex._record, []
@@ -97,7 +98,7 @@ def test_a_store_pass_cut_at_each_batchs_longest_row_keeps_the_targets_states(tm
     lengths = [12, 2, 7, 3, 8, 11]  # batches of 2, shortest first: (2, 3) cut at 4, (7, 8) at 8, (11, 12) at 12
     masks = [(np.arange(12) >= 1) & (np.arange(12) < n) for n in lengths]  # a prompt position, then the answer
     examples = [{"tokens": t, "loss_mask": m.astype(np.int32)} for t, m in zip(tokens, masks, strict=True)]
-    monkeypatch.setattr(ex, "STORE_BUCKET", 4)
+    monkeypatch.setattr(data, "LENGTH_BUCKET", 4)
     cuts = []
     forward = ex.target_states
     monkeypatch.setattr(ex, "target_states", lambda *a, **k: cuts.append(a[2].shape) or forward(*a, **k))

@@ -244,6 +244,9 @@ def test_train_cli_end_to_end(smoke_model, tmp_path, capsys):
     assert len(list((tmp_path / "hidden").glob("hidden-*.npy"))) == 2  # train and held-out; no temporary left
     assert not out.exists()
     assert "2 files" in capsys.readouterr().out
+    assert main(args + ["--set", "data.length_groups=1000"]) == BAD_INPUT_EXIT
+    err = capsys.readouterr().err
+    assert "data.length_groups=1000 batches of 4 (4000 examples) exceed the" in err and len(err.splitlines()) == 1
     assert main(args) == 0
     assert capsys.readouterr().out.count("target hidden states: read from") == 2
     assert [p.name for p in (tmp_path / "hidden").iterdir() if not p.name.endswith(".npy")] == []

@@ -48,6 +48,10 @@ class DataConfig:
     # one target pass and one file; () = the method's own
     store_layers: tuple[int, ...] = ()
     max_examples: int = 0  # at most this many examples of each data file (0: all); a held-out split comes from them
+    # > 0: the shuffled examples are taken this many batches at a time and sorted by length there, and each batch is
+    # cut at its longest row (`data.length_grouped_dataset`): padding left out of the step's compute, one compiled
+    # step per cut; 0: batches of random rows at data.max_len
+    length_groups: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_KINDS:
@@ -63,6 +67,8 @@ class DataConfig:
                              f"{self.batch_size}")
         if self.max_examples < 0:
             raise ValueError(f"data.max_examples={self.max_examples} must be >= 0 (0 = all)")
+        if self.length_groups < 0:
+            raise ValueError(f"data.length_groups={self.length_groups} must be >= 0 (0 = batches at data.max_len)")
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.store_layers) or len(
                 set(self.store_layers)) != len(self.store_layers):
             raise ValueError(f"data.store_layers={list(self.store_layers)} must be distinct layer ids >= 0")

@@ -42,8 +42,66 @@ def process_rows(ds: grain.MapDataset, batch_size: int, rows: slice = slice(None
     """`ds` repeated and cut into global batches of `batch_size` rows, of which this process yields `rows` (those
     its devices hold: `sharding.process_batch_rows`). Every process reads the one shuffled order, so the batches do
     not depend on how many processes share them. The iterator's `get_state()` is JSON and resumes exactly."""
-    ds = ds.repeat().batch(batch_size, drop_remainder=True)
-    return ds if rows == slice(None) else ds.map(lambda batch: jax.tree.map(lambda x: x[rows], batch))
+    return _own_rows(ds.repeat().batch(batch_size, drop_remainder=True), rows)
+
+
+def _own_rows(batches: grain.MapDataset, rows: slice) -> grain.MapDataset:
+    return batches if rows == slice(None) else batches.map(lambda batch: jax.tree.map(lambda x: x[rows], batch))
+
+
+LENGTH_BUCKET = 64  # batches grouped by length are cut at their longest row rounded up to this many positions
+
+
+def trained_lengths(loss_masks: np.ndarray) -> np.ndarray:
+    """`[N]`: each row of `loss_masks [N, T]` up to its last trained position (0 for a row with none)."""
+    masks = np.asarray(loss_masks) > 0
+    return np.where(masks.any(-1), masks.shape[1] - np.argmax(masks[:, ::-1], -1), 0)
+
+
+def bucket_cut(longest: int, max_len: int) -> int:
+    """Where a batch whose longest row has `longest` positions is cut: rounded up to `LENGTH_BUCKET`, at most
+    `max_len` (few distinct cuts: one compiled program each)."""
+    return min(max_len, max(LENGTH_BUCKET, -(-longest // LENGTH_BUCKET) * LENGTH_BUCKET))
+
+
+class _Flatten(grain.MapDataset):
+    """Each element of `parent` (a sequence of `size` items) as `size` consecutive elements."""
+
+    def __init__(self, parent: grain.MapDataset, size: int) -> None:
+        super().__init__(parent)
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self._parent) * self.size
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        group, i = divmod(index, self.size)
+        return self._parent[group][i]
+
+
+def length_grouped_dataset(examples: Sequence[dict[str, np.ndarray]], lengths: np.ndarray, batch_size: int,
+                           seed: int, groups: int, rows: slice = slice(None)) -> grain.MapDataset:
+    """Shuffled, repeated batches of `batch_size` `examples` of similar length, this process's `rows` of each: the
+    shuffled order is taken `groups` batches at a time, sorted there by `lengths` (`trained_lengths`) and cut into
+    batches, which come in an order drawn from `seed` and the group's index; each batch is cut at its longest row
+    (`bucket_cut`: positions past it are padding no loss reads). The iterator's `get_state()` resumes exactly."""
+    lengths = np.asarray(lengths)
+    max_len = len(examples[0]["tokens"])
+
+    def sorted_batches(index: int, chunk: np.ndarray) -> np.ndarray:  # [groups, batch_size] example ids
+        order = np.asarray(chunk)[np.argsort(lengths[chunk], kind="stable")].reshape(groups, batch_size)
+        return order[np.random.default_rng([seed, index]).permutation(groups)]
+
+    def collate(ids: np.ndarray) -> dict[str, np.ndarray]:
+        cut = bucket_cut(int(lengths[ids].max()), max_len)
+        picked = [examples[int(i)] for i in ids]
+        return {k: np.stack([e[k][:cut] for e in picked]) for k in picked[0]}
+
+    chunks = grain.MapDataset.range(len(examples)).shuffle(seed=seed).repeat().batch(batch_size * groups,
+                                                                                    drop_remainder=True)
+    return _own_rows(_Flatten(chunks.map_with_index(sorted_batches), groups).map(collate), rows)
 
 
 def packed_dataset(windows: np.ndarray, batch_size: int, seed: int, skip: int = 0,

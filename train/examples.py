@@ -29,7 +29,14 @@ from amphista_jax.models.llama import Transformer
 from amphista_jax.output_lock import LOCK_FILE, file_lock, write_atomic
 from amphista_jax.train.config import DataConfig, TrainConfig, TrainConfigError, check_store_layers
 from amphista_jax.train.corpus import build_corpus, package_version
-from amphista_jax.train.data import DataError, conversation_examples, packed_examples, text_examples
+from amphista_jax.train.data import (
+    DataError,
+    bucket_cut,
+    conversation_examples,
+    packed_examples,
+    text_examples,
+    trained_lengths,
+)
 from amphista_jax.train.pretrain_target import PretrainConfig
 from amphista_jax.train.step import target_forward
 
@@ -207,12 +214,11 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
     `<file>.partial<process>` files, recording the rows it has finished: a killed pass resumes there, and only
     complete files get their final names.
 
-    The pass runs over rows sorted by length (up to each example's last `loss_mask` position) and cuts each batch
-    at its longest row rounded up to `STORE_BUCKET` positions; a row's positions past that cut, all padding after
-    its last trained token, repeat the states of the last position computed (no loss reads them)."""
+    The pass runs over rows sorted by length (`trained_lengths`) and cuts each batch at its longest row
+    (`bucket_cut`); a row's positions past that cut, all padding after its last trained token, repeat the states of
+    the last position computed (no loss reads them)."""
     tokens = np.stack([e["tokens"] for e in examples])  # [N, T]
-    masks = np.stack([e["loss_mask"] for e in examples]) > 0  # [N, T]
-    lengths = np.where(masks.any(-1), tokens.shape[1] - np.argmax(masks[:, ::-1], -1), 0)  # [N]
+    lengths = trained_lengths(np.stack([e["loss_mask"] for e in examples]))  # [N]
     d = model.config.hidden_size
     stored = (tuple(store_layers) or tuple(captures)) if captures else ()
     check_store_layers(stored, captures, model.config.num_layers)
@@ -293,14 +299,13 @@ def target_states(model: Transformer, params: dict, tokens: jax.Array, names: di
 PARTIAL = ".partial"  # a store file being filled (`<file>.partial<process>`), with `.rows-by-length`: how many rows
 # are done, in the pass's order (shortest first)
 SAVE_EVERY_S = 60.0  # how often a store pass flushes its files and records its rows
-STORE_BUCKET = 64  # a store pass cuts each batch at its longest row rounded up to this many positions
 
 
 def _compute_states(tokens: np.ndarray, lengths: np.ndarray, model: Transformer, target_params: dict, batch: int,
                     names: dict[str, tuple[int, Any]], paths: dict[str, Path | None], captures: tuple[int, ...]
                     ) -> dict[str, np.ndarray]:
     """One pass of the target over `tokens [N, T]`, rows shortest first by `lengths [N]`, each batch cut at its
-    longest row rounded up to `STORE_BUCKET` (the positions past the cut repeat the last one computed), filling the
+    longest row (`bucket_cut`; the positions past the cut repeat the last one computed), filling the
     named states (`target_states`; name: (width, dtype)) into memory or, where `paths` name files, into their
     `.partial` files, resumed from the rows every one of them has recorded, and renamed to their paths when
     complete."""
@@ -329,7 +334,7 @@ def _compute_states(tokens: np.ndarray, lengths: np.ndarray, model: Transformer,
     for i in tqdm(range(start, len(tokens), batch), desc=f"target {' and '.join(names)}", unit="batch",
                   initial=start // batch, total=-(-len(tokens) // batch)):
         picked = np.sort(order[i: i + batch])
-        cut = min(t, max(STORE_BUCKET, -(-int(lengths[picked].max()) // STORE_BUCKET * STORE_BUCKET)))
+        cut = bucket_cut(int(lengths[picked].max()), t)
         for name, value in forward(target_params, jnp.asarray(tokens[picked, :cut])).items():
             arrays[name][picked] = np.pad(np.asarray(value), ((0, 0), (0, t - cut), (0, 0)), mode="edge")
         if time.monotonic() - saved > SAVE_EVERY_S:

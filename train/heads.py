@@ -17,12 +17,14 @@ import contextlib
 import dataclasses
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -58,7 +60,7 @@ from amphista_jax.train.config import (
     check_store_layers,
     check_target_shape,
 )
-from amphista_jax.train.data import example_dataset
+from amphista_jax.train.data import DataError, example_dataset, length_grouped_dataset, trained_lengths
 from amphista_jax.train.examples import batch_examples, choose_draft_vocab, example_source, with_hidden
 from amphista_jax.train.loop import maybe_initialize_distributed, mean_metrics, read_metrics, run_loop
 from amphista_jax.train.optim import make_optimizer
@@ -226,6 +228,9 @@ def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
     target_config = load_config(model_dir)
     tok = load_tokenizer(model_dir)
     train_examples, heldout = example_source(cfg.data).split(tok)
+    if (grouped := cfg.data.length_groups * cfg.data.batch_size) > len(train_examples):
+        raise DataError(f"data.length_groups={cfg.data.length_groups} batches of {cfg.data.batch_size} ({grouped} "
+                        f"examples) exceed the {len(train_examples)} training examples: lower data.length_groups")
     job = train_job(cfg, target_config, draft_vocab=choose_draft_vocab(cfg, train_examples, target_config.vocab_size))
     plan = plan_training(cfg, job, param_dtype(model_dir, cfg.dtype), *accelerator_capacity(None))
     if jax.process_index() == 0:
@@ -243,6 +248,14 @@ def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
             with_hidden(examples, job.model, target_params, cfg.data.batch_size, store, target, captures, top_k,
                         cfg.data.store_layers) for examples in (train_examples, heldout))
     return job, target_params, target_config, train_examples, heldout
+
+
+def train_dataset(examples: Sequence[dict[str, np.ndarray]], cfg: DataConfig, rows: slice) -> grain.MapDataset:
+    """The training batches `cfg` asks for (this process's `rows` of each): grouped by length or not."""
+    if cfg.length_groups:
+        lengths = trained_lengths(np.stack([e["loss_mask"] for e in examples]))
+        return length_grouped_dataset(examples, lengths, cfg.batch_size, cfg.seed, cfg.length_groups, rows)
+    return example_dataset(examples, cfg.batch_size, cfg.seed, rows)
 
 
 def _store(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[str, Any]:
@@ -285,7 +298,7 @@ def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
     state, extra = run_loop(
         run_dir=out_dir, cfg=cfg.loop, init_state=init_state,
         train_step=lambda s, b: train_step(s, target_params, b),
-        data=iter(example_dataset(train_examples, cfg.data.batch_size, cfg.data.seed, rows)), evaluate=evaluate,
+        data=iter(train_dataset(train_examples, cfg.data, rows)), evaluate=evaluate,
         tokens_per_batch=cfg.data.batch_size * cfg.data.max_len, desc=f"train {cfg.method}")
     summary = {
         "method": cfg.method, "settings": dataclasses.asdict(drafter), "model": model_dir,
