@@ -106,14 +106,18 @@ def test_a_store_pass_cut_at_each_batchs_longest_row_keeps_the_targets_states(tm
     assert cuts == [(2, 4), (2, 8), (2, 12)]  # traced once per cut
     out = target_forward(model, params, {"tokens": jnp.asarray(tokens)}, (1, 3))
     want = _log_softmax(np.asarray(out.logits, np.float64))
-    for row, (e, n) in enumerate(zip(got, lengths, strict=True)):
-        cut = -(-n // 4) * 4
-        np.testing.assert_allclose(e["hidden"][:n], np.asarray(out.hidden[row, :n]), atol=2e-3)
-        np.testing.assert_allclose(e["captured"][:n], np.asarray(out.captured[row, :n]), atol=2e-3)
-        order = np.argsort(-want[row, :n], axis=-1, kind="stable")[:, :3]
-        np.testing.assert_array_equal(e["label_ids"][:n], order)
+    batch_cut = {1: 4, 3: 4, 2: 8, 4: 8, 5: 12, 0: 12}  # row: its batch's cut
+    for row, e in enumerate(got):
+        cut = batch_cut[row]  # the full-length forward's states up to it, its last position's after it
+        np.testing.assert_allclose(e["hidden"][:cut], np.asarray(out.hidden[row, :cut]), atol=2e-3)
+        np.testing.assert_allclose(e["captured"][:cut], np.asarray(out.captured[row, :cut]), atol=2e-3)
+        order = np.argsort(-want[row, :cut], axis=-1, kind="stable")[:, :3]
+        np.testing.assert_array_equal(e["label_ids"][:cut], order)
         for name in ("hidden", "captured", "label_ids", "label_logp"):
             np.testing.assert_array_equal(e[name][cut:], np.broadcast_to(e[name][cut - 1], e[name][cut:].shape))
+    longer = [e | {"loss_mask": np.ones_like(e["loss_mask"])} for e in examples]  # the same tokens, other cuts
+    with_hidden(longer, model, params, 2, tmp_path, "tiny", (1, 3), label_top_k=3)
+    assert len(list(tmp_path.glob("hidden-*.npy"))) == 2  # a store of its own, not the one cut shorter
 
 
 def test_methods_with_different_layers_share_one_store_file(tmp_path, capsys):

@@ -147,6 +147,9 @@ class TrainConfig:
         if unknown := set(self.method_settings) - known - {DRAFT_VOCAB_SIZE}:
             raise ValueError(f"method_settings {sorted(unknown)} are not {self.method} settings; "
                              f"known: {', '.join(sorted(known | {DRAFT_VOCAB_SIZE}))}")
+        if self.data.length_groups and self.method == "bita" and self.method_settings.get("train_groups"):
+            raise ValueError("BiTA's method_settings.train_groups cut points depend on the batch's length, which "
+                             "data.length_groups cuts short: set one of them to 0")
         if DRAFT_VOCAB_SIZE in self.method_settings:
             self._check_draft_vocab_size("draft_vocab" in known)
         self.drafter()  # the method validates its own values

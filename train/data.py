@@ -74,34 +74,35 @@ class _Flatten(grain.MapDataset):
     def __len__(self) -> int:
         return len(self._parent) * self.size
 
-    def __getitem__(self, index: Any) -> Any:
+    def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
             return self.slice(index)
         group, i = divmod(index, self.size)
         return self._parent[group][i]
 
 
-def length_grouped_dataset(examples: Sequence[dict[str, np.ndarray]], lengths: np.ndarray, batch_size: int,
-                           seed: int, groups: int, rows: slice = slice(None)) -> grain.MapDataset:
-    """Shuffled, repeated batches of `batch_size` `examples` of similar length, this process's `rows` of each: the
-    shuffled order is taken `groups` batches at a time, sorted there by `lengths` (`trained_lengths`) and cut into
-    batches, which come in an order drawn from `seed` and the group's index; each batch is cut at its longest row
-    (`bucket_cut`: positions past it are padding no loss reads). The iterator's `get_state()` resumes exactly."""
+def length_grouped_dataset(examples: Sequence[dict[str, np.ndarray]], lengths: np.ndarray, max_len: int,
+                           batch_size: int, seed: int, groups: int, rows: slice = slice(None)) -> grain.MapDataset:
+    """Shuffled, repeated batches of `batch_size` `examples` (of `max_len` positions) of similar length, this
+    process's `rows` of each: the shuffled order is taken `groups` batches at a time, sorted there by `lengths`
+    (`trained_lengths`) and cut into batches, which come in an order drawn from `seed` and the group's index; each
+    batch is cut at its longest row (`bucket_cut`: positions past it are padding no loss reads). Each step's loss
+    is its batch's as before; over a run, batches of short rows weigh their fewer tokens more, as any batch does.
+    The iterator's `get_state()` resumes exactly."""
     lengths = np.asarray(lengths)
-    max_len = len(examples[0]["tokens"])
 
     def sorted_batches(index: int, chunk: np.ndarray) -> np.ndarray:  # [groups, batch_size] example ids
         order = np.asarray(chunk)[np.argsort(lengths[chunk], kind="stable")].reshape(groups, batch_size)
         return order[np.random.default_rng([seed, index]).permutation(groups)]
 
-    def collate(ids: np.ndarray) -> dict[str, np.ndarray]:
+    def collate(ids: np.ndarray) -> dict[str, np.ndarray]:  # the global batch's cut, this process's rows
         cut = bucket_cut(int(lengths[ids].max()), max_len)
-        picked = [examples[int(i)] for i in ids]
+        picked = [examples[int(i)] for i in ids[rows]]
         return {k: np.stack([e[k][:cut] for e in picked]) for k in picked[0]}
 
     chunks = grain.MapDataset.range(len(examples)).shuffle(seed=seed).repeat().batch(batch_size * groups,
                                                                                     drop_remainder=True)
-    return _own_rows(_Flatten(chunks.map_with_index(sorted_batches), groups).map(collate), rows)
+    return _Flatten(chunks.map_with_index(sorted_batches), groups).map(collate)
 
 
 def packed_dataset(windows: np.ndarray, batch_size: int, seed: int, skip: int = 0,

@@ -205,14 +205,14 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
     from its fp32 logits; the rest of the mass is what they leave).
 
     With a `store` directory each is kept there (`hidden-<key>.npy`, `captured-<key>-<layers>.npy`,
-    `label_ids-<key>-top<k>.npy`, ...; key: a digest of the target's identity `target`, its params' dtype and
-    every example's tokens) and read back, memory-mapped, by any later run over the same examples and target, so
-    the methods trained on one data set compute them once. `store_layers` (a superset of `captures`) is the layers
-    whose inputs the store keeps, so methods capturing different layers share one file and one target pass; each
-    reads its own layers' columns. Files complete in the store are read without waiting; the pass that fills the
-    missing ones holds the store's lock (another run filling it then fails with a line saying so) and writes
-    `<file>.partial<process>` files, recording the rows it has finished: a killed pass resumes there, and only
-    complete files get their final names.
+    `label_ids-<key>-top<k>.npy`, ...; key: a digest of the target's identity `target`, its params' dtype,
+    every example's tokens and trained length) and read back, memory-mapped, by any later run over the same
+    examples and target, so the methods trained on one data set compute them once. `store_layers` (a superset of
+    `captures`) is the layers whose inputs the store keeps, so methods capturing different layers share one file
+    and one target pass; each reads its own layers' columns. Files complete in the store are read without
+    waiting; the pass that fills the missing ones holds the store's lock (another run filling it then fails with a
+    line saying so) and writes `<file>.partial<process>` files, recording the rows it has finished: a killed pass
+    resumes there, and only complete files get their final names.
 
     The pass runs over rows sorted by length (`trained_lengths`) and cuts each batch at its longest row
     (`bucket_cut`); a row's positions past that cut, all padding after its last trained token, repeat the states of
@@ -231,7 +231,8 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
     paths: dict[str, Path | None] = dict.fromkeys(wanted)
     if store:
         dtype = str(jax.tree.leaves(target_params)[0].dtype)
-        key = json_digest([target, dtype, list(tokens.shape), hashlib.sha256(tokens.tobytes()).hexdigest()])[:24]
+        key = json_digest([target, dtype, list(tokens.shape), hashlib.sha256(tokens.tobytes()).hexdigest(),
+                           hashlib.sha256(lengths.astype(np.int64).tobytes()).hexdigest()])[:24]  # the cuts
         paths = {name: Path(store) / f"{name}-{key}{suffix}.npy" for name, (suffix, _, _) in wanted.items()}
     arrays = _read_complete(paths)
     if any(name not in arrays for name in wanted):

@@ -221,13 +221,14 @@ def train_heads(cfg: TrainConfig, store_only: bool = False) -> dict[str, Any]:
 
 
 def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
-             ) -> tuple[TrainJob, dict, ModelConfig, list[dict], list[dict]]:
-    """The job (checked to fit), the target's params and config, and the (train, held-out) examples, with the
-    target's states attached from `data.hidden_store` (computed into it where missing) under
-    `data.cache_target_hidden`."""
+             ) -> tuple[TrainJob, dict, ModelConfig, list[dict], list[dict], np.ndarray]:
+    """The job (checked to fit), the target's params and config, the (train, held-out) examples, with the target's
+    states attached from `data.hidden_store` (computed into it where missing) under `data.cache_target_hidden`, and
+    the train examples' `trained_lengths`."""
     target_config = load_config(model_dir)
     tok = load_tokenizer(model_dir)
     train_examples, heldout = example_source(cfg.data).split(tok)
+    lengths = trained_lengths(np.stack([e["loss_mask"] for e in train_examples]))  # before states ride along
     if (grouped := cfg.data.length_groups * cfg.data.batch_size) > len(train_examples):
         raise DataError(f"data.length_groups={cfg.data.length_groups} batches of {cfg.data.batch_size} ({grouped} "
                         f"examples) exceed the {len(train_examples)} training examples: lower data.length_groups")
@@ -247,20 +248,22 @@ def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
         train_examples, heldout = (
             with_hidden(examples, job.model, target_params, cfg.data.batch_size, store, target, captures, top_k,
                         cfg.data.store_layers) for examples in (train_examples, heldout))
-    return job, target_params, target_config, train_examples, heldout
+    return job, target_params, target_config, train_examples, heldout, lengths
 
 
-def train_dataset(examples: Sequence[dict[str, np.ndarray]], cfg: DataConfig, rows: slice) -> grain.MapDataset:
-    """The training batches `cfg` asks for (this process's `rows` of each): grouped by length or not."""
-    if cfg.length_groups:
-        lengths = trained_lengths(np.stack([e["loss_mask"] for e in examples]))
-        return length_grouped_dataset(examples, lengths, cfg.batch_size, cfg.seed, cfg.length_groups, rows)
-    return example_dataset(examples, cfg.batch_size, cfg.seed, rows)
+def train_dataset(examples: Sequence[dict[str, np.ndarray]], lengths: np.ndarray, data_cfg: DataConfig,
+                  rows: slice) -> grain.MapDataset:
+    """The training batches `data_cfg` asks for (this process's `rows` of each), grouped by the examples' `lengths`
+    (`trained_lengths`) or not."""
+    if data_cfg.length_groups:
+        return length_grouped_dataset(examples, lengths, data_cfg.max_len, data_cfg.batch_size, data_cfg.seed,
+                                      data_cfg.length_groups, rows)
+    return example_dataset(examples, data_cfg.batch_size, data_cfg.seed, rows)
 
 
 def _store(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[str, Any]:
     """`train_heads(store_only=True)`: the store filled, its files and sizes printed and returned."""
-    _, _, _, train_examples, heldout = _prepare(cfg, model_dir, identity)
+    _, _, _, train_examples, heldout, _ = _prepare(cfg, model_dir, identity)
     store = Path(cfg.data.hidden_store)
     files = {p.name: p.stat().st_size for p in sorted(store.glob("*.npy"))}
     print(f"{store}: {len(train_examples)} train / {len(heldout)} held-out examples of {cfg.data.max_len} tokens; "
@@ -275,7 +278,7 @@ def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
               f"its heads are in {Path(cfg.out_dir) / 'heads'}; nothing was changed (use a new out_dir to train "
               "again)")
         return summary
-    job, target_params, target_config, train_examples, heldout = _prepare(cfg, model_dir, identity)
+    job, target_params, target_config, train_examples, heldout, lengths = _prepare(cfg, model_dir, identity)
     drafter, train_step, eval_step = job.drafter, job.train_step, job.eval_step
     init_state = functools.partial(job.new_state, Target(target_config, target_params))  # made in place on shards
 
@@ -298,7 +301,7 @@ def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
     state, extra = run_loop(
         run_dir=out_dir, cfg=cfg.loop, init_state=init_state,
         train_step=lambda s, b: train_step(s, target_params, b),
-        data=iter(train_dataset(train_examples, cfg.data, rows)), evaluate=evaluate,
+        data=iter(train_dataset(train_examples, lengths, cfg.data, rows)), evaluate=evaluate,
         tokens_per_batch=cfg.data.batch_size * cfg.data.max_len, desc=f"train {cfg.method}")
     summary = {
         "method": cfg.method, "settings": dataclasses.asdict(drafter), "model": model_dir,
