@@ -36,7 +36,7 @@ def _examples(n: int, t: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
 def test_grouped_batches_hold_each_example_once_an_epoch_cut_at_their_longest_row(monkeypatch):
     monkeypatch.setattr(data, "LENGTH_BUCKET", 4)
     examples = _examples(48, 16)
-    lengths = trained_lengths(np.stack([e["loss_mask"] for e in examples]))
+    lengths = trained_lengths(examples)
     assert lengths.tolist() == [int(np.flatnonzero(e["loss_mask"]).max()) + 1 for e in examples]
     ds = length_grouped_dataset(examples, lengths, 16, 4, seed=3, groups=3)
     it = iter(ds)

@@ -52,9 +52,9 @@ def _own_rows(batches: grain.MapDataset, rows: slice) -> grain.MapDataset:
 LENGTH_BUCKET = 64  # batches grouped by length are cut at their longest row rounded up to this many positions
 
 
-def trained_lengths(loss_masks: np.ndarray) -> np.ndarray:
-    """`[N]`: each row of `loss_masks [N, T]` up to its last trained position (0 for a row with none)."""
-    masks = np.asarray(loss_masks) > 0
+def trained_lengths(examples: Sequence[dict[str, np.ndarray]]) -> np.ndarray:
+    """`[N]`: each example up to its last trained (`loss_mask`) position (0 for one with none)."""
+    masks = np.stack([e["loss_mask"] for e in examples]) > 0  # [N, T]
     return np.where(masks.any(-1), masks.shape[1] - np.argmax(masks[:, ::-1], -1), 0)
 
 

@@ -218,7 +218,7 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
     (`bucket_cut`); a row's positions past that cut, all padding after its last trained token, repeat the states of
     the last position computed (no loss reads them)."""
     tokens = np.stack([e["tokens"] for e in examples])  # [N, T]
-    lengths = trained_lengths(np.stack([e["loss_mask"] for e in examples]))  # [N]
+    lengths = trained_lengths(examples)  # [N]
     d = model.config.hidden_size
     stored = (tuple(store_layers) or tuple(captures)) if captures else ()
     check_store_layers(stored, captures, model.config.num_layers)

@@ -228,7 +228,7 @@ def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
     target_config = load_config(model_dir)
     tok = load_tokenizer(model_dir)
     train_examples, heldout = example_source(cfg.data).split(tok)
-    lengths = trained_lengths(np.stack([e["loss_mask"] for e in train_examples]))  # before states ride along
+    lengths = trained_lengths(train_examples)  # before the states ride along
     if (grouped := cfg.data.length_groups * cfg.data.batch_size) > len(train_examples):
         raise DataError(f"data.length_groups={cfg.data.length_groups} batches of {cfg.data.batch_size} ({grouped} "
                         f"examples) exceed the {len(train_examples)} training examples: lower data.length_groups")
