@@ -125,15 +125,15 @@ class DFlash(LogicalInit):
         return dataclasses.replace(self, temperature=temperature)
 
     def _net(self, target: ModelConfig) -> _DFlashNet:
-        return _DFlashNet(block_config(target, self.num_layers), self.qk_norm)
+        return _DFlashNet(block_config(target, self.num_layers), self.qk_norm, self.block_size)
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         c = target.config
         ids = self.layer_ids(c)
         if self.mask_token_id >= c.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} is not a token of the target's {c.vocab_size}")
-        x = jnp.zeros((1, 1, c.hidden_size))
-        params = self._net(c).init(rng, x, jnp.zeros((1, 1), jnp.int32),
+        x = jnp.zeros((1, self.block_size, c.hidden_size))
+        params = self._net(c).init(rng, x, jnp.zeros((1, self.block_size), jnp.int32),
                                    jnp.zeros((1, 1, len(ids) * c.hidden_size)))["params"]
         mask = (target.embed(jnp.arange(c.vocab_size)).mean(0) if self.mask_token_id < 0
                 else target.embed(jnp.asarray(self.mask_token_id)))
@@ -187,10 +187,9 @@ class DFlash(LogicalInit):
         b, s = root.shape[0], cache.size
         positions = cache.lengths[:, None] + jnp.arange(self.block_size, dtype=jnp.int32)[None]  # [B, Bk]
         sees_context = jnp.arange(s)[None, None, :] < cache.lengths[:, None, None]  # [B, 1, S]
-        visible = jnp.concatenate([jnp.broadcast_to(sees_context, (b, self.block_size, s)),
-                                   jnp.ones((b, self.block_size, self.block_size), bool)], axis=-1)
         out = self._net(target.config).apply({"params": params}, self.block_inputs(params, target, root), positions,
-                                             cache.k, cache.v, visible, method=_DFlashNet.block)
+                                             cache.k, cache.v, jnp.broadcast_to(sees_context, (b, self.block_size, s)),
+                                             method=_DFlashNet.block)
         return self.logits(params, target, out[:, 1: depth + 1])
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
@@ -225,11 +224,9 @@ class DFlash(LogicalInit):
                          jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), method=_DFlashNet.context_kv)
         x = self.block_inputs(params, target, jnp.take_along_axis(tokens, anchors, 1)).reshape(b, a * bk, -1)
         positions = (anchors[..., None] + jnp.arange(bk, dtype=jnp.int32)).reshape(b, a * bk)
-        block = jnp.repeat(jnp.arange(a), bk)  # [A Bk] each query's (and key's) block
         sees_context = (jnp.arange(t)[None, None] < anchors[..., None]) & real[..., None]  # [B, A, T]
-        sees_block = (block[:, None] == block[None, :])[None] & jnp.repeat(real, bk, 1)[:, :, None]  # [B, A Bk, A Bk]
-        visible = jnp.concatenate([jnp.repeat(sees_context, bk, 1), sees_block], axis=-1)
-        out = net.apply({"params": params}, x, positions, k, v, visible, method=_DFlashNet.block)
+        out = net.apply({"params": params}, x, positions, k, v, jnp.repeat(sees_context, bk, 1),
+                        method=_DFlashNet.block)
         return self.logits(params, target, out.reshape(b, a, bk, -1)[:, :, 1:])
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
@@ -272,6 +269,7 @@ class _DFlashLayer(nn.Module):
 
     config: ModelConfig
     qk_norm: bool
+    block_size: int
 
     def setup(self) -> None:
         c = self.config
@@ -299,9 +297,10 @@ class _DFlashLayer(nn.Module):
         return apply_rope(k, positions, inverse_frequencies(c)), self.v_proj(x).reshape(shape)
 
     def __call__(self, x: jax.Array, positions: jax.Array, context_k: jax.Array, context_v: jax.Array,
-                 visible: jax.Array) -> jax.Array:
-        """The block `x [B, Q, D]` -> `[B, Q, D]`; its queries see the context's keys/values `[B, S, KVH, Dh]` and
-        the block's own under `visible [B, Q, S + Q]`."""
+                 sees_context: jax.Array) -> jax.Array:
+        """Blocks `x [B, A Bk, D]` (A blocks of `block_size`) -> `[B, A Bk, D]`; each query sees the context's
+        keys/values `[B, S, KVH, Dh]` under `sees_context [B, A Bk, S]` and every key of its own block (scored
+        `A Bk x Bk`, not the `A Bk x A Bk` of a mask over all blocks)."""
         c = self.config
         b, q_len = x.shape[:2]
         h = self.input_layernorm(x)
@@ -309,9 +308,12 @@ class _DFlashLayer(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
         q = apply_rope(q, positions, inverse_frequencies(c))
-        k, v = self.keys_values(h, positions)
-        out = dot_product_attention(q, jnp.concatenate([context_k.astype(k.dtype), k], 1),
-                                    jnp.concatenate([context_v.astype(v.dtype), v], 1), visible)
+        own = [y.reshape(b, q_len // self.block_size, 1, self.block_size, *y.shape[2:])
+               for y in self.keys_values(h, positions)]  # [B, A, 1, Bk, KVH, Dh]
+        own_k, own_v = (jnp.broadcast_to(y, y.shape[:2] + (self.block_size,) + y.shape[3:]).reshape(
+            b, q_len, self.block_size, *y.shape[4:]) for y in own)  # [B, A Bk, Bk, KVH, Dh] each query's block
+        out = dot_product_attention(q, context_k.astype(own_k.dtype), context_v.astype(own_v.dtype), sees_context,
+                                    diagonal=(own_k, own_v))
         x = x + self.o_proj(out.reshape(b, q_len, c.num_heads * c.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -319,18 +321,19 @@ class _DFlashLayer(nn.Module):
 class _DFlashNet(nn.Module):
     config: ModelConfig  # the target's block type with the draft's layer count
     qk_norm: bool
+    block_size: int
 
     def setup(self) -> None:
         c = self.config
         self.fc = logical_dense(c.hidden_size, ("mlp", "embed"), "fc", nn.initializers.normal(0.02), use_bias=False)
         self.hidden_norm = RMSNorm(c.rms_norm_eps)
-        self.layers = [_DFlashLayer(c, self.qk_norm) for _ in range(c.num_layers)]
+        self.layers = [_DFlashLayer(c, self.qk_norm, self.block_size) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
 
     def __call__(self, x: jax.Array, positions: jax.Array, captured: jax.Array) -> jax.Array:
         """Init only."""
-        k, v = self.context_kv(captured, positions)
-        return self.block(x, positions, k, v, jnp.ones(x.shape[:2] + (2 * x.shape[1],), bool))
+        k, v = self.context_kv(captured, positions[:, :1])
+        return self.block(x, positions, k, v, jnp.ones(x.shape[:2] + (1,), bool))
 
     def context_kv(self, captured: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Target features `[B, T, C D]` at `positions [B, T]` -> every layer's context keys and values `[L, B,
@@ -340,10 +343,10 @@ class _DFlashNet(nn.Module):
         return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
 
     def block(self, x: jax.Array, positions: jax.Array, context_k: jax.Array, context_v: jax.Array,
-              visible: jax.Array) -> jax.Array:
-        """The layers over block inputs `x [B, Q, D]` -> normed outputs `[B, Q, D]` (context `[L, B, S, KVH,
-        Dh]`, `visible [B, Q, S + Q]`)."""
+              sees_context: jax.Array) -> jax.Array:
+        """The layers over blocks `x [B, A Bk, D]` -> normed outputs `[B, A Bk, D]` (context `[L, B, S, KVH,
+        Dh]`, `sees_context [B, A Bk, S]`; each block sees itself whole)."""
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, context_k[i], context_v[i], visible)
+            x = layer(x, positions, context_k[i], context_v[i], sees_context)
         return self.norm(x)
 
