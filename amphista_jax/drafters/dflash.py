@@ -308,10 +308,10 @@ class _DFlashLayer(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
         q = apply_rope(q, positions, inverse_frequencies(c))
-        own = [y.reshape(b, q_len // self.block_size, 1, self.block_size, *y.shape[2:])
-               for y in self.keys_values(h, positions)]  # [B, A, 1, Bk, KVH, Dh]
-        own_k, own_v = (jnp.broadcast_to(y, y.shape[:2] + (self.block_size,) + y.shape[3:]).reshape(
-            b, q_len, self.block_size, *y.shape[4:]) for y in own)  # [B, A Bk, Bk, KVH, Dh] each query's block
+        bk = self.block_size
+        # [B, A Bk, KVH, Dh] -> [B, A Bk, Bk, KVH, Dh]: each query's copy of its block's keys (values)
+        own_k, own_v = (jnp.repeat(y.reshape(b, q_len // bk, 1, bk, *y.shape[2:]), bk, axis=2).reshape(
+            b, q_len, bk, *y.shape[2:]) for y in self.keys_values(h, positions))
         out = dot_product_attention(q, context_k.astype(own_k.dtype), context_v.astype(own_v.dtype), sees_context,
                                     diagonal=(own_k, own_v))
         x = x + self.o_proj(out.reshape(b, q_len, c.num_heads * c.head_dim))
