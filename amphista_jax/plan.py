@@ -68,6 +68,7 @@ class MemoryPlan:
     code: int
     capacity: int | None = None  # bytes XLA may use on one device; None: unknown
     where: str = ""  # what `capacity` is ("TPU-v5p", "cuda:0 bytes_limit")
+    flops: float | None = None  # one run of the program on one device, as XLA counts it; None: not counted
 
     @property
     def total(self) -> int:
@@ -85,16 +86,27 @@ class MemoryPlan:
                 f"({100 * self.total / self.capacity:.0f}%)")
 
 
+def compiled_cost(compiled: jax.stages.Compiled) -> dict[str, float]:
+    """{"flops", "bytes"} of one run of `compiled` on one device, from XLA's cost analysis of the program (a loop's
+    body is counted once, whatever its trip count)."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list | tuple):  # one entry per program in older jax versions
+        analysis = analysis[0]
+    return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
+
+
 def compiled_plan(job: str, compiled: jax.stages.Compiled, inputs: Mapping[str, Any], devices: int,
-                  capacity: int | None = None, where: str = "") -> MemoryPlan:
+                  capacity: int | None = None, where: str = "", count_flops: bool = False) -> MemoryPlan:
     """The plan of `compiled`, whose arguments are the trees in `inputs` (named, in order). Argument bytes XLA
-    counts beyond the named parts' shard bytes (a device layout's tile padding) are the part "layout padding"."""
+    counts beyond the named parts' shard bytes (a device layout's tile padding) are the part "layout padding".
+    `count_flops`: also XLA's FLOP count of the program (for a loop-free one, such as a train step)."""
     stats = compiled.memory_analysis()
     parts = {name: device_bytes(tree) for name, tree in inputs.items()}
     if padding := stats.argument_size_in_bytes - sum(parts.values()):
         parts["layout padding"] = padding
     return MemoryPlan(job, devices, parts, stats.output_size_in_bytes - stats.alias_size_in_bytes,
-                      stats.temp_size_in_bytes, stats.generated_code_size_in_bytes, capacity, where)
+                      stats.temp_size_in_bytes, stats.generated_code_size_in_bytes, capacity, where,
+                      compiled_cost(compiled)["flops"] if count_flops else None)
 
 
 def accelerator_capacity(accelerator: Accelerator | None) -> tuple[int | None, str]:
@@ -140,17 +152,19 @@ def decode_plan(config: ModelConfig, drafter: Drafter, tree: Tree, mesh: Mesh | 
 
 def plan_table(plans: list[MemoryPlan], names: list[str] | None = None) -> str:
     """A markdown table of `plans` per device, one row each (GiB; MiB when every plan is under 1 GiB), with a
-    first column of `names` when given."""
+    first column of `names` when given and a last of GFLOP when any plan counted them."""
     unit, scale = ("GiB", GIB) if max(p.total for p in plans) >= GIB else ("MiB", 1 << 20)
     parts = list(dict.fromkeys(name for p in plans for name in p.inputs))
+    flops = any(p.flops is not None for p in plans)
     head = (f"| {'config | ' if names else ''}job | devices | {' | '.join(parts)} | outputs | temporaries | "
-            f"code | total {unit} | capacity {unit} | fits |")
+            f"code | total {unit} | capacity {unit} | fits |{' GFLOP |' if flops else ''}")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, p in enumerate(plans):
         cells = " | ".join(f"{p.inputs[n] / scale:.2f}" if n in p.inputs else "-" for n in parts)
         cap = f"{p.capacity / scale:.1f} ({p.where})" if p.capacity else "-"
         fits = {True: "yes", False: "**no**", None: "-"}[p.fits]
+        gflop = f" {'-' if p.flops is None else f'{p.flops / 1e9:.0f}'} |" if flops else ""
         lines.append(f"| {f'{names[i]} | ' if names else ''}{p.job} | {p.devices} | {cells} | "
                      f"{p.outputs / scale:.2f} | {p.temp / scale:.2f} | {p.code / scale:.2f} | {p.total / scale:.2f} | "
-                     f"{cap} | {fits} |")
+                     f"{cap} | {fits} |{gflop}")
     return "\n".join(lines)

@@ -549,6 +549,8 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "loss.top_k=0", "--set", "loss.labels=target"], ["loss.top_k=0", "integer >= 1"]),
     (["--set", "method=bita", "--set", "method_settings={}", "--set", "loss.labels=target"],
      ["bita runs the target inside its loss", "loss.labels data"]),
+    (["--set", "method=eagle3", "--set", "method_settings={}", "--set", "loss.labels=target"],
+     ["eagle3 with these method_settings learns the target's distribution", "kind kl", "lm_weight > 0"]),
 ])
 def test_train_bad_settings_fail_before_any_work(capsys, tmp_path, extra, needles):
     data, out = _code(tmp_path / "code"), tmp_path / "run"

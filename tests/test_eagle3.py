@@ -4,6 +4,8 @@ static and dynamic trees, one compile, training, checkpoints and settings."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,6 +161,27 @@ def test_loss_weights_the_steps_and_a_step_moves_only_draft_params(target, heads
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), before_target, target.params)
 
 
+def test_an_lm_term_in_place_of_the_teacher_learns_the_batchs_labels(target, heads):
+    """With lm_weight 1 and teacher_weight 0 the loss is the steps' CEs against the labels (step j at t: token
+    t + 2 + j), weighted 0.8 ** j, and does not read the target's logits."""
+    tokens = jax.random.randint(jax.random.key(7), (2, 16), 0, CONFIG.vocab_size)
+    labels = jax.random.randint(jax.random.key(8), (2, 16), 0, CONFIG.vocab_size)
+    mask = jnp.ones_like(tokens).at[:, :5].set(0)
+    out = Transformer(CONFIG).apply({"params": target.params}, tokens, _positions(2, 16),
+                                    captures=EAGLE3.captured_layers(CONFIG))
+    drafter = dataclasses.replace(EAGLE3, lm_weight=1.0, teacher_weight=0.0)
+    assert drafter.reads_labels and not EAGLE3.reads_labels
+    batch = {"tokens": tokens, "loss_mask": mask, "labels": labels}
+    loss, _ = drafter.loss(heads, target, batch, out.replace(logits=None))
+    logp = np.asarray(jax.nn.log_softmax(drafter.draft_logits(heads, target, tokens, out.captured), -1))
+    want = 0.0
+    for j in range(drafter.ttt_steps):
+        shift, m = j + 2, np.asarray(mask)[:, j + 2:]
+        nll = -np.take_along_axis(logp[:, : 16 - shift, j], np.asarray(labels)[:, shift:, None], -1)[..., 0]
+        want += 0.8 ** j * (nll * m).sum() / m.sum()
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_training_lowers_the_loss(target):
     """Under -m slow: test_greedy_eagle3_equals_ar[trained-dynamic]'s fitted heads (`fitted_heads` asserts head0/top1
@@ -199,6 +222,8 @@ def test_settings_are_validated():
         Eagle3(ttt_steps=0)
     with pytest.raises(ValueError, match="step_decay"):
         Eagle3(step_decay=0.0)
+    with pytest.raises(ValueError, match="not both 0"):
+        Eagle3(teacher_weight=0.0)
     with pytest.raises(ValueError, match="layers of the target's 2"):
         Eagle3(feature_layers=(0, 1, 2)).captured_layers(CONFIG)
     assert reference_layers(32) == (2, 16, 29) and reference_layers(30) == (2, 15, 27)

@@ -22,10 +22,10 @@ from amphista_jax.decode import decode, scratch_slots
 from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.models.hf import load_config as load_model_config
 from amphista_jax.models.hf import load_params
-from amphista_jax.plan import decode_plan, device_bytes
+from amphista_jax.plan import compiled_cost, decode_plan, device_bytes
 from amphista_jax.sharding import batch_sharding, make_mesh, on_mesh, place_for_decoding
 from amphista_jax.target import Target
-from amphista_jax.train.config import DataConfig, MeshConfig, TrainConfig
+from amphista_jax.train.config import DataConfig, LossConfig, MeshConfig, TrainConfig
 from amphista_jax.train.heads import plan_training, train_job
 from amphista_jax.train.plan import plan_request
 from amphista_jax.tree_names import get_tree
@@ -70,6 +70,7 @@ def test_train_plan_is_the_compiled_step_of_the_real_run(method):
     assert stats.argument_size_in_bytes == sum(plan.inputs.values())
     assert (stats.temp_size_in_bytes, stats.output_size_in_bytes - stats.alias_size_in_bytes) == (plan.temp,
                                                                                                      plan.outputs)
+    assert plan.flops == compiled_cost(real)["flops"] > 0
     new_state, metrics = job.train_step(state, params, batch)  # and it runs
     assert np.isfinite(float(metrics["loss"])) and int(new_state["step"]) == 1
 
@@ -96,8 +97,31 @@ def test_microbatches_cut_the_train_steps_activations():
     for k in (1, 8):  # 32 rows of 256 tokens: 8 rows, then 1, per batch shard at a time
         cfg = dataclasses.replace(_train_config("medusa", microbatches=k), data=dataclasses.replace(
             DATA, batch_size=32, max_len=256, microbatches=k))
-        temps[k] = plan_training(cfg, train_job(cfg, CONFIG), jnp.float32).temp
+        plan = plan_training(cfg, train_job(cfg, CONFIG), jnp.float32)
+        temps[k] = plan.temp
+        assert (plan.flops is None) == (k > 1)  # a microbatch loop, which XLA would count once: not counted
     assert temps[8] < 0.3 * temps[1], temps
+
+
+def test_a_target_label_plan_compiles_the_step_that_reads_the_label_store():
+    """With stored hidden states and `loss.labels: target, kind: kl`, the step takes the store's top-k labels: the
+    plan compiles that step, whose argument bytes and FLOPs are the real batch's."""
+    data = dataclasses.replace(DATA, cache_target_hidden=True, hidden_store="unused")
+    cfg = TrainConfig(data=data, method="eagle3", loss=LossConfig(labels="target", kind="kl", top_k=4))
+    job = train_job(cfg, CONFIG)
+    plan = plan_training(cfg, job, jnp.float32)
+    params, _ = load_params(MODEL, dtype="float32")
+    state = job.new_state(Target(CONFIG, params))
+    rng, d, c = np.random.default_rng(0), CONFIG.hidden_size, len(job.drafter.captured_layers(CONFIG))
+    logp = np.log(rng.dirichlet(np.ones(5), (8, 64))[..., :4]).astype(np.float32)
+    batch = {"tokens": rng.integers(0, CONFIG.vocab_size, (8, 64), dtype=np.int32),
+             "loss_mask": np.ones((8, 64), np.int32), "hidden": rng.standard_normal((8, 64, d)).astype(np.float16),
+             "captured": rng.standard_normal((8, 64, c * d)).astype(np.float16),
+             "label_ids": rng.integers(0, CONFIG.vocab_size, (8, 64, 4), dtype=np.int32), "label_logp": logp}
+    real = job.train_step.compile(state, params, batch)
+    assert plan.inputs["batch"] == device_bytes(batch)
+    assert real.memory_analysis().argument_size_in_bytes == sum(plan.inputs.values())
+    assert plan.flops == compiled_cost(real)["flops"] > 0
 
 
 @pytest.mark.slow

@@ -155,6 +155,11 @@ class TrainConfig:
         self.drafter()  # the method validates its own values
         if self.loss.labels == "target" and DRAFTERS[self.method].loss_runs_target:
             raise ValueError(f"method {self.method} runs the target inside its loss: it trains on loss.labels data")
+        if self.loss.labels == "target" and self.loss.kind == "ce" and not self.drafter().reads_labels:
+            raise ValueError(f"method {self.method} with these method_settings learns the target's distribution "
+                             "through its teacher term alone, so loss.labels target with kind ce (the target's "
+                             "greedy token) would change nothing: use kind kl (which that term is), or give the "
+                             "method an LM term (method_settings.lm_weight > 0 where it has one)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if bad := {k: v for k, v in self.part_lrs.items() if not v > 0}:
@@ -178,6 +183,12 @@ class TrainConfig:
     def draft_vocab_size(self) -> int:
         """`method_settings.draft_vocab_size`: how many tokens to draft over (0: the whole vocabulary)."""
         return self.method_settings.get(DRAFT_VOCAB_SIZE, 0)
+
+    @property
+    def label_store_top_k(self) -> int:
+        """How many of the target's top log-probs a position's labels keep in the label store (0: no labels
+        stored): `loss.top_k` under `loss.labels: target`."""
+        return self.loss.top_k if self.loss.labels == "target" else 0
 
     def drafter(self, draft_vocab: DraftVocab | None = None) -> Drafter:
         """The method with its settings and `draft_vocab` (the one chosen for `draft_vocab_size`; None: ids

@@ -167,33 +167,38 @@ def train_job(cfg: TrainConfig, target_config: ModelConfig, devices: list[jax.De
                     eval_step, new_state)
 
 
-def batch_shapes(cfg: DataConfig, batch: int, hidden_size: int, captures: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
-    """The global batch the train step takes: the examples' arrays stacked `batch` deep (`captures`: how many
-    captured layers' inputs ride along with cached hidden states)."""
-    shapes = {"tokens": jax.ShapeDtypeStruct((batch, cfg.max_len), jnp.int32),
-              "loss_mask": jax.ShapeDtypeStruct((batch, cfg.max_len), jnp.int32)}
-    if cfg.cache_target_hidden:
-        shapes["hidden"] = jax.ShapeDtypeStruct((batch, cfg.max_len, hidden_size), jnp.float16)
+def batch_shapes(cfg: TrainConfig, hidden_size: int, captures: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch the train step takes: the examples' arrays stacked `data.batch_size` deep (`captures`: how
+    many captured layers' inputs ride along with cached hidden states; the label store's top-k with them under
+    `loss.labels: target`)."""
+    data, batch = cfg.data, cfg.data.batch_size
+    shapes = {"tokens": jax.ShapeDtypeStruct((batch, data.max_len), jnp.int32),
+              "loss_mask": jax.ShapeDtypeStruct((batch, data.max_len), jnp.int32)}
+    if data.cache_target_hidden:
+        shapes["hidden"] = jax.ShapeDtypeStruct((batch, data.max_len, hidden_size), jnp.float16)
         if captures:
-            shapes["captured"] = jax.ShapeDtypeStruct((batch, cfg.max_len, captures * hidden_size), jnp.float16)
+            shapes["captured"] = jax.ShapeDtypeStruct((batch, data.max_len, captures * hidden_size), jnp.float16)
+        if k := cfg.label_store_top_k:
+            shapes |= {"label_ids": jax.ShapeDtypeStruct((batch, data.max_len, k), jnp.int32),
+                       "label_logp": jax.ShapeDtypeStruct((batch, data.max_len, k), jnp.float32)}
     return shapes
 
 
 def plan_training(cfg: TrainConfig, job: TrainJob, target_dtype: Any, capacity: int | None = None,
                   where: str = "") -> MemoryPlan:
     """The memory plan of `job`'s train step, compiled from abstract shapes (the target's params in
-    `target_dtype`)."""
+    `target_dtype`), with XLA's FLOP count of one step when it is one pass (no microbatch loop, which XLA would
+    count once)."""
     params = abstract(param_shapes(job.config, target_dtype)[0], job.target_shardings)
     state = abstract(jax.eval_shape(job.new_state, Target(job.config, params)), job.state_shardings)
-    batch = batch_shapes(cfg.data, cfg.data.batch_size, job.config.hidden_size,
-                         len(job.drafter.captured_layers(job.config)))
+    batch = batch_shapes(cfg, job.config.hidden_size, len(job.drafter.captured_layers(job.config)))
     if job.mesh is not None:
         batch = abstract(batch, jax.tree.map(lambda _: Step.batch_spec(job.mesh), batch))
     compiled = job.train_step.compile(state, params, batch)
     return compiled_plan(f"train {cfg.method}", compiled, {
         "target params": params, "draft params": state["params"],
         "optimizer state": (state["opt_state"], state["step"]), "batch": batch}, mesh_devices(job.mesh), capacity,
-        where)
+        where, count_flops=cfg.data.microbatches == 1)
 
 
 def _finished(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -244,7 +249,7 @@ def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
     if cfg.data.cache_target_hidden:
         store, target = cfg.data.hidden_store, identity["target"]
         captures = job.drafter.captured_layers(target_config)
-        top_k = cfg.loss.top_k if cfg.loss.labels == "target" else 0  # the label store
+        top_k = cfg.label_store_top_k
         train_examples, heldout = (
             with_hidden(examples, job.model, target_params, cfg.data.batch_size, store, target, captures, top_k,
                         cfg.data.store_layers) for examples in (train_examples, heldout))

@@ -129,7 +129,8 @@ def describe(results: list[tuple[list[MemoryPlan], dict]]) -> str:
     """The plans as printed and written: what each is for, one table, the verdicts."""
     lines = ["Memory plan per device, compiled on emulated CPU devices from abstract shapes: arguments exact, "
              "temporaries as XLA:CPU assigns them (it computes bf16 products through fp32 copies, so they are on "
-             "the high side for bf16 targets).", ""]
+             "the high side for bf16 targets). GFLOP: XLA's count of one train step on one device (not shown for a "
+             "step of several microbatches, a loop XLA counts once).", ""]
     for _, s in results:
         dec = s["decode"]
         lines.append(f"- {s['config']}: {s['method']} on {s['target']} ({s['params'] / 1e9:.2f}B parameters, "

@@ -47,6 +47,7 @@ from amphista_jax.drafters.base import (
     Proposal,
     accepted_hidden,
     accepted_tokens,
+    check_loss_weights,
     head_losses,
     head_projections,
     logical,
@@ -90,13 +91,16 @@ class Amphista(LogicalInit):
             raise ValueError(f"{self.auto_embedding_layers=} must be >= 1 (auto_embedding=False removes the block)")
         if self.lm_head_rank < 0:
             raise ValueError(f"{self.lm_head_rank=} must be >= 0 (0 = full rank)")
-        if self.lambda_alignment < 0 or self.lambda_lm < 0 or self.lambda_alignment + self.lambda_lm == 0:
-            raise ValueError(f"loss weights {self.lambda_alignment=}, {self.lambda_lm=} must be >= 0, not both 0")
+        check_loss_weights(("lambda_lm", self.lambda_lm), ("lambda_alignment", self.lambda_alignment))
 
     @property
     def stages(self) -> int:
         """Adapted states the heads read: the adaptation stages, or the target's hidden state alone."""
         return self.adaptation_stages if self.staged_adaptation else 1
+
+    @property
+    def reads_labels(self) -> bool:
+        return self.lambda_lm > 0
 
     def _net(self, target: ModelConfig) -> _AmphistaNet:
         return _AmphistaNet(self, target)

@@ -152,6 +152,13 @@ class Drafter(abc.ABC):
     draft_vocab: DraftVocab = ()
 
     @property
+    def reads_labels(self) -> bool:
+        """Whether the loss has an LM term on the labels `loss.labels` / `loss.kind` choose (`batch_labels`,
+        `target_kl`). False for a loss that learns the target's distribution through its teacher term alone
+        (EAGLE's, EAGLE-3's, Hydra++'s): those settings would change nothing."""
+        return True
+
+    @property
     def paper_tree(self) -> str:
         """The name of the tree the method's paper drafts (`tree_names.get_tree`): used where no tree is named and
         no acceptance statistics let `--tree auto` choose (and `amphista-jax plan`); always one of `auto`'s
@@ -410,6 +417,12 @@ def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], tea
             total = total + (teacher_weight[k] if isinstance(teacher_weight, Sequence) else teacher_weight) * teacher
             metrics[f"head{k}/{teacher_name}"] = teacher
     return total, metrics
+
+
+def check_loss_weights(lm: tuple[str, float], teacher: tuple[str, float]) -> None:
+    """An LM-term weight and a teacher-term weight (name, value): both >= 0, not both 0."""
+    if lm[1] < 0 or teacher[1] < 0 or lm[1] + teacher[1] == 0:
+        raise ValueError(f"loss weights {lm[0]}={lm[1]}, {teacher[0]}={teacher[1]} must be >= 0, not both 0")
 
 
 def batch_labels(batch: dict) -> jax.Array:

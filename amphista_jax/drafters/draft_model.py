@@ -98,6 +98,10 @@ class DraftModel(LogicalInit):
                              "draft model from the target's first `layers` layers)")
         normalise_field(self)
 
+    @property
+    def reads_labels(self) -> bool:
+        return False  # trained by distillation: the CE to the target's distribution
+
     def arch(self, target: ModelConfig) -> ModelConfig:
         """The draft model's architecture: its own `config`, else the target's first `layers` layers (a
         `DraftModelError` naming the fix when the target has fewer)."""

@@ -56,6 +56,7 @@ from amphista_jax.drafters.base import (
     Proposal,
     accepted_hidden,
     accepted_tokens,
+    check_loss_weights,
     head_losses,
 )
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
@@ -89,8 +90,11 @@ class Eagle(LogicalInit):
                              f"{self.num_layers}")
         if self.feature_noise < 0:
             raise ValueError(f"{self.feature_noise=} must be >= 0 (0 = no noise)")
-        if self.reg_weight < 0 or self.cls_weight < 0 or self.reg_weight + self.cls_weight == 0:
-            raise ValueError(f"loss weights {self.reg_weight=}, {self.cls_weight=} must be >= 0, not both 0")
+        check_loss_weights(("reg_weight", self.reg_weight), ("cls_weight", self.cls_weight))
+
+    @property
+    def reads_labels(self) -> bool:
+        return False  # the feature regression and the CE to the target's distribution
 
     def _net(self, target: ModelConfig) -> _EagleNet:
         return _EagleNet(target, self.num_layers, self.input_norm)

@@ -43,6 +43,7 @@ from amphista_jax.drafters.base import (
     Proposal,
     accepted_hidden,
     accepted_tokens,
+    check_loss_weights,
     head_losses,
     logical,
 )
@@ -73,6 +74,8 @@ class Eagle3(LogicalInit):
     feature_layers: tuple[int, ...] = ()  # 3 target layers whose inputs are fused; () = reference_layers(L)
     ttt_steps: int = 7  # training-time test: steps the layer is unrolled on its own outputs
     step_decay: float = 0.8  # step j's loss weight is step_decay ** j
+    lm_weight: float = 0.0  # CE against the labels `loss` chooses (the data's tokens by default)
+    teacher_weight: float = 1.0  # CE against the target's softmax (the reference's only term)
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py, the reference's d2t)
 
     def __post_init__(self) -> None:
@@ -85,6 +88,11 @@ class Eagle3(LogicalInit):
             raise ValueError(f"{self.ttt_steps=} must be >= 1 (1 = no unrolling: plain teacher forcing)")
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"{self.step_decay=} must be in (0, 1]")
+        check_loss_weights(("lm_weight", self.lm_weight), ("teacher_weight", self.teacher_weight))
+
+    @property
+    def reads_labels(self) -> bool:
+        return self.lm_weight > 0
 
     def captured_layers(self, config: ModelConfig) -> tuple[int, ...]:
         layers = self.feature_layers or reference_layers(config.num_layers)
@@ -182,12 +190,14 @@ class Eagle3(LogicalInit):
         return jnp.stack(logits, axis=2)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output) -> tuple[jax.Array, dict]:
-        """`sum_j step_decay**j * CE(step j's drafts, the target's distribution over the draft vocabulary)`;
-        `target_out` needs logits and the captured features."""
+        """`sum_j step_decay**j * (teacher_weight * CE(step j's drafts, the target's distribution over the draft
+        vocabulary) + lm_weight * the LM term on `loss`'s labels)`; `target_out` needs the captured features, and
+        logits for the teacher term."""
         logits = self.draft_logits(params, target, batch["tokens"], target_out.captured)
-        weights = [self.step_decay ** j for j in range(self.ttt_steps)]
-        return head_losses(logits, batch, [0.0] * self.ttt_steps, target_out.logits, weights, teacher_name="ttt",
-                           draft_vocab=self.draft_vocab)
+        decay = [self.step_decay ** j for j in range(self.ttt_steps)]
+        return head_losses(logits, batch, [self.lm_weight * w for w in decay],
+                           target_out.logits if self.teacher_weight else None,
+                           [self.teacher_weight * w for w in decay], teacher_name="ttt", draft_vocab=self.draft_vocab)
 
 
 class _Eagle3Net(nn.Module):

@@ -91,6 +91,10 @@ class Gumiho(LogicalInit):
         self.serial  # noqa: B018 (the serial part validates its own settings)
 
     @property
+    def reads_labels(self) -> bool:
+        return False  # EAGLE's loss for the serial part, the target's features and distribution for the heads
+
+    @property
     def max_depth(self) -> int:
         """2 serial drafts, then one per parallel head."""
         return 2 + self.mlp_heads

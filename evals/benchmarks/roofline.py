@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from amphista_jax import plan
 from amphista_jax.accelerators import ACCELERATORS, Accelerator
 from amphista_jax.decode import ar_init, ar_step, scratch_slots, spec_init, spec_step
 from amphista_jax.decode_spec import DecodeSpec
@@ -59,12 +60,8 @@ DEFAULT_RUNS = ("medusa@mc_sim_7b_63", "medusa@chain-4", "amphista@mc_sim_7b_63"
 
 
 def compiled_cost(fn: Callable[..., Any], *args: Any) -> dict[str, float]:
-    """{"flops", "bytes"} of `fn` compiled for `args` (arrays or `jax.ShapeDtypeStruct`s), from XLA's cost
-    analysis of the compiled program."""
-    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
-    if isinstance(analysis, list | tuple):  # one entry per program in older jax versions
-        analysis = analysis[0]
-    return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
+    """{"flops", "bytes"} of `fn` compiled for `args` (arrays or `jax.ShapeDtypeStruct`s)."""
+    return plan.compiled_cost(jax.jit(fn).lower(*args).compile())
 
 
 def ar_cost(config: ModelConfig, params: Any, batch: int, context: int) -> dict[str, float]:
