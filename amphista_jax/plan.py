@@ -12,6 +12,10 @@ With emulated CPU devices (`--xla_force_host_platform_device_count`, `jax_num_cp
 program is the one a pod runs. The argument bytes are exact. The temporaries follow XLA:CPU's fusion and buffer
 reuse, which differ from a TPU's or GPU's compiler, so they are an estimate on CPU and exact on the accelerator
 itself (where `train` prints the plan of the program it runs).
+
+A train step's plan also gives its FLOPs on one device, XLA's cost analysis of the compiled step, when the step
+is loop-free (`loop_free_flops`): steps on stored target states with unrolled drafters, the runs whose training
+compute methods are compared by.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,25 +93,32 @@ class MemoryPlan:
 
 def compiled_cost(compiled: jax.stages.Compiled) -> dict[str, float]:
     """{"flops", "bytes"} of one run of `compiled` on one device, from XLA's cost analysis of the program (a loop's
-    body is counted once, whatever its trip count)."""
+    body is counted once, whatever its trip count); empty where the backend gives no analysis."""
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list | tuple):  # one entry per program in older jax versions
-        analysis = analysis[0]
-    return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
+        analysis = analysis[0] if analysis else None
+    names = {"flops": "flops", "bytes": "bytes accessed"}
+    return {k: float(analysis[name]) for k, name in names.items() if analysis and name in analysis}
+
+
+def loop_free_flops(compiled: jax.stages.Compiled) -> float | None:
+    """XLA's FLOP count of one run of `compiled` on one device when the optimised program has no loop (a scanned
+    layer stack, a microbatch scan: their bodies would count once), else None; None too without an analysis."""
+    return None if re.search(r"\bwhile\(", compiled.as_text()) else compiled_cost(compiled).get("flops")
 
 
 def compiled_plan(job: str, compiled: jax.stages.Compiled, inputs: Mapping[str, Any], devices: int,
                   capacity: int | None = None, where: str = "", count_flops: bool = False) -> MemoryPlan:
     """The plan of `compiled`, whose arguments are the trees in `inputs` (named, in order). Argument bytes XLA
     counts beyond the named parts' shard bytes (a device layout's tile padding) are the part "layout padding".
-    `count_flops`: also XLA's FLOP count of the program (for a loop-free one, such as a train step)."""
+    `count_flops`: also the program's FLOPs (`loop_free_flops`)."""
     stats = compiled.memory_analysis()
     parts = {name: device_bytes(tree) for name, tree in inputs.items()}
     if padding := stats.argument_size_in_bytes - sum(parts.values()):
         parts["layout padding"] = padding
     return MemoryPlan(job, devices, parts, stats.output_size_in_bytes - stats.alias_size_in_bytes,
                       stats.temp_size_in_bytes, stats.generated_code_size_in_bytes, capacity, where,
-                      compiled_cost(compiled)["flops"] if count_flops else None)
+                      loop_free_flops(compiled) if count_flops else None)
 
 
 def accelerator_capacity(accelerator: Accelerator | None) -> tuple[int | None, str]:
@@ -163,7 +175,7 @@ def plan_table(plans: list[MemoryPlan], names: list[str] | None = None) -> str:
         cells = " | ".join(f"{p.inputs[n] / scale:.2f}" if n in p.inputs else "-" for n in parts)
         cap = f"{p.capacity / scale:.1f} ({p.where})" if p.capacity else "-"
         fits = {True: "yes", False: "**no**", None: "-"}[p.fits]
-        gflop = f" {'-' if p.flops is None else f'{p.flops / 1e9:.0f}'} |" if flops else ""
+        gflop = f" {'-' if p.flops is None else f'{p.flops / 1e9:.3g}'} |" if flops else ""
         lines.append(f"| {f'{names[i]} | ' if names else ''}{p.job} | {p.devices} | {cells} | "
                      f"{p.outputs / scale:.2f} | {p.temp / scale:.2f} | {p.code / scale:.2f} | {p.total / scale:.2f} | "
                      f"{cap} | {fits} |{gflop}")

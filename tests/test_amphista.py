@@ -198,7 +198,7 @@ def test_amphista_refuses_a_tree_deeper_than_its_heads(target):
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="adaptation_stages"):
         Amphista(num_heads=4, adaptation_stages=5)
-    with pytest.raises(ValueError, match="not both 0"):
+    with pytest.raises(ValueError, match="not all 0"):
         Amphista(lambda_alignment=0.0, lambda_lm=0.0)
     assert dataclasses.asdict(Amphista())["adaptation_stages"] == 2
 

@@ -285,7 +285,7 @@ def test_checkpoint_round_trip(target, heads, tmp_path):
 def test_settings_and_budgets_are_validated():
     with pytest.raises(ValueError, match="feature_noise"):
         Eagle(feature_noise=-0.1)
-    with pytest.raises(ValueError, match="not both 0"):
+    with pytest.raises(ValueError, match="not all 0"):
         Eagle(reg_weight=0.0, cls_weight=0.0)
     assert get_tree("dynamic") == dynamic_tree(60, 6, 10)
     assert get_tree("dynamic-20x3x5") == dynamic_tree(20, 3, 5)

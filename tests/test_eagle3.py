@@ -222,7 +222,7 @@ def test_settings_are_validated():
         Eagle3(ttt_steps=0)
     with pytest.raises(ValueError, match="step_decay"):
         Eagle3(step_decay=0.0)
-    with pytest.raises(ValueError, match="not both 0"):
+    with pytest.raises(ValueError, match="not all 0"):
         Eagle3(teacher_weight=0.0)
     with pytest.raises(ValueError, match="layers of the target's 2"):
         Eagle3(feature_layers=(0, 1, 2)).captured_layers(CONFIG)

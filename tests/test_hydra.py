@@ -281,7 +281,7 @@ def test_refuses_a_tree_deeper_than_its_heads(target):
 
 
 def test_settings_are_validated():
-    with pytest.raises(ValueError, match="not both 0"):
+    with pytest.raises(ValueError, match="not all 0"):
         Hydra(lm_weight=0.0, teacher_weight=0.0)
     with pytest.raises(ValueError, match="num_layers"):
         Hydra(num_layers=0)

@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from amphista_jax.drafters import DRAFTERS
 from amphista_jax.drafters.base import head_losses, target_kl, topk_kl
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.target import Target
 from amphista_jax.train import data
 from amphista_jax.train.config import DataConfig, LossConfig, TrainConfigError, check_store_layers
 from amphista_jax.train.examples import with_hidden
@@ -254,3 +256,27 @@ def test_train_on_the_targets_labels_from_the_label_store(smoke_model, tmp_path)
     assert main(args + ["--set", f"out_dir={tmp_path / 'b'}"]) == 0
     a, b = (json.loads((tmp_path / r / "summary.json").read_text())["heldout_after"] for r in "ab")
     assert a == b and {"head0/kl", "head0/agree", "head1/agree"} <= set(a)
+
+
+LABEL_CASES = [(name, {}) for name in sorted(DRAFTERS) if DRAFTERS[name].trainable
+               and not DRAFTERS[name].loss_runs_target] + [
+    ("hydra", {"lm_weight": 0.0, "teacher_weight": 1.0}), ("eagle3", {"lm_weight": 1.0, "teacher_weight": 0.0}),
+    ("amphista", {"lambda_lm": 0.0})]
+
+
+@pytest.mark.parametrize("name, settings", LABEL_CASES, ids=[f"{n}{'-' + '-'.join(s) if s else ''}"
+                                                             for n, s in LABEL_CASES])
+def test_a_loss_reads_the_labels_exactly_when_it_says_so(name, settings):
+    """`reads_labels`, which the config check trusts, is what the loss does: other labels change the loss
+    exactly when the drafter says it has an LM term on them."""
+    drafter = DRAFTERS[name].from_settings(settings)
+    model, params = Transformer(DEEP), init_params(DEEP, jax.random.key(5))
+    target = Target(DEEP, params)
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, DEEP.vocab_size, (2, 12)), jnp.int32)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones((2, 12), jnp.int32), "rng": jax.random.key(6)}
+    out = target_forward(model, params, batch, drafter.captured_layers(DEEP))
+    heads = drafter.init(jax.random.key(7), target)
+    losses = {float(drafter.loss(heads, target, batch | {"labels": labels}, out)[0])
+              for labels in (tokens, jnp.asarray(rng.integers(0, DEEP.vocab_size, (2, 12)), jnp.int32))}
+    assert (len(losses) == 2) == drafter.reads_labels, losses

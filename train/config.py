@@ -152,14 +152,14 @@ class TrainConfig:
                              "data.length_groups cuts short: set one of them to 0")
         if DRAFT_VOCAB_SIZE in self.method_settings:
             self._check_draft_vocab_size("draft_vocab" in known)
-        self.drafter()  # the method validates its own values
-        if self.loss.labels == "target" and DRAFTERS[self.method].loss_runs_target:
+        drafter = self.drafter()  # the method validates its own values
+        if self.loss.labels == "target" and drafter.loss_runs_target:
             raise ValueError(f"method {self.method} runs the target inside its loss: it trains on loss.labels data")
-        if self.loss.labels == "target" and self.loss.kind == "ce" and not self.drafter().reads_labels:
-            raise ValueError(f"method {self.method} with these method_settings learns the target's distribution "
-                             "through its teacher term alone, so loss.labels target with kind ce (the target's "
-                             "greedy token) would change nothing: use kind kl (which that term is), or give the "
-                             "method an LM term (method_settings.lm_weight > 0 where it has one)")
+        if self.loss.labels == "target" and self.loss.kind == "ce" and not drafter.reads_labels:
+            fix = (f"set method_settings.{drafter.lm_setting} > 0 for one" if drafter.lm_setting
+                   else "leave loss.labels at data")
+            raise ValueError(f"method {self.method} has no LM term here to learn loss.labels target with kind ce "
+                             f"(its teacher term learns the target's whole distribution): {fix}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if bad := {k: v for k, v in self.part_lrs.items() if not v > 0}:

@@ -196,6 +196,17 @@ def batch_examples(examples: list[dict], batch_size: int, max_batches: int) -> l
             for i in range(n)]
 
 
+def stored_fields(hidden_size: int, captures: int = 0, label_top_k: int = 0) -> dict[str, tuple[int, Any]]:
+    """What a stored example carries per position, name: (width, dtype): the target's hidden state, the inputs of
+    `captures` layers side by side, its top-`label_top_k` label ids and log-probs."""
+    fields: dict[str, tuple[int, Any]] = {"hidden": (hidden_size, np.float16)}
+    if captures:
+        fields["captured"] = (captures * hidden_size, np.float16)
+    if label_top_k:
+        fields |= {"label_ids": (label_top_k, np.int32), "label_logp": (label_top_k, np.float32)}
+    return fields
+
+
 def with_hidden(examples: list[dict], model: Transformer, target_params: dict, batch: int,
                 store: str | Path = "", target: Any = None, captures: tuple[int, ...] = (), label_top_k: int = 0,
                 store_layers: tuple[int, ...] = ()) -> StoredExamples:
@@ -222,12 +233,10 @@ def with_hidden(examples: list[dict], model: Transformer, target_params: dict, b
     d = model.config.hidden_size
     stored = (tuple(store_layers) or tuple(captures)) if captures else ()
     check_store_layers(stored, captures, model.config.num_layers)
-    wanted = {"hidden": ("", d, np.float16)}  # name: (file name suffix, width, dtype)
-    if captures:
-        wanted["captured"] = ("-" + "-".join(map(str, stored)), len(stored) * d, np.float16)
-    if label_top_k:
-        wanted |= {"label_ids": (f"-top{label_top_k}", label_top_k, np.int32),
-                   "label_logp": (f"-top{label_top_k}", label_top_k, np.float32)}
+    suffixes = {"hidden": "", "captured": "-" + "-".join(map(str, stored)), "label_ids": f"-top{label_top_k}",
+                "label_logp": f"-top{label_top_k}"}
+    wanted = {name: (suffixes[name], width, dtype)  # name: (file name suffix, width, dtype)
+              for name, (width, dtype) in stored_fields(d, len(stored), label_top_k).items()}
     paths: dict[str, Path | None] = dict.fromkeys(wanted)
     if store:
         dtype = str(jax.tree.leaves(target_params)[0].dtype)

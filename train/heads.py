@@ -61,7 +61,7 @@ from amphista_jax.train.config import (
     check_target_shape,
 )
 from amphista_jax.train.data import DataError, example_dataset, length_grouped_dataset, trained_lengths
-from amphista_jax.train.examples import batch_examples, choose_draft_vocab, example_source, with_hidden
+from amphista_jax.train.examples import batch_examples, choose_draft_vocab, example_source, stored_fields, with_hidden
 from amphista_jax.train.loop import maybe_initialize_distributed, mean_metrics, read_metrics, run_loop
 from amphista_jax.train.optim import make_optimizer
 from amphista_jax.train.run_identity import RUN_FILE, check_same_run, read_identity, write_identity
@@ -171,24 +171,19 @@ def batch_shapes(cfg: TrainConfig, hidden_size: int, captures: int = 0) -> dict[
     """The global batch the train step takes: the examples' arrays stacked `data.batch_size` deep (`captures`: how
     many captured layers' inputs ride along with cached hidden states; the label store's top-k with them under
     `loss.labels: target`)."""
-    data, batch = cfg.data, cfg.data.batch_size
-    shapes = {"tokens": jax.ShapeDtypeStruct((batch, data.max_len), jnp.int32),
-              "loss_mask": jax.ShapeDtypeStruct((batch, data.max_len), jnp.int32)}
-    if data.cache_target_hidden:
-        shapes["hidden"] = jax.ShapeDtypeStruct((batch, data.max_len, hidden_size), jnp.float16)
-        if captures:
-            shapes["captured"] = jax.ShapeDtypeStruct((batch, data.max_len, captures * hidden_size), jnp.float16)
-        if k := cfg.label_store_top_k:
-            shapes |= {"label_ids": jax.ShapeDtypeStruct((batch, data.max_len, k), jnp.int32),
-                       "label_logp": jax.ShapeDtypeStruct((batch, data.max_len, k), jnp.float32)}
+    rows, length = cfg.data.batch_size, cfg.data.max_len
+    shapes = {"tokens": jax.ShapeDtypeStruct((rows, length), jnp.int32),
+              "loss_mask": jax.ShapeDtypeStruct((rows, length), jnp.int32)}
+    if cfg.data.cache_target_hidden:
+        shapes |= {name: jax.ShapeDtypeStruct((rows, length, width), dtype)
+                   for name, (width, dtype) in stored_fields(hidden_size, captures, cfg.label_store_top_k).items()}
     return shapes
 
 
 def plan_training(cfg: TrainConfig, job: TrainJob, target_dtype: Any, capacity: int | None = None,
                   where: str = "") -> MemoryPlan:
     """The memory plan of `job`'s train step, compiled from abstract shapes (the target's params in
-    `target_dtype`), with XLA's FLOP count of one step when it is one pass (no microbatch loop, which XLA would
-    count once)."""
+    `target_dtype`), with its FLOPs where XLA can count them (`plan.loop_free_flops`)."""
     params = abstract(param_shapes(job.config, target_dtype)[0], job.target_shardings)
     state = abstract(jax.eval_shape(job.new_state, Target(job.config, params)), job.state_shardings)
     batch = batch_shapes(cfg, job.config.hidden_size, len(job.drafter.captured_layers(job.config)))
@@ -198,7 +193,7 @@ def plan_training(cfg: TrainConfig, job: TrainJob, target_dtype: Any, capacity: 
     return compiled_plan(f"train {cfg.method}", compiled, {
         "target params": params, "draft params": state["params"],
         "optimizer state": (state["opt_state"], state["step"]), "batch": batch}, mesh_devices(job.mesh), capacity,
-        where, count_flops=cfg.data.microbatches == 1)
+        where, count_flops=True)
 
 
 def _finished(cfg: TrainConfig) -> dict[str, Any] | None:

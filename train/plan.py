@@ -1,4 +1,5 @@
-"""`amphista-jax plan --config ...`: per-device memory of train configs' training and decoding, before launch.
+"""`amphista-jax plan --config ...`: per-device memory of train configs' training and decoding, and the train
+step's FLOPs where XLA can count them, before launch.
 
 The train step and the decode loop are compiled ahead of time, for each config's target and mesh, from abstract
 shapes on emulated CPU devices: no weights are loaded and no data is read (`amphista_jax.plan`). The target's
@@ -129,8 +130,8 @@ def describe(results: list[tuple[list[MemoryPlan], dict]]) -> str:
     """The plans as printed and written: what each is for, one table, the verdicts."""
     lines = ["Memory plan per device, compiled on emulated CPU devices from abstract shapes: arguments exact, "
              "temporaries as XLA:CPU assigns them (it computes bf16 products through fp32 copies, so they are on "
-             "the high side for bf16 targets). GFLOP: XLA's count of one train step on one device (not shown for a "
-             "step of several microbatches, a loop XLA counts once).", ""]
+             "the high side for bf16 targets). GFLOP: XLA's count of one train step on one device, shown where the "
+             "step is loop-free (a scanned layer stack or microbatch loop would count once).", ""]
     for _, s in results:
         dec = s["decode"]
         lines.append(f"- {s['config']}: {s['method']} on {s['target']} ({s['params'] / 1e9:.2f}B parameters, "

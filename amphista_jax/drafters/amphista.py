@@ -68,6 +68,7 @@ MAX_STAGES = 4
 
 @dataclasses.dataclass(frozen=True)
 class Amphista(LogicalInit):
+    lm_setting = "lambda_lm"
     name = "amphista"
     num_heads: int = 4
     adaptation_stages: int = 2  # 1 = "one adaptation layer for all heads"; up to 4 (appendix A.2.3)
@@ -91,16 +92,12 @@ class Amphista(LogicalInit):
             raise ValueError(f"{self.auto_embedding_layers=} must be >= 1 (auto_embedding=False removes the block)")
         if self.lm_head_rank < 0:
             raise ValueError(f"{self.lm_head_rank=} must be >= 0 (0 = full rank)")
-        check_loss_weights(("lambda_lm", self.lambda_lm), ("lambda_alignment", self.lambda_alignment))
+        check_loss_weights(lambda_lm=self.lambda_lm, lambda_alignment=self.lambda_alignment)
 
     @property
     def stages(self) -> int:
         """Adapted states the heads read: the adaptation stages, or the target's hidden state alone."""
         return self.adaptation_stages if self.staged_adaptation else 1
-
-    @property
-    def reads_labels(self) -> bool:
-        return self.lambda_lm > 0
 
     def _net(self, target: ModelConfig) -> _AmphistaNet:
         return _AmphistaNet(self, target)

@@ -6,9 +6,9 @@ A drafter is a frozen (hashable) dataclass of its static settings subclassing `D
 model, `target.Target(config, params)` (its config is static under `jax.jit`). Required: `init` (or, through
 `LogicalInit`, `init_boxed`), `propose`, `loss`. Defaulted: `init_state` / `prefill` / `commit` (no state of
 its own), `num_extras` (0) and `prefill_extras` (none), `decode_params` (identity), `loss_runs_target` (False),
-`trainable` (True), `paper_tree`, `max_depth` (any depth), `tree_kinds` (static trees), `rankable` (the target's
-vocabulary) and `sampling_at` (itself). `check_tree` reads `tree_kinds`, `max_depth` and `rankable` to refuse a
-tree before anything compiles.
+`lm_setting` (none) and `reads_labels` (the loss has an LM term), `trainable` (True), `paper_tree`, `max_depth`
+(any depth), `tree_kinds` (static trees), `rankable` (the target's vocabulary) and `sampling_at` (itself).
+`check_tree` reads `tree_kinds`, `max_depth` and `rankable` to refuse a tree before anything compiles.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class Drafter(abc.ABC):
 
     name: ClassVar[str]
     loss_runs_target: ClassVar[bool] = False
+    lm_setting: ClassVar[str | None] = None  # the setting that weighs the loss's LM term, where one does
     trainable: ClassVar[bool] = True
     tree_kinds: ClassVar[tuple[type, ...]] = (TreeSpec,)
     draft_vocab: DraftVocab = ()
@@ -154,9 +155,10 @@ class Drafter(abc.ABC):
     @property
     def reads_labels(self) -> bool:
         """Whether the loss has an LM term on the labels `loss.labels` / `loss.kind` choose (`batch_labels`,
-        `target_kl`). False for a loss that learns the target's distribution through its teacher term alone
-        (EAGLE's, EAGLE-3's, Hydra++'s): those settings would change nothing."""
-        return True
+        `target_kl`): by default, yes unless its `lm_setting` weighs it 0. A loss without one learns the target's
+        distribution through its teacher term alone (EAGLE's, EAGLE-3's and Hydra++'s by default): `labels:
+        target, kind: kl` describes that term; `kind: ce` would ask for what it cannot learn (refused)."""
+        return getattr(self, self.lm_setting) > 0 if self.lm_setting else True
 
     @property
     def paper_tree(self) -> str:
@@ -419,10 +421,10 @@ def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], tea
     return total, metrics
 
 
-def check_loss_weights(lm: tuple[str, float], teacher: tuple[str, float]) -> None:
-    """An LM-term weight and a teacher-term weight (name, value): both >= 0, not both 0."""
-    if lm[1] < 0 or teacher[1] < 0 or lm[1] + teacher[1] == 0:
-        raise ValueError(f"loss weights {lm[0]}={lm[1]}, {teacher[0]}={teacher[1]} must be >= 0, not both 0")
+def check_loss_weights(**weights: float) -> None:
+    """A loss's term weights, by setting name: each >= 0, not all 0."""
+    if min(weights.values()) < 0 or sum(weights.values()) == 0:
+        raise ValueError(f"loss weights {', '.join(f'{k}={v}' for k, v in weights.items())} must be >= 0, not all 0")
 
 
 def batch_labels(batch: dict) -> jax.Array:

@@ -90,7 +90,7 @@ class Eagle(LogicalInit):
                              f"{self.num_layers}")
         if self.feature_noise < 0:
             raise ValueError(f"{self.feature_noise=} must be >= 0 (0 = no noise)")
-        check_loss_weights(("reg_weight", self.reg_weight), ("cls_weight", self.cls_weight))
+        check_loss_weights(reg_weight=self.reg_weight, cls_weight=self.cls_weight)
 
     @property
     def reads_labels(self) -> bool:

@@ -22,9 +22,10 @@ depth-(j + 1) node has at decode, so that the step-j drafts of training are the 
 inputs. It drafts x_{t+2+j}. Steps 1..j's keys are scored per query (`PrefixKV.diagonal_k`), so step j scores `T x
 (T + j)` rather than `T x (j + 1) T`: the unrolled attention grows as `k T^2`, not `k^2 T^2`. Loss: `sum_j
 step_decay**j * CE(draft_j, softmax(target logits restricted to the draft vocabulary))`, the reference's 0.8 per
-step, with no feature regression. Each step's term is a mean over its trained positions (the reference divides by
-every position); step j's metrics are `head{j}/...` (top-1 against the data's token t + 2 + j, the same place
-Medusa's head j drafts). """
+step, with no feature regression (`teacher_weight` 1); `lm_weight` > 0 adds the LM term on the labels `loss`
+chooses (`head_losses`), which an ablation can set in the teacher term's place. Each step's term is a mean over
+its trained positions (the reference divides by every position); step j's metrics are `head{j}/...` (top-1
+against the data's token t + 2 + j, the same place Medusa's head j drafts). """
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def reference_layers(num_layers: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3(LogicalInit):
+    lm_setting = "lm_weight"
     name = "eagle3"
     paper_tree = "dynamic"  # EAGLE-2's dynamic tree, as EAGLE-3 decodes
     tree_kinds = (TreeSpec, TreeBudget)
@@ -88,12 +90,7 @@ class Eagle3(LogicalInit):
             raise ValueError(f"{self.ttt_steps=} must be >= 1 (1 = no unrolling: plain teacher forcing)")
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"{self.step_decay=} must be in (0, 1]")
-        check_loss_weights(("lm_weight", self.lm_weight), ("teacher_weight", self.teacher_weight))
-
-    @property
-    def reads_labels(self) -> bool:
-        return self.lm_weight > 0
-
+        check_loss_weights(lm_weight=self.lm_weight, teacher_weight=self.teacher_weight)
     def captured_layers(self, config: ModelConfig) -> tuple[int, ...]:
         layers = self.feature_layers or reference_layers(config.num_layers)
         if not all(0 <= i < config.num_layers for i in layers):

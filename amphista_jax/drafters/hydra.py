@@ -64,6 +64,7 @@ from amphista_jax.verify import Verdict
 
 @dataclasses.dataclass(frozen=True)
 class Hydra(LogicalInit):
+    lm_setting = "lm_weight"
     name = "hydra"
     num_heads: int = 4
     num_layers: int = 1  # MLP layers per head (Hydra++: 4)
@@ -79,7 +80,7 @@ class Hydra(LogicalInit):
             raise ValueError(f"{self.num_heads=} must be >= 1")
         if self.num_layers < 1:
             raise ValueError(f"{self.num_layers=} must be >= 1 (the first layer maps the path to the hidden size)")
-        check_loss_weights(("lm_weight", self.lm_weight), ("teacher_weight", self.teacher_weight))
+        check_loss_weights(lm_weight=self.lm_weight, teacher_weight=self.teacher_weight)
         if self.alpha_noise < 0:
             raise ValueError(f"{self.alpha_noise=} must be >= 0 (0 = no embedding noise)")
 
@@ -87,10 +88,6 @@ class Hydra(LogicalInit):
     def plus_plus(cls, **overrides: Any) -> Hydra:
         """Hydra++: 4-layer heads, teacher loss, prefix-attention layer."""
         return cls(**({"num_layers": 4, "prefix_layer": True, "lm_weight": 0.0, "teacher_weight": 1.0} | overrides))
-
-    @property
-    def reads_labels(self) -> bool:
-        return self.lm_weight > 0
 
     def _net(self, target: ModelConfig) -> _HydraNet:
         return _HydraNet(self, target)

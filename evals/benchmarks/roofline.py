@@ -61,7 +61,11 @@ DEFAULT_RUNS = ("medusa@mc_sim_7b_63", "medusa@chain-4", "amphista@mc_sim_7b_63"
 
 def compiled_cost(fn: Callable[..., Any], *args: Any) -> dict[str, float]:
     """{"flops", "bytes"} of `fn` compiled for `args` (arrays or `jax.ShapeDtypeStruct`s)."""
-    return plan.compiled_cost(jax.jit(fn).lower(*args).compile())
+    cost = plan.compiled_cost(jax.jit(fn).lower(*args).compile())
+    if len(cost) < 2:
+        raise SystemExit(f"XLA on {jax.default_backend()} gives no cost analysis of the compiled step: run the "
+                         "roofline on CPU (JAX_PLATFORMS=cpu)")
+    return cost
 
 
 def ar_cost(config: ModelConfig, params: Any, batch: int, context: int) -> dict[str, float]:
