@@ -91,6 +91,7 @@ class Eagle3(LogicalInit):
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"{self.step_decay=} must be in (0, 1]")
         check_loss_weights(lm_weight=self.lm_weight, teacher_weight=self.teacher_weight)
+
     def captured_layers(self, config: ModelConfig) -> tuple[int, ...]:
         layers = self.feature_layers or reference_layers(config.num_layers)
         if not all(0 <= i < config.num_layers for i in layers):
