@@ -101,10 +101,36 @@ def compiled_cost(compiled: jax.stages.Compiled) -> dict[str, float]:
     return {k: float(analysis[name]) for k, name in names.items() if analysis and name in analysis}
 
 
+def _computations(hlo: str) -> dict[str, str]:
+    """An HLO module's text by computation name."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        if head := re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line):
+            name = head.group(1)
+            comps[name] = ""
+        elif name is not None:
+            comps[name] += line + "\n"
+    return comps
+
+
+def _loops_multiply(hlo: str) -> bool:
+    """Whether a loop of the module runs a product (`dot`, `convolution`) in its body or anything it calls: a
+    loop of index arithmetic (a binary search) leaves XLA's FLOP count as good as exact."""
+    comps = _computations(hlo)
+
+    def multiplies(name: str, seen: set[str]) -> bool:
+        seen.add(name)
+        text = comps.get(name, "")
+        return bool(re.search(r" (dot|convolution)\(", text)) or any(
+            multiplies(c, seen) for c in set(re.findall(r"%([\w.\-]+)", text)) & comps.keys() - seen)
+
+    return any(multiplies(body, set()) for body in re.findall(r"\bwhile\(.*?body=%([\w.\-]+)", hlo))
+
+
 def loop_free_flops(compiled: jax.stages.Compiled) -> float | None:
-    """XLA's FLOP count of one run of `compiled` on one device when the optimised program has no loop (a scanned
-    layer stack, a microbatch scan: their bodies would count once), else None; None too without an analysis."""
-    return None if re.search(r"\bwhile\(", compiled.as_text()) else compiled_cost(compiled).get("flops")
+    """XLA's FLOP count of one run of `compiled` on one device, unless a loop of the optimised program multiplies (a
+    scanned layer stack, a microbatch scan: their bodies would count once); None too without an analysis."""
+    return None if _loops_multiply(compiled.as_text()) else compiled_cost(compiled).get("flops")
 
 
 def compiled_plan(job: str, compiled: jax.stages.Compiled, inputs: Mapping[str, Any], devices: int,
