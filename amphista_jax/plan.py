@@ -14,8 +14,8 @@ reuse, which differ from a TPU's or GPU's compiler, so they are an estimate on C
 itself (where `train` prints the plan of the program it runs).
 
 A train step's plan also gives its FLOPs on one device, XLA's cost analysis of the compiled step, when the step
-is loop-free (`loop_free_flops`): steps on stored target states with unrolled drafters, the runs whose training
-compute methods are compared by.
+has no loop that multiplies (`loop_free_flops`): steps on stored target states with unrolled drafters, the runs
+whose training compute methods are compared by.
 """
 
 from __future__ import annotations

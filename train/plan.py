@@ -131,7 +131,7 @@ def describe(results: list[tuple[list[MemoryPlan], dict]]) -> str:
     lines = ["Memory plan per device, compiled on emulated CPU devices from abstract shapes: arguments exact, "
              "temporaries as XLA:CPU assigns them (it computes bf16 products through fp32 copies, so they are on "
              "the high side for bf16 targets). GFLOP: XLA's count of one train step on one device, shown where the "
-             "step is loop-free (a scanned layer stack or microbatch loop would count once).", ""]
+             "step has no loop that multiplies (a scanned layer stack or microbatch loop would count once).", ""]
     for _, s in results:
         dec = s["decode"]
         lines.append(f"- {s['config']}: {s['method']} on {s['target']} ({s['params'] / 1e9:.2f}B parameters, "
