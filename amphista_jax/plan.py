@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +35,7 @@ from amphista_jax.accelerators import GIB, Accelerator
 from amphista_jax.decode import decode, scratch_slots
 from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters.base import Drafter
+from amphista_jax.hlo import HloModule
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
 from amphista_jax.sharding import batch_sharding, draft_param_shardings, on_mesh, param_shardings
@@ -101,36 +101,12 @@ def compiled_cost(compiled: jax.stages.Compiled) -> dict[str, float]:
     return {k: float(analysis[name]) for k, name in names.items() if analysis and name in analysis}
 
 
-def _computations(hlo: str) -> dict[str, str]:
-    """An HLO module's text by computation name."""
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        if head := re.match(r"(?:ENTRY )?%([\w.\-]+) .*\{$", line):
-            name = head.group(1)
-            comps[name] = ""
-        elif name is not None:
-            comps[name] += line + "\n"
-    return comps
-
-
-def _loops_multiply(hlo: str) -> bool:
-    """Whether a loop of the module runs a product (`dot`, `convolution`) in its body or anything it calls: a
-    loop of index arithmetic (a binary search) leaves XLA's FLOP count as good as exact."""
-    comps = _computations(hlo)
-
-    def multiplies(name: str, seen: set[str]) -> bool:
-        seen.add(name)
-        text = comps.get(name, "")
-        return bool(re.search(r" (dot|convolution)\(", text)) or any(
-            multiplies(c, seen) for c in set(re.findall(r"%([\w.\-]+)", text)) & comps.keys() - seen)
-
-    return any(multiplies(body, set()) for body in re.findall(r"\bwhile\(.*?body=%([\w.\-]+)", hlo))
-
-
 def loop_free_flops(compiled: jax.stages.Compiled) -> float | None:
     """XLA's FLOP count of one run of `compiled` on one device, unless a loop of the optimised program multiplies (a
     scanned layer stack, a microbatch scan: their bodies would count once); None too without an analysis."""
-    return None if _loops_multiply(compiled.as_text()) else compiled_cost(compiled).get("flops")
+    hlo = HloModule(compiled.as_text())
+    loops_multiply = any(hlo.multiplies(ins.called("body")) for _, ins in hlo.loops.values())
+    return None if loops_multiply else compiled_cost(compiled).get("flops")
 
 
 def compiled_plan(job: str, compiled: jax.stages.Compiled, inputs: Mapping[str, Any], devices: int,
