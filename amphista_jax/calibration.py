@@ -143,9 +143,7 @@ def calibration_clock(gen: Generator, acceptance: Acceptance, batch: int) -> Ste
 
 def measure_ar(gen: Generator, clock: StepClock) -> ARCosts:
     """The target's prefill (a one-token decode) and AR step on `clock`."""
-    ar = gen.autoregressive()
-    prefill = clock.decode(ar, 1)[0]
-    step, spread = clock.step_timing(ar, prefill)
+    step, spread, prefill = clock.ar_timing(gen.autoregressive())
     return ARCosts(prefill * 1e3, step * 1e3, spread)
 
 
@@ -161,7 +159,7 @@ def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCost
         if last is not None and not worth_timing(acceptance, ar.step_ms, last, best, MIN_MARGIN):
             steps.append(None)
             continue
-        step, spread = clock.step_timing(gen.with_tree(candidate.tree), ar.prefill_ms / 1e3)
+        step, spread, _ = clock.step_timing(gen.with_tree(candidate.tree), ar.prefill_ms / 1e3)
         last = step * 1e3
         release_if_crowded()  # a program per candidate: past the memory-mapping limit otherwise
         steps.append(last)
