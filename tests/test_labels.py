@@ -8,6 +8,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from amphista_jax.drafters import DRAFTERS
@@ -280,3 +281,33 @@ def test_a_loss_reads_the_labels_exactly_when_it_says_so(name, settings):
     losses = {float(drafter.loss(heads, target, batch | {"labels": labels}, out)[0])
               for labels in (tokens, jnp.asarray(rng.integers(0, DEEP.vocab_size, (2, 12)), jnp.int32))}
     assert (len(losses) == 2) == drafter.reads_labels, losses
+
+
+@pytest.mark.parametrize("name, settings", [("eagle3", {}), ("hydra", {"teacher_weight": 1.0}),
+                                            ("amphista", {})])
+def test_with_a_label_store_the_step_computes_the_draft_vocabularys_logits_alone(name, settings):
+    """Where the store gives the greedy labels, the step projects the stored states on the draft vocabulary's columns
+    only: its loss and metrics equal the loss over the target's whole logits."""
+    from amphista_jax.drafters.draft_vocab import most_frequent
+    from amphista_jax.train.step import make_steps
+
+    rng = np.random.default_rng(8)
+    tokens = jnp.asarray(rng.integers(0, DEEP.vocab_size, (2, 12)), jnp.int32)
+    vocab = most_frequent(np.bincount(np.asarray(tokens).ravel(), minlength=DEEP.vocab_size), 48)
+    drafter = DRAFTERS[name].from_settings(settings | {"draft_vocab": vocab})
+    model, params = Transformer(DEEP), init_params(DEEP, jax.random.key(5))
+    captures = drafter.captured_layers(DEEP)
+    full = target_forward(model, params, {"tokens": tokens}, captures)
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(full.logits, -1), 4)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones((2, 12), jnp.int32), "hidden": full.hidden,
+             "label_ids": ids, "label_logp": logp} | ({"captured": full.captured} if captures else {})
+    assert target_forward(model, params, batch, captures, drafter.draft_vocab).logits.shape[-1] == 48
+    heads = drafter.init(jax.random.key(7), Target(DEEP, params))
+    loss = LossConfig(labels="target", kind="kl", top_k=4)
+    _, evaluate = make_steps(model, drafter, optax.sgd(0.0), loss=loss)
+    got = evaluate(heads, params, batch)
+    want_loss, want = drafter.loss(heads, Target(DEEP, params), with_target_labels(batch, full, loss) | {"rng": None},
+                                   full)
+    np.testing.assert_allclose(float(got["loss"]), float(want_loss), rtol=1e-5)
+    for key, value in want.items():
+        np.testing.assert_allclose(float(got[key]), float(value), rtol=1e-4, atol=1e-6, err_msg=key)

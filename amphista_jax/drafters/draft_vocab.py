@@ -65,7 +65,11 @@ def project_columns(lm_head: jax.Array, draft_vocab: DraftVocab) -> jax.Array:
 
 
 def restrict(logits: jax.Array, draft_vocab: DraftVocab) -> jax.Array:
-    """Target logits `[..., V]` restricted to the draft vocabulary `[..., V_d]` (a softmax over them renormalises)."""
+    """Target logits `[..., V]` restricted to the draft vocabulary `[..., V_d]` (a softmax over them renormalises).
+    Logits already `V_d` wide are over it and pass unchanged: the train step's target logits, where a label store
+    gives the greedy labels, are computed for the draft vocabulary's columns only (`train.step.target_forward`)."""
+    if draft_vocab and logits.shape[-1] == len(draft_vocab):
+        return logits
     return project_columns(logits, draft_vocab)
 
 
