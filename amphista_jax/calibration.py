@@ -143,7 +143,7 @@ def calibration_clock(gen: Generator, acceptance: Acceptance, batch: int) -> Ste
 
 def measure_ar(gen: Generator, clock: StepClock) -> ARCosts:
     """The target's prefill (a one-token decode) and AR step on `clock`."""
-    step, spread, prefill = clock.ar_timing(gen.autoregressive())
+    step, spread, prefill = clock.step_timing(gen.autoregressive())
     return ARCosts(prefill * 1e3, step * 1e3, spread)
 
 

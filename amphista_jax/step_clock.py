@@ -5,6 +5,7 @@ that time it)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ class TimingError(UserError, ValueError):
     """A timing that noise made meaningless (a decode no longer than its prefill)."""
 
 
-NOISE_RETRIES = 3  # times a decode no longer than its prefill is timed again before it is refused as noise
+NOISE_RETRIES = 3  # times a prefill no shorter than a whole decode is timed again before it is refused as noise
 
 
 class StepTiming(NamedTuple):
@@ -63,43 +64,43 @@ class StepClock:
         seconds, steps = self.timed_runs(gen, new_tokens)
         return min(seconds), steps
 
-    def step_timing(self, gen: Any, prefill_s: float, prefill_gen: Any = None) -> StepTiming:
-        """`gen`'s seconds per decode step, (decode time - `prefill_s`) / steps, and the spread of its timed runs. A
-        decode no longer than its prefill means noise inflated one of them: where `prefill_gen` is given (the program
-        `prefill_s` was timed on), its one-token decode and `gen`'s decode are timed again, up to `NOISE_RETRIES`
-        times, the fastest of each kept (noise only adds time), before `TimingError`."""
+    def step_timing(self, gen: Any, prefill_s: float | None = None) -> StepTiming:
+        """`gen`'s seconds per decode step, (decode time - prefill) / steps, and the spread of its timed runs.
+        `prefill_s`: the prefill to subtract; None: `gen`'s own, a one-token decode (`fastest_prefill`)."""
         runs, steps = self.timed_runs(gen, self.max_new_tokens)
-        for _ in range(NOISE_RETRIES if prefill_gen is not None else 0):  # a fixed prefill: more runs cannot help
-            if min(runs) > prefill_s:
-                break
-            prefill_s = min(prefill_s, self.decode(prefill_gen, 1)[0])
-            runs += self.timed_runs(gen, self.max_new_tokens)[0]
+        if prefill_s is None:
+            prefill_s = self.fastest_prefill(gen, min(runs))
         return StepTiming(_per_step(min(runs), steps, prefill_s), (max(runs) - min(runs)) / min(runs), prefill_s)
 
-    def ar_timing(self, ar: Any) -> StepTiming:
-        """`step_timing` of `ar`, an autoregressive generator (`Generator.autoregressive()`; the caller keeps it, so a
-        second timing reuses its compiled programs), on its own prefill (a one-token decode)."""
-        return self.step_timing(ar, self.decode(ar, 1)[0], prefill_gen=ar)
+    def fastest_prefill(self, gen: Any, decode_s: float, prefill_s: float = math.inf) -> float:
+        """The fastest one-token decode of `gen` (its prefill; `prefill_s`: one timed before), timed while it is no
+        shorter than a whole decode of `decode_s` seconds, at most `1 + NOISE_RETRIES` times: a prefill that long was
+        inflated by noise (noise only adds time, and a decode is the prefill and its steps)."""
+        for _ in range(1 + NOISE_RETRIES):
+            if prefill_s < decode_s:
+                break
+            prefill_s = min(prefill_s, self.decode(gen, 1)[0])
+        return prefill_s
 
     def ar_step_seconds(self, ar: Any) -> float:
-        """Seconds per step of `ar` (`ar_timing`)."""
-        return self.ar_timing(ar).step_s
+        """Seconds per step of `ar`, an autoregressive generator (`Generator.autoregressive()`; the caller keeps it,
+        so a second timing reuses its compiled programs), on its own prefill."""
+        return self.step_timing(ar).step_s
 
     def spec_step_seconds(self, gen: Any, trees: Sequence[Tree],
                           progress: Callable[[int], None] | None = None) -> list[float]:
         """Seconds per speculative step of `gen`'s drafter on each of `trees`. The prefill (with the drafter's own,
-        the same for every tree) is timed by the same programs with one new token."""
+        the same for every tree) is timed by the same programs with one new token (`fastest_prefill`, against every
+        tree's decode), and every tree is priced on the fastest."""
         first = gen.with_tree(trees[0])
-        prefill = self.decode(first, 1)[0]
-        steps = []
+        decodes, prefill = [], math.inf
         for tree in trees:
-            timing = self.step_timing(gen.with_tree(tree), prefill, prefill_gen=first)
-            prefill = timing.prefill_s  # a prefill timed again for noise serves the later trees too
-            steps.append(timing.step_s)
+            decodes.append(self.decode(gen.with_tree(tree), self.max_new_tokens))
+            prefill = self.fastest_prefill(first, decodes[-1][0], prefill)
             release_if_crowded()  # a program per tree and batch size: past the memory-mapping limit otherwise
             if progress:
                 progress(1)
-        return steps
+        return [_per_step(seconds, steps, prefill) for seconds, steps in decodes]
 
 
 def _per_step(seconds: float, steps: int, prefill_s: float) -> float:

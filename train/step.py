@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from amphista_jax.drafters.base import Drafter
 from amphista_jax.drafters.draft_vocab import DraftVocab, project_columns, restrict
-from amphista_jax.models.llama import Output, Transformer
+from amphista_jax.models.llama import Output, Transformer, output_projection
 from amphista_jax.sharding import BATCH_AXES, LOGICAL_RULES, local_batch_shards
 from amphista_jax.target import Target
 from amphista_jax.train.config import LossConfig
@@ -44,7 +44,7 @@ def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax
     if "hidden" in batch:
         hidden = batch["hidden"].astype(jnp.float32)
         if columns:
-            logits = hidden @ project_columns(Target(model.config, target_params).lm_head(), columns)
+            logits = hidden @ project_columns(output_projection(target_params), columns).astype(jnp.float32)
         else:
             logits = model.apply({"params": target_params}, hidden, method=Transformer.logits)
         captured = batch["captured"].astype(jnp.float32) if captures else None
@@ -133,8 +133,8 @@ def make_steps(model: Transformer, drafter: Drafter, optimizer: optax.GradientTr
             if runs_target:  # the drafter runs the frozen target in its loss: gradients reach its params through it
                 return drafter.loss(params, target, with_target_labels(batch, None, loss), None)
             # With the label store's greedy labels, the loss reads the target's logits only on the draft vocabulary
-            # (`restrict`): the other columns are not computed (EAGLE-3's 4096 of 49152 columns: a quarter of its
-            # step's FLOPs on SmolLM2).
+            # (`restrict`): on stored states the other columns are not computed (EAGLE-3's 4096 of 49152 columns: a
+            # quarter of its step's FLOPs on SmolLM2); a whole forward computes them and `restrict` cuts them.
             columns = drafter.draft_vocab if "label_ids" in batch else ()
             target_out = target_forward(model, target_params, batch, drafter.captured_layers(model.config), columns)
             # Pinned here, so that the drafter's shardings do not propagate back into the target's forward.
