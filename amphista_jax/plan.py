@@ -105,7 +105,7 @@ def loop_free_flops(compiled: jax.stages.Compiled) -> float | None:
     """XLA's FLOP count of one run of `compiled` on one device, unless a loop of the optimised program multiplies (a
     scanned layer stack, a microbatch scan: their bodies would count once); None too without an analysis."""
     hlo = HloModule(compiled.as_text())
-    loops_multiply = any(hlo.multiplies(ins.called("body")) for _, ins in hlo.loops.values())
+    loops_multiply = any(hlo.multiplies(body) for body in {ins.called("body") for _, ins in hlo.loops.values()})
     return None if loops_multiply else compiled_cost(compiled).get("flops")
 
 

@@ -43,10 +43,7 @@ def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax
     """
     if "hidden" in batch:
         hidden = batch["hidden"].astype(jnp.float32)
-        if columns:
-            logits = hidden @ project_columns(output_projection(target_params), columns).astype(jnp.float32)
-        else:
-            logits = model.apply({"params": target_params}, hidden, method=Transformer.logits)
+        logits = hidden @ project_columns(output_projection(target_params), columns).astype(jnp.float32)
         captured = batch["captured"].astype(jnp.float32) if captures else None
         return jax.lax.stop_gradient(Output(hidden, logits, None, captured))
     tokens = batch["tokens"]
