@@ -216,7 +216,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         prompts, where = calibration_prompts(gen, args.prompts)
         measured_on = f"{len(prompts)} {where}, {args.max_new_tokens} new tokens, greedy"
         with tqdm(desc="acceptance statistics", unit="prompt") as bar:
-            stats = measure_acceptance(gen, prompts, args.max_new_tokens, measured_on, progress=bar.update)
+            stats = measure_acceptance(gen, prompts, args.max_new_tokens, measured_on, progress=bar.update,
+                                       expect=functools.partial(setattr, bar, "total"))
         stats.write(out)
     print("\n".join(f"{c.name}: {c.nodes} draft nodes, tau {c.tau:.3f}" for c in stats.candidates))
     print(f"wrote {out} ({measured_on})")

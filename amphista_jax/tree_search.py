@@ -182,21 +182,25 @@ def calibration_prompts(gen: Generator, n: int) -> tuple[list[list[int]], str]:
 
 def measure_acceptance(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, measured_on: str, *,
                        ranks: int = 10, depth: int | None = None, batch_size: int = 8,
-                       progress: Callable[[int], None] | None = None) -> Acceptance:
+                       progress: Callable[[int], None] | None = None,
+                       expect: Callable[[int], None] | None = None) -> Acceptance:
     """The acceptance statistics of `gen`'s drafter (`acceptance`): for a static-tree drafter the per-(depth, rank)
     rates on a calibration tree and the trees grown from them, then every candidate's tau measured by greedy
-    decoding of `prompts`. `progress` counts prompts decoded."""
+    decoding of `prompts`. `progress` counts prompts decoded; `expect` is told how many decodes there are in all
+    once the candidates are known (after the rates' pass)."""
     drafter, vocab = gen.drafter, gen.config.vocab_size
-    rates, grown = np.zeros((0, 0)), []
-    if TreeSpec in drafter.tree_kinds:
+    rates, grown, static = np.zeros((0, 0)), [], TreeSpec in drafter.tree_kinds
+    if static:
         depth = depth or drafter.max_depth or DEFAULT_DEPTH
         calib = efficient_tree(depth, min(ranks, drafter.rankable(ranks)))
         rates = acceptance_rates(*collect_rates(gen.with_tree(calib), prompts, max_new_tokens, batch_size, progress))
         grown = [t for t, _ in grow_trees(rates, max(CANDIDATE_NODES))]
+    trees = candidate_trees(drafter.tree_kinds, drafter.paper_tree, grown, lambda t: drafter.check_tree(t, vocab))
+    if expect:
+        expect(len(prompts) * (len(trees) + static))
     candidates = tuple(
         Candidate(name, tree, measured_tau(gen.with_tree(tree), prompts, max_new_tokens, batch_size, progress))
-        for name, tree in candidate_trees(drafter.tree_kinds, drafter.paper_tree, grown,
-                                          lambda t: drafter.check_tree(t, vocab)))
+        for name, tree in trees)
     return Acceptance(gen.method, measured_on, candidates, tuple(tuple(r) for r in rates.round(4).tolist()))
 
 

@@ -223,7 +223,7 @@ def test_an_eval_records_the_tree_auto_chose_and_a_resume_that_chooses_another_i
 def test_acceptance_statistics_are_measured_on_held_out_prompts():
     """`measure_acceptance` (what `calibrate --acceptance` writes): candidates grown from the rates, ascending, the
     paper's tree among them, each tau measured by decoding the calibration prompts (HumanEval from task 100 for the
-    embedded code model)."""
+    embedded code model); the progress bar is told the number of decodes before the candidates are decoded."""
     from amphista_jax import Generator
     from amphista_jax.tree_names import get_tree
     from amphista_jax.tree_search import calibration_prompts, measure_acceptance
@@ -231,7 +231,9 @@ def test_acceptance_statistics_are_measured_on_held_out_prompts():
     gen = Generator.load(heads="medusa", tree="chain-1")
     prompts, where = calibration_prompts(gen, 2)
     assert len(prompts) == 2 and where == "HumanEval prompts from task 100"
-    stats = measure_acceptance(gen, prompts, 8, where, ranks=3)
+    done, expected = [], []
+    stats = measure_acceptance(gen, prompts, 8, where, ranks=3, progress=done.append, expect=expected.append)
+    assert expected == [sum(done)] == [len(prompts) * (1 + len(stats.candidates))]  # the rates' pass, then each tree
     nodes = [c.nodes for c in stats.candidates]
     assert nodes == sorted(nodes) and stats.candidates[-1].tree == get_tree(gen.drafter.paper_tree)
     assert all(c.name.startswith("grown-") for c in stats.candidates[:-1]) and len(stats.rates) == 4
