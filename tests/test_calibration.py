@@ -223,7 +223,7 @@ def test_an_eval_records_the_tree_auto_chose_and_a_resume_that_chooses_another_i
 def test_acceptance_statistics_are_measured_on_held_out_prompts():
     """`measure_acceptance` (what `calibrate --acceptance` writes): candidates grown from the rates, ascending, the
     paper's tree among them, each tau measured by decoding the calibration prompts (HumanEval from task 100 for the
-    embedded code model); the progress bar is told the number of decodes before the candidates are decoded."""
+    embedded code model); `expect` is told the number of prompt decodes in all, which `progress` then counts."""
     from amphista_jax import Generator
     from amphista_jax.tree_names import get_tree
     from amphista_jax.tree_search import calibration_prompts, measure_acceptance
