@@ -314,3 +314,27 @@ def test_with_a_label_store_the_step_computes_the_draft_vocabularys_logits_alone
     np.testing.assert_allclose(float(got["loss"]), float(want_loss), rtol=1e-5)
     for key, value in want.items():
         np.testing.assert_allclose(float(got[key]), float(value), rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_head_losses_gradient_is_each_heads_own(target_batch):
+    """`head_losses` takes each head's logits out of `[B, T, K, V]` by one split (`base.unstack`, whose gradient is
+    one concatenation): its loss and gradient equal the sum of each head's own loss computed on `logits[:, :, k]`
+    alone, with distinct weights per head, so a head taken in another order or slot would show."""
+    _, _, batch, out = target_batch
+    labelled = with_target_labels(batch, out, LossConfig(labels="target", kind="kl"))
+    logits = jax.random.normal(jax.random.key(5), (2, 10, 3, CONFIG.vocab_size))
+    weights = [1.0, 0.5, 0.25]
+
+    def together(x: jax.Array) -> jax.Array:
+        return head_losses(x, labelled, weights)[0]
+
+    def head_by_head(x: jax.Array) -> jax.Array:
+        t = x.shape[1]
+        return sum(w * target_kl(x[:, : t - k - 2, k], labelled, k + 1, jnp.ones((2, t - k - 2)))
+                   for k, w in enumerate(weights))
+
+    loss, grad = jax.value_and_grad(together)(logits)
+    want, want_grad = jax.value_and_grad(head_by_head)(logits)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(grad[:, :, 2]).sum()) > 0  # every head's slot gets its own gradient

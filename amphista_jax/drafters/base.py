@@ -372,6 +372,14 @@ def sampled_proposal(logits: jax.Array, root: jax.Array, tree: TreeSpec, rng: ja
     return Proposal(draws.at[:, 0].set(root), batched(arrays, root.shape[0]), q)
 
 
+def unstack(x: jax.Array, axis: int) -> list[jax.Array]:
+    """`x`'s slices along `axis` (that axis dropped), by one split whose gradient is one concatenation. Indexing
+    slice k out of `x` instead makes each slice's gradient a padded copy of all of `x`, and the train step sums
+    them: with heads' logits `[B, T, K, V_d]` that was a third to half of Medusa's, Hydra's and EAGLE-3's train step
+    on XLA:CPU."""
+    return [part.squeeze(axis) for part in jax.numpy.split(x, x.shape[axis], axis=axis)]
+
+
 def head_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array,
                  draft_vocab: DraftVocab = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Masked mean CE and top-1 / top-5 accuracy of one head: `logits [B, T, V_d]` over `draft_vocab`, target
@@ -404,9 +412,9 @@ def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], tea
     labels = batch_labels(batch)
     t = tokens.shape[1]
     total, metrics = 0.0, {}
-    for k in range(logits.shape[2]):
+    for k, head in enumerate(unstack(logits, 2)):
         shift = k + 2
-        lk, m = logits[:, : t - shift, k], mask[:, shift:]
+        lk, m = head[:, : t - shift], mask[:, shift:]
         lm, head = head_metrics(lk, labels[:, shift:], m, draft_vocab)
         if lm_weights[k] and (kl := target_kl(lk, batch, shift - 1, m, draft_vocab)) is not None:
             lm = head["kl"] = kl

@@ -51,6 +51,7 @@ from amphista_jax.drafters.base import (
     sampled_proposal,
     target_kl,
     topk_proposal,
+    unstack,
 )
 from amphista_jax.drafters.causal_layers import at_path, block_config
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
@@ -239,7 +240,7 @@ class DFlash(LogicalInit):
         logits = self.draft_logits(params, target, tokens, target_out.captured, anchors, real)  # [B, A, Bk-1, V_d]
         labels = batch_labels(batch)
         total, weights, metrics = 0.0, 0.0, {}
-        for k in range(1, self.block_size):
+        for k, lk in enumerate(unstack(logits, 2), start=1):
             at = anchors + k  # [B, A] the positions slot k drafts
             inside = at < t
             at = jnp.minimum(at, t - 1)
@@ -249,7 +250,6 @@ class DFlash(LogicalInit):
                 idx = (at - shift).reshape(at.shape + (1,) * (x.ndim - 2))
                 return jnp.take_along_axis(x, idx, 1)
 
-            lk = logits[:, :, k - 1]
             lm, head = head_metrics(lk, gather(labels), m, self.draft_vocab)
             gathered = {name: gather(batch[name], 1) for name in ("label_ids", "label_logp", "label_logits")
                         if name in batch}

@@ -1,14 +1,21 @@
-"""Train-step throughput for draft heads on a frozen target, and the share of time in the target forward.
+"""Draft-head train-step throughput on a frozen target, per method: the whole step (target forward + drafter loss +
+backward + AdamW) and the step on stored target states, the way the regenerated recipe trains.
 
-    python -m amphista_jax.evals.benchmarks.train_throughput [--model DIR] [--method medusa] [--batch-size 8]
-                                                [--seq-len 256] [--steps 10] [--out runs/benchmarks]
+    python -m amphista_jax.evals.benchmarks.train_throughput [--model DIR] [--methods medusa hydra ...]
+        [--batch-size 8] [--seq-len 256] [--draft-vocab-size 4096] [--steps 3] [--skip-forward] [--out runs/benchmarks]
 
-Times (medians over `--steps` after a warm-up) the full jitted train step (target forward + drafter loss +
-backward + AdamW), the target forward alone, and the step on precomputed target hidden states
-(`data.cache_target_hidden`), on whatever backend JAX runs on. Writes train_throughput.{json,md}.
+For each method (its default settings; `eagle3` with the reference's 7 training-time-test steps): the full step on
+random tokens (the target's forward inside it, its logits as the labels) and the step on stored states: the
+target's last hidden state, the inputs of the layers the method reads (`captured`) in bf16 as the store keeps
+them, and top-32 target labels with the KL to them (`loss.labels: target`, `loss.kind: kl`), over a draft
+vocabulary of `--draft-vocab-size` ids (0: the whole vocabulary). Medians over `--steps` after a compiling warm-up,
+on whatever backend JAX runs on; `--skip-forward` times the stored-state step alone. Writes
+train_throughput.{json,md}.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,58 +23,90 @@ import numpy as np
 
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
+from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Transformer
 from amphista_jax.target import Target
+from amphista_jax.train.config import LossConfig
 from amphista_jax.train.optim import OptimConfig, make_optimizer
-from amphista_jax.train.step import make_steps, target_forward
+from amphista_jax.train.step import make_steps
+
+SETTINGS: dict[str, dict[str, Any]] = {"eagle3": {"ttt_steps": 7}}  # the recipes' settings where not the default
+LABEL_TOP_K = 32
+
+
+def stored_batch(tokens: jax.Array, config: ModelConfig, captures: int, rng: np.random.RandomState) -> dict:
+    """A batch as the hidden-state and label store gives it: bf16 states, top-k label ids and log-probs."""
+    b, t = tokens.shape
+    d = config.hidden_size
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens),
+             "hidden": jnp.asarray(rng.randn(b, t, d), jnp.bfloat16),
+             "label_ids": jnp.asarray(rng.randint(0, config.vocab_size, (b, t, LABEL_TOP_K)), jnp.int32),
+             "label_logp": jnp.asarray(np.sort(-5 * rng.rand(b, t, LABEL_TOP_K) - 1, -1)[..., ::-1], jnp.float32)}
+    if captures:
+        batch["captured"] = jnp.asarray(rng.randn(b, t, captures * d), jnp.bfloat16)
+    return batch
+
+
+def time_method(method: str, model: Transformer, params: dict, tokens: jax.Array, draft_vocab_size: int,
+                steps: int, skip_forward: bool) -> dict:
+    """Median seconds of one method's full step (unless `skip_forward`) and stored-state step."""
+    config = model.config
+    settings = SETTINGS.get(method, {})
+    if draft_vocab_size and "draft_vocab" in DRAFTERS[method].__dataclass_fields__:
+        settings = settings | {"draft_vocab": tuple(range(draft_vocab_size))}
+    drafter = DRAFTERS[method](**settings)
+    optimizer = make_optimizer(OptimConfig(), 1000)
+    heads = drafter.init(jax.random.key(0), Target(config, params))
+    fresh = {"params": heads, "opt_state": optimizer.init(heads), "step": jnp.zeros((), jnp.int32)}
+    row: dict[str, Any] = {"method": method, "settings": {k: v for k, v in settings.items() if k != "draft_vocab"},
+                           "draft_vocab_size": draft_vocab_size if "draft_vocab" in settings else 0}
+
+    def timed(batch: dict, loss: LossConfig) -> float:
+        step, _ = make_steps(model, drafter, optimizer, loss=loss)
+        state = jax.tree.map(jnp.copy, fresh)  # the step donates its state
+
+        def run() -> jax.Array:
+            nonlocal state
+            state, metrics = step(state, params, batch)
+            return metrics["loss"]
+        return median_seconds(run, steps)
+
+    if not skip_forward:
+        row["step_s"] = timed({"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}, LossConfig())
+    captures = len(drafter.captured_layers(config))
+    kl = LossConfig(labels="target", kind="kl", top_k=LABEL_TOP_K)
+    row["stored_step_s"] = timed(stored_batch(tokens, config, captures, np.random.RandomState(1)), kl)
+    return row
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__)
-    parser.add_argument("--method", default="medusa", choices=sorted(DRAFTERS))
+    trainable = sorted(name for name, cls in DRAFTERS.items() if cls.trainable and not cls.loss_runs_target)
+    parser.add_argument("--methods", nargs="+", default=["medusa", "hydra", "amphista", "sar", "eagle3", "dflash"],
+                        choices=trainable)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--draft-vocab-size", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--skip-forward", action="store_true")
     args = parser.parse_args()
     model_dir, params, config = load_target(args.model, layout="stacked")
     model = Transformer(config)
-    drafter = DRAFTERS[args.method]()
-    optimizer = make_optimizer(OptimConfig(), 1000)
-    heads = drafter.init(jax.random.key(0), Target(config, params))
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, config.vocab_size, (args.batch_size, args.seq_len)),
                          jnp.int32)
-    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}
-    train_step, _ = make_steps(model, drafter, optimizer)
-    state = {"params": heads, "opt_state": optimizer.init(heads), "step": jnp.zeros((), jnp.int32)}
-
-    def full():
-        nonlocal state
-        state, metrics = train_step(state, params, batch)
-        return metrics["loss"]
-
-    forward = jax.jit(lambda p, b: target_forward(model, p, b).hidden)
-    hidden = forward(params, batch)
-    cached_batch = batch | {"hidden": hidden}
-
-    def cached():
-        nonlocal state
-        state, metrics = train_step(state, params, cached_batch)
-        return metrics["loss"]
-
-    t_full = median_seconds(full, args.steps)
-    t_forward = median_seconds(lambda: forward(params, batch), args.steps)
-    t_cached = median_seconds(cached, args.steps)
     n = args.batch_size * args.seq_len
-    row = {"model": model_dir, "parameters": config.num_params, "method": args.method, "backend": jax.default_backend(),
-           "batch_size": args.batch_size, "seq_len": args.seq_len, "step_s": t_full, "tokens_per_s": n / t_full,
-           "target_forward_s": t_forward, "target_forward_fraction": t_forward / t_full,
-           "cached_hidden_step_s": t_cached, "cached_hidden_tokens_per_s": n / t_cached}
-    table = "\n".join([
-        "| backend | method | batch x len | train tok/s | step ms | target forward share | tok/s with cached hidden |",
-        "|---|---|---|---|---|---|---|",
-        f"| {row['backend']} | {args.method} | {args.batch_size}x{args.seq_len} | {row['tokens_per_s']:.0f} | "
-        f"{t_full * 1e3:.1f} | {row['target_forward_fraction']:.0%} | {row['cached_hidden_tokens_per_s']:.0f} |"])
-    write_report(args.out, "train_throughput", row, table)
+    rows = [time_method(m, model, params, tokens, args.draft_vocab_size, args.steps, args.skip_forward)
+            for m in args.methods]
+    lines = [f"{model_dir}, batch {args.batch_size} x {args.seq_len}, draft vocabulary "
+             f"{args.draft_vocab_size or 'whole'}, backend {jax.default_backend()}", "",
+             "| method | settings | step ms (target forward inside) | stored-state step ms | stored-state tokens/s |",
+             "|---|---|---:|---:|---:|"]
+    for row in rows:
+        full = f"{row['step_s'] * 1e3:.0f}" if "step_s" in row else "-"
+        lines.append(f"| {row['method']} | {row['settings'] or '-'} | {full} | {row['stored_step_s'] * 1e3:.0f} | "
+                     f"{n / row['stored_step_s']:.0f} |")
+    write_report(args.out, "train_throughput", {"model": model_dir, "batch_size": args.batch_size,
+                                                "seq_len": args.seq_len, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":
