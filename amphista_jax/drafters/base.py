@@ -412,9 +412,9 @@ def head_losses(logits: jax.Array, batch: dict, lm_weights: Sequence[float], tea
     labels = batch_labels(batch)
     t = tokens.shape[1]
     total, metrics = 0.0, {}
-    for k, head in enumerate(unstack(logits, 2)):
+    for k, head_logits in enumerate(unstack(logits, 2)):
         shift = k + 2
-        lk, m = head[:, : t - shift], mask[:, shift:]
+        lk, m = head_logits[:, : t - shift], mask[:, shift:]
         lm, head = head_metrics(lk, labels[:, shift:], m, draft_vocab)
         if lm_weights[k] and (kl := target_kl(lk, batch, shift - 1, m, draft_vocab)) is not None:
             lm = head["kl"] = kl
