@@ -6,8 +6,8 @@ backward + AdamW) and the step on stored target states, the way the regenerated 
 
 For each method (its default settings; `eagle3` with the reference's 7 training-time-test steps): the full step on
 random tokens (the target's forward inside it, its logits as the labels) and the step on stored states: the
-target's last hidden state, the inputs of the layers the method reads (`captured`) in bf16 as the store keeps
-them, and top-32 target labels with the KL to them (`loss.labels: target`, `loss.kind: kl`), over a draft
+target's last hidden state and the inputs of the layers the method reads (`captured`), in the store's dtypes,
+and top-32 target labels with the KL to them (`loss.labels: target`, `loss.kind: kl`), over a draft
 vocabulary of `--draft-vocab-size` ids (0: the whole vocabulary). Medians over `--steps` after a compiling warm-up,
 on whatever backend JAX runs on; `--skip-forward` times the stored-state step alone. Writes
 train_throughput.{json,md}.
@@ -27,23 +27,26 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Transformer
 from amphista_jax.target import Target
 from amphista_jax.train.config import LossConfig
+from amphista_jax.train.examples import stored_fields
 from amphista_jax.train.optim import OptimConfig, make_optimizer
 from amphista_jax.train.step import make_steps
 
 SETTINGS: dict[str, dict[str, Any]] = {"eagle3": {"ttt_steps": 7}}  # the recipes' settings where not the default
-LABEL_TOP_K = 32
+LABEL_TOP_K = LossConfig().top_k
 
 
 def stored_batch(tokens: jax.Array, config: ModelConfig, captures: int, rng: np.random.RandomState) -> dict:
-    """A batch as the hidden-state and label store gives it: bf16 states, top-k label ids and log-probs."""
+    """A batch as the hidden-state and label store gives it (`examples.stored_fields`: its fields, widths and
+    dtypes): random states, top-k label ids and descending log-probs."""
     b, t = tokens.shape
-    d = config.hidden_size
-    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens),
-             "hidden": jnp.asarray(rng.randn(b, t, d), jnp.bfloat16),
-             "label_ids": jnp.asarray(rng.randint(0, config.vocab_size, (b, t, LABEL_TOP_K)), jnp.int32),
-             "label_logp": jnp.asarray(np.sort(-5 * rng.rand(b, t, LABEL_TOP_K) - 1, -1)[..., ::-1], jnp.float32)}
-    if captures:
-        batch["captured"] = jnp.asarray(rng.randn(b, t, captures * d), jnp.bfloat16)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens)}
+    for name, (width, dtype) in stored_fields(config.hidden_size, captures, LABEL_TOP_K).items():
+        if name == "label_ids":
+            batch[name] = jnp.asarray(rng.randint(0, config.vocab_size, (b, t, width)), dtype)
+        elif name == "label_logp":
+            batch[name] = jnp.asarray(np.sort(-5 * rng.rand(b, t, width) - 1, -1)[..., ::-1], dtype)
+        else:
+            batch[name] = jnp.asarray(rng.randn(b, t, width), dtype)
     return batch
 
 
