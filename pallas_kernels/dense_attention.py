@@ -44,33 +44,38 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax
                           diagonal: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query attention, fp32 scores and softmax.
 
-    q: [B, T, Hq, Dh]; k, v: [B, S, Hkv, Dh]; visible: [B, T, S] bool -> [B, T, Hq, Dh]. Slots no query sees
-    are zeroed first, so garbage (even NaN) in unused cache slots cannot reach the output; a query that sees
-    nothing gets zeros.
+    q: [B, T, Hq, Dh]; k, v: [B, S, Hkv, Dh]; visible: [B, T, S] bool -> [B, T, Hq, Dh]. The values of slots no
+    query sees are zeroed and every hidden slot's score is masked, so garbage (even NaN) in unused cache slots
+    cannot reach the output; a query that sees nothing gets zeros.
 
     `diagonal` (keys, values `[B, T, J, Hkv, Dh]`): J more keys per query that query `t` alone sees, in the
     same softmax: scored as `T x J` instead of the `T x T J` a mask over all of them would score.
     """
     b, t, hq, dh = q.shape
     s, hkv = k.shape[1:3]
+    g = hq // hkv
+    # A KV head's G query heads and the T queries share one row axis M = G x T: one [M, Dh] x [Dh, S] product per
+    # KV head, which XLA:CPU runs 2-2.5x faster than the products batched over (KV head, G) with T rows each.
+    qg = q.reshape(b, t, hkv, g, dh)
+    qm = qg.transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, dh)  # [B, Hkv, M, Dh]
     used = jnp.any(visible, axis=1)[:, :, None, None]  # [B, S, 1, 1]
-    k = jnp.where(used, k, jnp.zeros((), k.dtype))
-    v = jnp.where(used, v, jnp.zeros((), v.dtype))
-    qg = q.reshape(b, t, hkv, hq // hkv, dh)
+    kt = k.transpose(0, 2, 1, 3)  # [B, Hkv, S, Dh]; unused slots' scores are masked below
+    vt = jnp.where(used, v, jnp.zeros((), v.dtype)).transpose(0, 2, 1, 3)  # [B, Hkv, S, Dh]
     scale = jnp.sqrt(jnp.float32(dh))
-    scores = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k, preferred_element_type=jnp.float32) / scale
-    mask = visible[:, None, None]  # [B, 1, 1, T, S]
+    scores = jnp.einsum("BKMD,BKSD->BKMS", qm, kt, preferred_element_type=jnp.float32) / scale
+    mask = jnp.broadcast_to(visible[:, None, None], (b, 1, g, t, s)).reshape(b, 1, g * t, s)  # [B, 1, M, S]
     if diagonal is not None:
+        j = diagonal[0].shape[2]
         own = jnp.einsum("BTKGD,BTJKD->BKGTJ", qg, diagonal[0], preferred_element_type=jnp.float32) / scale
-        scores = jnp.concatenate([scores, own], -1)  # [B, K, G, T, S + J]
-        mask = jnp.concatenate([mask, jnp.ones(mask.shape[:-1] + own.shape[-1:], bool)], -1)
+        scores = jnp.concatenate([scores, own.reshape(b, hkv, g * t, j)], -1)  # [B, Hkv, M, S + J]
+        mask = jnp.concatenate([mask, jnp.ones((b, 1, g * t, j), bool)], -1)
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs[..., :s].astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("BKMS,BKSD->BKMD", probs[..., :s].astype(v.dtype), vt, preferred_element_type=jnp.float32)
     if diagonal is not None:
-        out = out + jnp.einsum("BKGTJ,BTJKD->BTKGD", probs[..., s:].astype(v.dtype), diagonal[1],
-                               preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hq, dh).astype(q.dtype)
+        out = out + jnp.einsum("BKGTJ,BTJKD->BKGTD", probs[..., s:].reshape(b, hkv, g, t, j).astype(v.dtype),
+                               diagonal[1], preferred_element_type=jnp.float32).reshape(b, hkv, g * t, dh)
+    return out.reshape(b, hkv, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, dh).astype(q.dtype)
