@@ -62,20 +62,21 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax
     kt = k.transpose(0, 2, 1, 3)  # [B, Hkv, S, Dh]; unused slots' scores are masked below
     vt = jnp.where(used, v, jnp.zeros((), v.dtype)).transpose(0, 2, 1, 3)  # [B, Hkv, S, Dh]
     scale = jnp.sqrt(jnp.float32(dh))
-    scores = jnp.einsum("BKMD,BKSD->BKMS", qm, kt, preferred_element_type=jnp.float32) / scale
-    mask = jnp.broadcast_to(visible[:, None, None], (b, 1, g, t, s)).reshape(b, 1, g * t, s)  # [B, 1, M, S]
+    scores = jnp.einsum("BKMD,BKSD->BKMS", qm, kt, preferred_element_type=jnp.float32).reshape(
+        b, hkv, g, t, s) / scale  # [B, Hkv, G, T, S]
+    mask = visible[:, None, None]  # [B, 1, 1, T, S]
     if diagonal is not None:
-        j = diagonal[0].shape[2]
         own = jnp.einsum("BTKGD,BTJKD->BKGTJ", qg, diagonal[0], preferred_element_type=jnp.float32) / scale
-        scores = jnp.concatenate([scores, own.reshape(b, hkv, g * t, j)], -1)  # [B, Hkv, M, S + J]
-        mask = jnp.concatenate([mask, jnp.ones((b, 1, g * t, j), bool)], -1)
+        scores = jnp.concatenate([scores, own], -1)  # [B, Hkv, G, T, S + J]
+        mask = jnp.concatenate([mask, jnp.ones(mask.shape[:-1] + own.shape[-1:], bool)], -1)
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum("BKMS,BKSD->BKMD", probs[..., :s].astype(v.dtype), vt, preferred_element_type=jnp.float32)
+    out = jnp.einsum("BKMS,BKSD->BKMD", probs[..., :s].reshape(b, hkv, g * t, s).astype(v.dtype), vt,
+                     preferred_element_type=jnp.float32).reshape(b, hkv, g, t, dh)
     if diagonal is not None:
-        out = out + jnp.einsum("BKGTJ,BTJKD->BKGTD", probs[..., s:].reshape(b, hkv, g, t, j).astype(v.dtype),
-                               diagonal[1], preferred_element_type=jnp.float32).reshape(b, hkv, g * t, dh)
-    return out.reshape(b, hkv, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, dh).astype(q.dtype)
+        out = out + jnp.einsum("BKGTJ,BTJKD->BKGTD", probs[..., s:].astype(v.dtype), diagonal[1],
+                               preferred_element_type=jnp.float32)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, dh).astype(q.dtype)
