@@ -60,16 +60,25 @@ def table(rows: list[dict[str, Any]], machine: str) -> str:
     return "\n".join(lines)
 
 
+def agreement_curves(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per method, one point per trained run with agreement, in token order: agreement belongs to the heads, so a
+    run the eval decodes on several trees is one point."""
+    curves: dict[str, dict[str, dict[str, Any]]] = {}
+    for p in rows:
+        if p["agreement"]:
+            curves.setdefault(p["method"], {}).setdefault(p["run"], p)
+    return {m: sorted(runs.values(), key=lambda p: p["tokens_seen"]) for m, runs in curves.items()}
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Depth-1 agreement and tau against tokens seen (log scale), one line per (method, tree)."""
+    """Depth-1 agreement against tokens seen (log scale), one line per method; tau, one line per (method, tree)."""
     plt = pyplot()
     fig, (ax_agree, ax_tau) = plt.subplots(1, 2, figsize=(10, 4))
+    for method, curve in agreement_curves(rows).items():
+        ax_agree.plot([p["tokens_seen"] for p in curve], [p["agreement"][0] for p in curve], "o-", label=method)
     for key in dict.fromkeys((p["method"], p["tree"]) for p in rows):
         curve = [p for p in rows if (p["method"], p["tree"]) == key]
-        x = [p["tokens_seen"] for p in curve]
-        if all(p["agreement"] for p in curve):
-            ax_agree.plot(x, [p["agreement"][0] for p in curve], "o-", label=key[0])
-        ax_tau.plot(x, [p["tau"] for p in curve], "o-", label=f"{key[0]} @{key[1]}")
+        ax_tau.plot([p["tokens_seen"] for p in curve], [p["tau"] for p in curve], "o-", label=f"{key[0]} @{key[1]}")
     ax_agree.set(xscale="log", xlabel="tokens seen", ylabel="held-out agreement, depth 1",
                  title="agreement with the target")
     ax_tau.set(xscale="log", xlabel="tokens seen", ylabel="tau", title="tokens per target forward")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from amphista_jax.evals.scale_curve import main
+from amphista_jax.evals.scale_curve import agreement_curves, main
 
 
 def _eval(tmp_path, runs: dict[str, int]) -> str:
@@ -45,3 +45,13 @@ def test_a_bad_eval_directory_is_one_line(tmp_path, capsys):
     (tmp_path / "one" / "summary.json").unlink()
     assert main([eval_dir]) == 2
     assert "must be a training run's" in capsys.readouterr().err
+
+
+def test_a_run_decoded_on_two_trees_is_one_agreement_point(tmp_path):
+    def point(label, run, tree, tokens):
+        return {"label": label, "method": "hydra", "tree": tree, "run": run, "tokens_seen": tokens, "tau": 2.0,
+                "agreement": [0.5]}
+
+    rows = [point("4x", "r4", "mc_sim_7b_63", 4), point("4x-auto", "r4", "grown-4", 4),
+            point("1x", "r1", "mc_sim_7b_63", 1)]
+    assert [p["label"] for p in agreement_curves(rows)["hydra"]] == ["1x", "4x"]
