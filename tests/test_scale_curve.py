@@ -47,7 +47,7 @@ def test_a_bad_eval_directory_is_one_line(tmp_path, capsys):
     assert "must be a training run's" in capsys.readouterr().err
 
 
-def test_a_run_decoded_on_two_trees_is_one_agreement_point(tmp_path):
+def test_a_run_decoded_on_two_trees_is_one_agreement_point():
     def point(label, run, tree, tokens):
         return {"label": label, "method": "hydra", "tree": tree, "run": run, "tokens_seen": tokens, "tau": 2.0,
                 "agreement": [0.5]}
