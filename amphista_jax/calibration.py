@@ -2,8 +2,9 @@
 
 A head set's acceptance statistics (`acceptance`) ship with it; what a decode step costs is this machine's. On first
 use of a head set here, at each batch size asked for, `calibrate` times the real decode loop (`step_clock.StepClock`)
-of the candidate trees, in ascending size, against autoregressive decoding's (timed once per target, batch size and
-cache size, and shared by its head sets), and caches the costs under `AMPHISTA_HOME/calibration/<machine key>.json`
+of the candidate trees, in ascending size, against autoregressive decoding's (timed in the same process, before and
+after the candidates: a machine's speed drifts between processes by about the calibration's noise, so a ratio of
+two processes' timings is not a speed-up), and caches the costs under `AMPHISTA_HOME/calibration/<machine key>.json`
 (`machine.Machine.key`: the CPU model and vector extensions or the accelerator, cores, memory and the library's
 version), so later loads reuse them. A damaged cache is said in one line and measured again.
 
@@ -116,24 +117,25 @@ def worth_timing(acceptance: Acceptance, ar_ms: float, last_ms: float, best: flo
 
 @dataclasses.dataclass(frozen=True)
 class ARCosts:
-    """The target's own costs at one batch size and cache size, shared by every head set calibrated on it."""
+    """The target's own costs at one batch size and cache size, timed beside the candidates they price."""
 
     prefill_ms: float
     step_ms: float
     spread: float  # relative spread of its timed runs
 
-    def to_json(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ARCosts:
-        return cls(float(d["prefill_ms"]), float(d["step_ms"]), float(d["spread"]))
+    @staticmethod
+    def around(before: ARCosts, after: ARCosts) -> ARCosts:
+        """AR timed before and after the candidates, as one: the faster of each, with the two steps' relative
+        difference counted in the spread (drift while the candidates ran is noise the choice must beat)."""
+        step = min(before.step_ms, after.step_ms)
+        drift = abs(before.step_ms - after.step_ms) / step
+        return ARCosts(min(before.prefill_ms, after.prefill_ms), step, max(before.spread, after.spread, drift))
 
 
 def calibration_clock(gen: Generator, acceptance: Acceptance, batch: int) -> StepClock:
     """`batch` copies of `CALIBRATION_PROMPT` in one cache size for AR and every candidate (`CALIBRATION_SCRATCH`
     slots beyond the prompt and the new tokens, or the largest candidate's scratch if more), so only the step
-    differs between the programs timed, and AR's timing serves every head set of this target."""
+    differs between the programs timed."""
     prompt = gen.encode(CALIBRATION_PROMPT, chat=is_chat_target(gen.model_dir, gen.tokenizer))
     tokens, lengths = pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
     scratch = max(CALIBRATION_SCRATCH, *(scratch_slots(gen.drafter, c.tree) for c in acceptance.candidates))
@@ -149,10 +151,10 @@ def measure_ar(gen: Generator, clock: StepClock) -> ARCosts:
 
 def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCosts, progress: Any = None
             ) -> StepCosts:
-    """Time the candidates on `clock` in ascending size, stopping early (`worth_timing`). The speculative programs'
-    prefill is priced as AR's (a drafter's own prefill, a few per cent of the timed steps, then counts as step
-    cost: it errs towards AR). `noise`: the largest spread of any program's timed runs, AR's included.
-    `progress(n)` counts candidates timed."""
+    """Time the candidates on `clock` in ascending size, stopping early (`worth_timing`, against `ar`: AR timed
+    first, in this process). The speculative programs' prefill is priced as AR's (a drafter's own prefill, a few per
+    cent of the timed steps, then counts as step cost: it errs towards AR). `noise`: the largest spread of any
+    program's timed runs, AR's included. `progress(n)` counts candidates timed."""
     steps: list[float | None] = []
     spreads, best, last = [ar.spread], 0.0, None
     for candidate in acceptance.candidates:
@@ -170,17 +172,15 @@ def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCost
     return StepCosts(int(clock.tokens.shape[0]), ar.step_ms, tuple(steps), max(spreads), 0.0)
 
 
-def cost_key(gen: Generator, batch: int, acceptance: Acceptance | None = None, cache_size: int = 0) -> str:
+def cost_key(gen: Generator, batch: int, acceptance: Acceptance) -> str:
     """What step costs depend on besides the machine: the target's shape, the dtype, the attention, the mesh, the
-    batch size, the calibration's settings and, for a head set, the drafter with its settings and the candidates
-    (for AR, the cache size) -- not the weights' values."""
+    batch size, the calibration's settings, the drafter with its settings and the candidates -- not the weights'
+    values."""
     what = {"config": dataclasses.asdict(gen.config), "dtype": gen.dtype, "attention": gen.attention,
             "mesh": None if gen.mesh is None else dict(gen.mesh.shape), "batch": batch, "tokens": CALIBRATION_TOKENS,
             "runs": CALIBRATION_RUNS, "prompt": CALIBRATION_PROMPT, "scratch": CALIBRATION_SCRATCH,
-            "cache_size": cache_size}
-    if acceptance is not None:
-        what |= {"drafter": repr(gen.drafter), "candidates": [c.to_json() | {"tau": None}
-                                                             for c in acceptance.candidates]}
+            "ar": "timed beside the candidates", "drafter": repr(gen.drafter),
+            "candidates": [c.to_json() | {"tau": None} for c in acceptance.candidates]}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -192,14 +192,14 @@ def cache_file(machine: Machine | None = None) -> Path:
 
 
 def read_cache(path: Path) -> dict[str, Any]:
-    """The cached entries (`{key: {"label", "costs" | "ar"}}`), or none, with a line on stderr, where the file is
-    damaged."""
+    """The cached entries (`{key: {"label", "costs"}}`), or none, with a line on stderr, where the file is
+    damaged. Entries of AR timed alone (an earlier layout, reused across processes) are left out."""
     if not path.is_file():
         return {}
     try:
-        entries = json.loads(path.read_text())["entries"]
+        entries = {k: e for k, e in json.loads(path.read_text())["entries"].items() if "ar" not in e}
         for entry in entries.values():
-            StepCosts.from_json(entry["costs"]) if "costs" in entry else ARCosts.from_json(entry["ar"])
+            StepCosts.from_json(entry["costs"])
         return entries
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"note: calibration cache {path} is damaged ({type(e).__name__}: {e}); measuring again",
@@ -209,8 +209,8 @@ def read_cache(path: Path) -> dict[str, Any]:
 
 def calibrate(gen: Generator, acceptance: Acceptance, batch: int, remeasure: bool = False) -> StepCosts:
     """This machine's step costs for `gen`'s drafter and `acceptance`'s candidates at `batch` rows: cached, else
-    measured (a progress line on stderr; the target's AR costs too, unless another head set cached them) and
-    cached. `remeasure` measures everything again and replaces the cached costs."""
+    measured (a progress line on stderr), AR before and after the candidates (`ARCosts.around`), and cached.
+    `remeasure` measures again and replaces the cached costs."""
     from tqdm import tqdm
 
     path, key = cache_file(), cost_key(gen, batch, acceptance)
@@ -219,16 +219,15 @@ def calibrate(gen: Generator, acceptance: Acceptance, batch: int, remeasure: boo
         return StepCosts.from_json(entries[key]["costs"])
     t0 = time.perf_counter()
     clock = calibration_clock(gen, acceptance, batch)
-    ar_key = cost_key(gen, batch, cache_size=clock.cache_size)
     target = Path(gen.model_dir).name or "target"
     with tqdm(total=len(acceptance.candidates), desc=f"calibrating {gen.method} trees at batch {batch} on this "
               "machine", unit="tree", file=sys.stderr) as bar:
-        ar = measure_ar(gen, clock) if remeasure or ar_key not in entries else ARCosts.from_json(
-            entries[ar_key]["ar"])
-        costs = dataclasses.replace(measure(gen, acceptance, clock, ar, bar.update),
-                                    seconds=time.perf_counter() - t0)
-    entries = entries | {ar_key: {"label": f"AR on {target}, batch {batch}", "ar": ar.to_json()},
-                         key: {"label": f"{gen.method} on {target}, batch {batch}", "costs": costs.to_json()}}
+        first = measure_ar(gen, clock)
+        costs = measure(gen, acceptance, clock, first, bar.update)
+        ar = ARCosts.around(first, measure_ar(gen, clock))
+    costs = dataclasses.replace(costs, ar_ms=ar.step_ms, noise=max(costs.noise, ar.spread),
+                                seconds=time.perf_counter() - t0)
+    entries = entries | {key: {"label": f"{gen.method} on {target}, batch {batch}", "costs": costs.to_json()}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps({"machine": dataclasses.asdict(this_machine()), "entries": entries}, indent=1)

@@ -75,6 +75,31 @@ def test_timing_stops_when_no_larger_tree_can_win():
     assert not worth_timing(STATS, 10.0, 15.0, best=1.5, margin=0.03)  # 2.2 / 1.5 = 1.47 < the best so far
 
 
+def test_ar_is_timed_beside_the_candidates_and_its_drift_is_noise(medusa_heads, tmp_path, monkeypatch):
+    """AR timed before and after the candidates in one process: the faster step prices them, and the two steps'
+    difference joins the noise the choice must beat (1.46x predicted, but AR drifted 50%: no speculation)."""
+    from amphista_jax import Generator
+
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
+    ar_steps = iter([10.0, 15.0])
+    monkeypatch.setattr(calibration, "measure", _fake_measure(lambda b: _costs(b, 10.0, (11.0, 13.0, 16.0)))[0])
+    monkeypatch.setattr(calibration, "measure_ar", lambda gen, clock: calibration.ARCosts(1.0, next(ar_steps), 0.01))
+    gen = Generator.load(heads=medusa_heads)
+    costs = calibrate(gen, STATS, 1)
+    assert costs.ar_ms == 10.0 and costs.noise == pytest.approx(0.5) and gen.tree is None
+    assert calibration.ARCosts.around(calibration.ARCosts(2.0, 12.0, 0.3), calibration.ARCosts(1.5, 10.0, 0.0)) == \
+        calibration.ARCosts(1.5, 10.0, 0.3)
+
+
+def test_a_cache_of_ar_timed_alone_is_measured_again(tmp_path):
+    """A cache written when AR was timed once and reused across processes: its AR entries are left out."""
+    path = tmp_path / "cache.json"
+    costs = json.loads(json.dumps(_costs(1, 10.0, (11.0,)).to_json()))
+    path.write_text(json.dumps({"entries": {"a": {"label": "AR", "ar": {"prefill_ms": 1, "step_ms": 9, "spread": 0}},
+                                            "b": {"label": "medusa", "costs": costs}}}))
+    assert calibration.read_cache(path) == {"b": {"label": "medusa", "costs": costs}}
+
+
 def test_acceptance_file_round_trips_and_a_damaged_one_is_one_line(tmp_path):
     path = STATS.write(tmp_path / ACCEPTANCE_FILE)
     assert Acceptance.read(path) == STATS
@@ -102,13 +127,13 @@ def test_costs_are_cached_per_machine_and_version_and_a_damaged_cache_recalibrat
     costs_at = lambda batch: _costs(batch, 10.0, (11.0, 13.0, 16.0))  # noqa: E731
     _patch(monkeypatch, costs_at, measured, ar_measured)
     gen = Generator.load(heads=medusa_heads)  # `auto`: calibrated at batch 1 on load
-    assert measured == ar_measured == [1] and gen.tree == STATS.candidates[1].tree
+    assert measured == [1] and ar_measured == [1, 1] and gen.tree == STATS.candidates[1].tree  # AR before, after
     assert calibrate(gen, STATS, 1).step_ms == (11.0, 13.0, 16.0) and measured == [1]  # cached
     other_heads = medusa_heads.parent / "other"
     shutil.copytree(medusa_heads, other_heads)
     Acceptance("medusa", "synthetic", STATS.candidates[:2]).write(other_heads / ACCEPTANCE_FILE)
     Generator.load(heads=other_heads)
-    assert measured == [1, 1] and ar_measured == [1]  # other candidates: timed; the target's AR step: reused
+    assert measured == [1, 1] and ar_measured == [1] * 4  # other candidates: timed, and AR again beside them
     measured.pop()
     Generator.load(heads=medusa_heads)
     assert measured == [1]  # a new process on this machine reuses it
