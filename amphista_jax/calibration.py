@@ -179,7 +179,7 @@ def cost_key(gen: Generator, batch: int, acceptance: Acceptance) -> str:
     what = {"config": dataclasses.asdict(gen.config), "dtype": gen.dtype, "attention": gen.attention,
             "mesh": None if gen.mesh is None else dict(gen.mesh.shape), "batch": batch, "tokens": CALIBRATION_TOKENS,
             "runs": CALIBRATION_RUNS, "prompt": CALIBRATION_PROMPT, "scratch": CALIBRATION_SCRATCH,
-            "ar": "timed beside the candidates", "drafter": repr(gen.drafter),
+            "drafter": repr(gen.drafter),
             "candidates": [c.to_json() | {"tau": None} for c in acceptance.candidates]}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
