@@ -1,0 +1,109 @@
+"""Where a verify forward's extra cost over an AR step goes: the target at T query rows, and its weights' products.
+
+    python -m amphista_jax.evals.benchmarks.query_rows [--model DIR | smollm2] [--rows 1 2 3 5 8] [--committed 256]
+        [--runs 30] [--out runs/benchmarks]
+
+The target is `--model` (default: the embedded one). Part 1: one cached forward of the target (decoding's `split`
+layout, fp32) over T new tokens under a causal mask after `--committed` tokens, timed whole (logits included) and
+without the output projection (`return_logits=False`); their difference is the output projection over T rows. T = 1
+is an AR step's forward, T = N + 1 a verify forward of an N-node tree. Part 2: the matrix products that read the MLP
+weights of every layer (`gate_proj`, `up_proj`, `down_proj`, the target's own arrays) at T rows, `[T, D] @ [D, F]`
+as stored, all in one program, so the weights stream from memory as in a forward: the rate at which T rows read them
+beside one row's.
+Each time is the fastest of `--runs` calls after a warm-up (noise on a shared machine only adds time). Writes
+query_rows.json and query_rows.md to `--out`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from amphista_jax.decode import ar_init
+from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
+from amphista_jax.models.attention import causal_mask
+from amphista_jax.models.llama import target_model
+from amphista_jax.timing import wall_times
+
+MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def fastest_ms(fn: Callable[[], Any], runs: int) -> float:
+    """Milliseconds of the fastest of `runs` calls of `fn` after one warm-up call."""
+    return min(wall_times(fn, runs)) * 1e3
+
+
+def mlp_weights(params: dict) -> list[jax.Array]:
+    """Every layer's MLP kernels (`[D, F]` or `[F, D]`), in the order a forward reads them."""
+    found = []
+
+    def visit(path: tuple, leaf: jax.Array) -> None:
+        names = [getattr(k, "key", "") for k in path]
+        if any(n in MLP_WEIGHTS for n in names) and names[-1] == "kernel":
+            found.append(leaf)
+
+    jax.tree_util.tree_map_with_path(visit, params)
+    return found
+
+
+def forward_ms(params: dict, config: Any, rows: int, committed: int, runs: int) -> tuple[float, float]:
+    """(whole forward ms, forward without the output projection ms) over `rows` new tokens."""
+    model = target_model(config, params)
+    prompt = jax.random.randint(jax.random.key(2), (1, committed), 0, config.vocab_size)
+    init = jax.jit(functools.partial(ar_init, model, cache_size=committed + 64 + max(rows, 8), max_new_tokens=64))
+    cache = init(params, prompt, jnp.full((1,), committed, jnp.int32), jax.random.key(0)).cache
+    tokens = jnp.ones((1, rows), jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(rows)[None]
+    mask = causal_mask(1, rows)
+    out = {}
+    for logits in (True, False):
+        def run(p: dict, c: Any, lg: bool = logits) -> jax.Array:
+            o = model.apply({"params": p}, tokens, positions, c, mask, lg)
+            return o.logits if lg else o.hidden
+
+        fn = jax.jit(run)
+        out[logits] = fastest_ms(lambda f=fn: f(params, cache), runs)
+    return out[True], out[False]
+
+
+def products_ms(weights: list[jax.Array], rows: int, runs: int) -> float:
+    """Milliseconds of `[rows, D] @ W` for every weight W (each `[D, F]` as stored)."""
+    xs = [jnp.ones((rows, w.shape[0]), w.dtype) for w in weights]
+    fn = jax.jit(lambda ws, xs: [x @ w for x, w in zip(xs, ws, strict=True)])
+    return fastest_ms(lambda: fn(weights, xs), runs)
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, runs=30)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 8])
+    parser.add_argument("--committed", type=int, default=256)
+    args = parser.parse_args()
+    model, params, config = load_target(args.model)
+    weights = mlp_weights(params)
+    if not weights:
+        parser.error(f"{model} has no {'/'.join(MLP_WEIGHTS)} kernels to time")
+    mb = sum(w.size * w.dtype.itemsize for w in weights) / 1e6
+    rows = []
+    for t in sorted(set(args.rows) | {1}):
+        whole, layers = forward_ms(params, config, t, args.committed, args.runs)
+        rows.append({"rows": t, "forward_ms": whole, "layers_ms": layers, "output_projection_ms": whole - layers,
+                     "mlp_products_ms": products_ms(weights, t, args.runs)})
+    one = rows[0]
+    lines = [f"model: {model}; {args.committed} committed tokens; fp32, batch 1; fastest of {args.runs} calls; MLP "
+             f"weights: {len(weights)} kernels, {mb:.0f} MB", "",
+             "| query rows T | forward ms | / T=1 | layers ms | output projection ms | MLP products ms | / T=1 | "
+             "MLP weights read GB/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['rows']} | {r['forward_ms']:.2f} | {r['forward_ms'] / one['forward_ms']:.2f} | "
+                     f"{r['layers_ms']:.2f} | {r['output_projection_ms']:.2f} | {r['mlp_products_ms']:.2f} | "
+                     f"{r['mlp_products_ms'] / one['mlp_products_ms']:.2f} | {mb / r['mlp_products_ms']:.1f} |")
+    write_report(args.out, "query_rows", {"model": model, "committed": args.committed, "runs": args.runs,
+                                          "mlp_weight_mb": mb, "rows": rows}, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

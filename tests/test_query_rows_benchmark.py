@@ -1,0 +1,41 @@
+"""The query-rows benchmark (`evals/benchmarks/query_rows.py`) on the embedded target: it times what it says (every
+layer's three MLP kernels, the forward with and without its output projection at each row count, T = 1 always among
+them) and writes one row per count. The clock is replaced by a count of the calls it times: a loaded machine's
+timing noise is not this file's subject."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from amphista_jax.evals.benchmarks import query_rows
+from amphista_jax.evals.benchmarks.common import load_target
+
+
+def test_mlp_weights_are_every_layers_three_kernels():
+    _, params, config = load_target(None)
+    weights = query_rows.mlp_weights(params)
+    assert len(weights) == 3 * config.num_layers
+    assert {tuple(w.shape) for w in weights} == {(config.hidden_size, config.intermediate_size),
+                                                 (config.intermediate_size, config.hidden_size)}
+
+
+def test_one_row_per_count_with_one_row_added(monkeypatch, tmp_path):
+    calls = []
+
+    def fastest_ms(fn, runs: int) -> float:
+        out = fn()  # the timed program runs for real
+        calls.append(out)
+        return float(len(calls))
+
+    monkeypatch.setattr(query_rows, "fastest_ms", fastest_ms)
+    monkeypatch.setattr(sys, "argv", ["query_rows", "--rows", "3", "--runs", "1", "--committed", "16",
+                                      "--out", str(tmp_path)])
+    query_rows.main()
+    report = json.loads((tmp_path / "query_rows.json").read_text())
+    assert [r["rows"] for r in report["rows"]] == [1, 3]
+    # per count: forward with logits, without, then the MLP products, in that order
+    assert [(r["forward_ms"], r["layers_ms"], r["mlp_products_ms"]) for r in report["rows"]] == [(1, 2, 3), (4, 5, 6)]
+    assert calls[0].shape[:2] == (1, 1) and calls[3].shape[:2] == (1, 3)  # logits [B, T, V]
+    assert calls[3].shape[-1] == load_target(None)[2].vocab_size
+    assert (tmp_path / "query_rows.md").read_text().count("\n| ") == 3  # header + two rows
