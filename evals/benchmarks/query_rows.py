@@ -27,6 +27,7 @@ from amphista_jax.decode import ar_init
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.llama import target_model
+from amphista_jax.target import forward
 from amphista_jax.timing import wall_times
 
 MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
@@ -50,28 +51,33 @@ def mlp_weights(params: dict) -> list[jax.Array]:
     return found
 
 
-def forward_ms(params: dict, config: Any, rows: int, committed: int, runs: int) -> tuple[float, float]:
-    """(whole forward ms, forward without the output projection ms) over `rows` new tokens."""
+def committed_cache(params: dict, config: Any, committed: int, room: int) -> Any:
+    """The target's cache after a prefill of `committed` random tokens, with `room` free slots after them."""
     model = target_model(config, params)
     prompt = jax.random.randint(jax.random.key(2), (1, committed), 0, config.vocab_size)
-    init = jax.jit(functools.partial(ar_init, model, cache_size=committed + 64 + max(rows, 8), max_new_tokens=64))
-    cache = init(params, prompt, jnp.full((1,), committed, jnp.int32), jax.random.key(0)).cache
+    init = jax.jit(functools.partial(ar_init, model, cache_size=committed + room, max_new_tokens=room))
+    return init(params, prompt, jnp.full((1,), committed, jnp.int32), jax.random.key(0)).cache
+
+
+def forward_ms(params: dict, config: Any, cache: Any, rows: int, runs: int) -> tuple[float, float]:
+    """(whole forward ms, forward without the output projection ms) of verification's forward over `rows` new
+    tokens after the cache's committed ones."""
+    model = target_model(config, params)
     tokens = jnp.ones((1, rows), jnp.int32)
     positions = cache.lengths[:, None] + jnp.arange(rows)[None]
     mask = causal_mask(1, rows)
     out = {}
     for logits in (True, False):
         def run(p: dict, c: Any, lg: bool = logits) -> jax.Array:
-            o = model.apply({"params": p}, tokens, positions, c, mask, lg)
+            o = forward(model, p, tokens, positions, c, mask, None, return_logits=lg)
             return o.logits if lg else o.hidden
 
-        fn = jax.jit(run)
-        out[logits] = fastest_ms(lambda f=fn: f(params, cache), runs)
+        out[logits] = fastest_ms(functools.partial(jax.jit(run), params, cache), runs)
     return out[True], out[False]
 
 
 def products_ms(weights: list[jax.Array], rows: int, runs: int) -> float:
-    """Milliseconds of `[rows, D] @ W` for every weight W (each `[D, F]` as stored)."""
+    """Milliseconds of `[rows, W.shape[0]] @ W` for every weight W, as stored."""
     xs = [jnp.ones((rows, w.shape[0]), w.dtype) for w in weights]
     fn = jax.jit(lambda ws, xs: [x @ w for x, w in zip(xs, ws, strict=True)])
     return fastest_ms(lambda: fn(weights, xs), runs)
@@ -87,9 +93,11 @@ def main() -> None:
     if not weights:
         parser.error(f"{model} has no {'/'.join(MLP_WEIGHTS)} kernels to time")
     mb = sum(w.size * w.dtype.itemsize for w in weights) / 1e6
+    counts = sorted(set(args.rows) | {1})
+    cache = committed_cache(params, config, args.committed, counts[-1])  # one attention span for every count
     rows = []
-    for t in sorted(set(args.rows) | {1}):
-        whole, layers = forward_ms(params, config, t, args.committed, args.runs)
+    for t in counts:
+        whole, layers = forward_ms(params, config, cache, t, args.runs)
         rows.append({"rows": t, "forward_ms": whole, "layers_ms": layers, "output_projection_ms": whole - layers,
                      "mlp_products_ms": products_ms(weights, t, args.runs)})
     one = rows[0]
