@@ -15,8 +15,10 @@ from amphista_jax.models.llama import (
     Output,
     PrefixKV,
     Transformer,
+    has_split_layers,
     input_embeddings,
     layer_params,
+    out_major,
     output_projection,
 )
 
@@ -40,8 +42,9 @@ class Target:
     def first_layers(self, n: int) -> dict:
         """The params of a model of the target's first `n` layers, in `split_layers`' layout: its embedding, layers
         `0 .. n - 1`, final norm and projection (a draft model made from the target)."""
-        return {k: v for k, v in self.params.items() if k in ("embed", "final_norm", "lm_head")} | {
+        first = {k: v for k, v in self.params.items() if k in ("embed", "final_norm", "lm_head")} | {
             f"layer_{i}": layer_params(self.params, i) for i in range(n)}
+        return first if has_split_layers(self.params) else out_major(first)
 
 
 @struct.dataclass

@@ -79,10 +79,11 @@ def test_place_for_decoding_keeps_the_layout_and_places_once():
     sizes that do not fit the devices are a `UserError` naming the fix."""
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     stacked = jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))
-    for params, q in ((stacked, ("layers",)), (split_layers(stacked), ("layer_0",))):
+    for params, q, spec in ((stacked, ("layers", "kernel"), ("fsdp", "tensor")),
+                            (split_layers(stacked), ("layer_0", "weight"), ("tensor", "fsdp"))):  # out-major
         placed, none = place_for_decoding(mesh, CONFIG, params)
-        kernel = placed[q[0]]["attn"]["q_proj"]["kernel"]
-        assert none is None and tuple(kernel.sharding.spec)[-2:] == ("fsdp", "tensor")
+        kernel = placed[q[0]]["attn"]["q_proj"][q[1]]
+        assert none is None and tuple(kernel.sharding.spec)[-2:] == spec
         again, _ = place_for_decoding(mesh, CONFIG, placed)
         assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(placed), strict=True))
     with pytest.raises(UserError, match="12 devices, but 8 are available"):
@@ -112,7 +113,7 @@ def test_sharded_speculative_generate_equals_one_device(method):
     one = speculative_generate(params, draft, tokens, lengths, jax.random.key(0), **kw)
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     sharded_params, sharded_draft = place_for_decoding(mesh, CONFIG, params, drafter, draft)
-    assert not sharded_params["layer_0"]["attn"]["q_proj"]["kernel"].sharding.is_fully_replicated
+    assert not sharded_params["layer_0"]["attn"]["q_proj"]["weight"].sharding.is_fully_replicated
     assert not max(jax.tree.leaves(sharded_draft), key=lambda x: x.size).sharding.is_fully_replicated
     with on_mesh(mesh):
         out = speculative_generate(sharded_params, sharded_draft, tokens, lengths, jax.random.key(0), **kw)

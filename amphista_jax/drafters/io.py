@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.errors import UserError
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import layer_params
+from amphista_jax.models.llama import layer_params, projection_kernel
 from amphista_jax.output_lock import write_atomic
 from amphista_jax.target import Target
 
@@ -40,7 +40,8 @@ def target_sample(params: dict) -> list[float]:
     (compared with a relative tolerance)."""
 
     def pick(p: dict) -> jax.Array:
-        embed, q = p["embed"]["embedding"], layer_params(p, -1)["attn"]["q_proj"]["kernel"]  # [V, D], [D, H*Dh]
+        embed = p["embed"]["embedding"]  # [V, D]
+        q = projection_kernel(layer_params(p, -1)["attn"]["q_proj"])  # [D, H*Dh]
         rows = jax.numpy.arange(8) * (embed.shape[0] // 8)
         cols = jax.numpy.arange(8) % embed.shape[1]
         return jax.numpy.concatenate([embed[rows, cols], q[cols, cols % q.shape[1]]]).astype(jax.numpy.float32)

@@ -112,14 +112,25 @@ def _open(file: Path) -> Iterator[Any]:
         raise CheckpointError(f"{file} is corrupt or truncated ({e}); re-download or re-save it") from e
 
 
+def _out_major(path: tuple[str, ...], transposed: bool) -> tuple[tuple[str, ...], bool]:
+    """A path and orientation of the stacked layout in `split_layers`' (a kernel `[in, out]` as its `weight [out,
+    in]`, HF's own orientation)."""
+    return (path[:-1] + ("weight",), False) if path[-1] == "kernel" else (path, transposed)
+
+
 def _hf_layout(config: ModelConfig) -> dict[tuple[str, ...], tuple[str, bool, bool]]:
     """Our param path, in either layout (stacked `layers` or `split_layers`' `layer_i`) -> (HF name or name
     template, transposed, stacked over layers)."""
-    layout: dict[tuple[str, ...], tuple[str, bool, bool]] = {
-        path: (name, t, False) for path, (name, t) in _TOP_TENSORS.items()}
+    layout: dict[tuple[str, ...], tuple[str, bool, bool]] = {}
+    for path, (name, t) in _TOP_TENSORS.items():
+        layout[path] = (name, t, False)
+        split_path, split_t = _out_major(path, t)
+        layout[split_path] = (name, split_t, False)
     for path, (name, t) in LAYER_TENSORS.items():
         layout[("layers",) + path] = ("model.layers.{}." + name, t, True)
-        layout |= {(f"layer_{i}",) + path: (f"model.layers.{i}." + name, t, False) for i in range(config.num_layers)}
+        split_path, split_t = _out_major(path, t)
+        layout |= {(f"layer_{i}",) + split_path: (f"model.layers.{i}." + name, split_t, False)
+                   for i in range(config.num_layers)}
     return layout
 
 

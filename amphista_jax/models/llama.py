@@ -16,11 +16,13 @@ One forward serves prefill, single-token decode, tree verification and training:
 
 Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv_heads`, `mlp`, `norm`, `layers`);
 `amphista_jax.sharding` maps them to a mesh. Layers are stacked on a leading `layers` axis (`nn.scan`), so
-the model compiles once whatever its depth.
+the model compiles once whatever its depth; decoding reads them in the `split_layers` layout (one tree per layer,
+each projection's `weight [out, in]`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -81,9 +83,60 @@ def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
     )
 
 
-def _dense(features: int, axes: tuple[str, str], use_bias: bool, name: str, param_dtype: Dtype) -> nn.Dense:
-    """The target's projections (normal(0.02) init)."""
+# The most rows `rows_product` multiplies with the weight as the left operand (a decode or verify step's): on XLA:CPU
+# it is 1.4-2x faster than the plain product from 4 to 32 rows and 5-10% slower from 64 on (a prefill's, a training
+# batch's, a batch-64 decode step's rows take the plain product).
+FEW_ROWS = 32
+
+
+def rows_product(weight: jax.Array, x: jax.Array) -> jax.Array:
+    """`x [..., in] @ weight.T` for an out-major `weight [out, in]`, as `[..., out]`.
+
+    For a few rows the product is formed as `weight @ x.T` `[out, rows]` and transposed after: XLA:CPU then reads
+    the weight once for all the rows, where `x @ kernel` over `[in, out]` kernels reads it at 8-16 GB/s from 2 rows
+    on against 28 GB/s for one (`evals/benchmarks/query_rows.py`). The barrier keeps XLA from folding the
+    transpose back into the product."""
+    dtype = jnp.result_type(x, weight)
+    x, weight = x.astype(dtype), weight.astype(dtype)
+    rows = math.prod(x.shape[:-1])
+    if rows > FEW_ROWS:
+        return x @ weight.T
+    y = jax.lax.dot_general(weight, x.reshape(rows, x.shape[-1]), (((1,), (1,)), ((), ())))  # [out, rows]
+    return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class OutMajorDense(nn.Module):
+    """A target projection in decoding's layout: `weight [out, in]` (Hugging Face's orientation) applied by
+    `rows_product`, and `bias [out]`; the same map as an `nn.Dense` whose kernel is `weight.T`."""
+
+    features: int
+    axes: tuple[str | None, str | None]  # the [in, out] logical axes, as `logical_dense`'s
+    use_bias: bool
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes[::-1]),
+                            (self.features, x.shape[-1]), self.param_dtype)
+        y = rows_product(weight, x)
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), self.axes[1:]),
+                              (self.features,), self.param_dtype)
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+def target_projection(features: int, axes: tuple[str, str], use_bias: bool, name: str, param_dtype: Dtype,
+                      out_major: bool = False) -> nn.Module:
+    """The target's projections (normal(0.02) init): `kernel [in, out]`, or `weight [out, in]` (`out_major`)."""
+    if out_major:
+        return OutMajorDense(features, axes, use_bias, param_dtype, name=name)
     return logical_dense(features, axes, name, nn.initializers.normal(0.02), use_bias, param_dtype)
+
+
+def projection_kernel(projection: dict) -> jax.Array:
+    """A target projection's `[in, out]` kernel from its params in either layout."""
+    return projection["kernel"] if "kernel" in projection else projection["weight"].T
 
 
 class RMSNorm(nn.Module):
@@ -103,14 +156,19 @@ class Attention(nn.Module):
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
+    out_major: bool = False  # projections in decoding's layout (`OutMajorDense`)
+
+    def projection(self, features: int, axes: tuple[str, str], use_bias: bool, name: str) -> nn.Module:
+        return target_projection(features, axes, use_bias, name, self.param_dtype, self.out_major)
 
     @nn.compact
     def __call__(self, x, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix, index=None):
         c = self.config
         b, t, _ = x.shape
-        q = _dense(c.num_heads * c.head_dim, ("embed", "heads"), c.qkv_bias, "q_proj", self.param_dtype)(x)
-        k = _dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), c.qkv_bias, "k_proj", self.param_dtype)(x)
-        v = _dense(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), c.qkv_bias, "v_proj", self.param_dtype)(x)
+        proj = self.projection
+        q = proj(c.num_heads * c.head_dim, ("embed", "heads"), c.qkv_bias, "q_proj")(x)
+        k = proj(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), c.qkv_bias, "k_proj")(x)
+        v = proj(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), c.qkv_bias, "v_proj")(x)
         inv_freq = inverse_frequencies(c)
         q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
         k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
@@ -138,7 +196,7 @@ class Attention(nn.Module):
             out = tree_attention(q, k, v, lengths, new_mask, positions, window, backend="pallas")
         else:
             out = dot_product_attention(q, k, v, visible)  # [B, T, Hq, Dh]
-        out = _dense(c.hidden_size, ("heads", "embed"), c.o_bias, "o_proj", self.param_dtype)(
+        out = proj(c.hidden_size, ("heads", "embed"), c.o_bias, "o_proj")(
             out.reshape(b, t, c.num_heads * c.head_dim))
         return out, layer_k, layer_v
 
@@ -146,13 +204,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
+    out_major: bool = False
+
+    projection = Attention.projection
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        gate = _dense(c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "gate_proj", self.param_dtype)(x)
-        up = _dense(c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "up_proj", self.param_dtype)(x)
-        return _dense(c.hidden_size, ("mlp", "embed"), c.mlp_bias, "down_proj", self.param_dtype)(
+        proj = self.projection
+        gate = proj(c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "gate_proj")(x)
+        up = proj(c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "up_proj")(x)
+        return proj(c.hidden_size, ("mlp", "embed"), c.mlp_bias, "down_proj")(
             nn.silu(gate) * up)
 
 
@@ -174,6 +236,7 @@ class DecoderLayer(nn.Module):
     attention: str = "xla"
     fused_input: bool = False
     input_norm: bool = True
+    out_major: bool = False  # projections in decoding's layout (`OutMajorDense`)
 
     @nn.compact
     def __call__(self, x, scanned, shared):
@@ -192,10 +255,10 @@ class DecoderLayer(nn.Module):
                                        RMSNorm(c.rms_norm_eps, self.param_dtype, name="hidden_norm")(x)], axis=-1)
         elif self.input_norm:
             attn_in = RMSNorm(c.rms_norm_eps, self.param_dtype, name="input_norm")(x)
-        h, layer_k, layer_v = Attention(c, self.param_dtype, self.attention, name="attn")(
+        h, layer_k, layer_v = Attention(c, self.param_dtype, self.attention, self.out_major, name="attn")(
             attn_in, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix, index)
         x = x + h
-        x = x + MLP(c, self.param_dtype, name="mlp")(
+        x = x + MLP(c, self.param_dtype, self.out_major, name="mlp")(
             RMSNorm(c.rms_norm_eps, self.param_dtype, name="post_attn_norm")(x))
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         return (x, captured) if captured is not None else x, (layer_k, layer_v)
@@ -287,7 +350,7 @@ class Transformer(nn.Module):
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
     attention: str = "xla"
-    split: bool = False  # params in the `split_layers` layout: one module per layer, no loop over layers
+    split: bool = False  # params in the `split_layers` layout: one module per layer, no loop over layers, out-major
     remat: bool = False  # recompute each layer's activations in the backward pass (`decoder_layer`)
 
     def setup(self) -> None:
@@ -298,12 +361,14 @@ class Transformer(nn.Module):
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
         if self.split:
             layer = decoder_layer(self.remat, scanned=False)
-            self.layers = [layer(c, self.param_dtype, self.attention, name=f"layer_{i}") for i in range(c.num_layers)]
+            self.layers = [layer(c, self.param_dtype, self.attention, out_major=True, name=f"layer_{i}")
+                           for i in range(c.num_layers)]
         else:
             self.layers = decoder_stack(c, self.param_dtype, self.attention, name="layers", remat=self.remat)
         self.final_norm = RMSNorm(c.rms_norm_eps, self.param_dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = _dense(c.vocab_size, ("embed", "vocab"), False, "lm_head", self.param_dtype)
+            self.lm_head = target_projection(c.vocab_size, ("embed", "vocab"), False, "lm_head", self.param_dtype,
+                                             self.split)
 
     def __call__(
         self,
@@ -330,15 +395,21 @@ class Transformer(nn.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """fp32 vocabulary logits `[..., V]` of last-layer hidden states `[..., D]`."""
         if self.config.tie_word_embeddings:
-            out = self.embed.attend(hidden)
+            out = rows_product(self.embed.embedding, hidden)  # the embedding [V, D] is out-major
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
 
 
+def out_major(tree: dict) -> dict:
+    """`tree` with every projection's `kernel [in, out]` as its `weight [out, in]`."""
+    return {("weight" if k == "kernel" else k): v.T if k == "kernel" else out_major(v) if isinstance(v, dict) else v
+            for k, v in tree.items()}
+
+
 def split_layers(params: dict) -> dict:
-    """The stacked layers `params["layers"]` as one parameter tree per layer (`layer_0`, ...), for
-    `Transformer(split=True)`: the same model without a loop over layers.
+    """The stacked layers `params["layers"]` as one parameter tree per layer (`layer_0`, ...), each projection
+    out-major (`OutMajorDense`), for `Transformer(split=True)`: the same model without a loop over layers.
 
     Decoding reads the target in this layout (`hf.load_params(layout="split")` reads it without a stacked copy):
     under XLA:CPU a scanned stack's per-layer slice is a copy of that layer's weights made on every decode step,
@@ -346,8 +417,8 @@ def split_layers(params: dict) -> dict:
     """
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
-    return {k: v for k, v in params.items() if k != "layers"} | {
-        f"layer_{i}": jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(n)}
+    return out_major({k: v for k, v in params.items() if k != "layers"} | {
+        f"layer_{i}": jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(n)})
 
 
 def has_split_layers(params: dict) -> bool:
@@ -376,7 +447,7 @@ def input_embeddings(params: dict, tokens: jax.Array) -> jax.Array:
 def output_projection(params: dict) -> jax.Array:
     """The `[D, V]` vocabulary projection (the transposed input embedding when the two are tied)."""
     if "lm_head" in params:
-        return params["lm_head"]["kernel"]
+        return projection_kernel(params["lm_head"])
     return params["embed"]["embedding"].T
 
 

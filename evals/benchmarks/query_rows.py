@@ -7,9 +7,10 @@ The target is `--model` (default: the embedded one). Part 1: one cached forward 
 layout, fp32) over T new tokens under a causal mask after `--committed` tokens, timed whole (logits included) and
 without the output projection (`return_logits=False`); their difference is the output projection over T rows. T = 1
 is an AR step's forward, T = N + 1 a verify forward of an N-node tree. Part 2: the matrix products that read the MLP
-weights of every layer (`gate_proj`, `up_proj`, `down_proj`, the target's own arrays) at T rows, `[T, D] @ [D, F]`
-as stored, all in one program, so the weights stream from memory as in a forward: the rate at which T rows read them
-beside one row's.
+weights of every layer (`gate_proj`, `up_proj`, `down_proj`) at T rows, all in one program, so the weights stream
+from memory as in a forward: as decoding forms them (`llama.rows_product` over the out-major `[F, D]` weights the
+target holds) and as `[T, D] @ [D, F]` over the `[in, out]` kernels (their transposed copies, training's layout):
+the rate at which T rows read them beside one row's.
 Each time is the fastest of `--runs` calls after a warm-up (noise on a shared machine only adds time). Writes
 query_rows.json and query_rows.md to `--out`.
 """
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from amphista_jax.decode import ar_init
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
 from amphista_jax.models.attention import causal_mask
-from amphista_jax.models.llama import target_model
+from amphista_jax.models.llama import rows_product, target_model
 from amphista_jax.target import forward
 from amphista_jax.timing import wall_times
 
@@ -39,12 +40,13 @@ def fastest_ms(fn: Callable[[], Any], runs: int) -> float:
 
 
 def mlp_weights(params: dict) -> list[jax.Array]:
-    """Every layer's MLP kernels (`[D, F]` or `[F, D]`), in the order a forward reads them."""
+    """Every layer's out-major MLP weights (`[out, in]`, decoding's `split_layers` layout), in the order a forward
+    reads them."""
     found = []
 
     def visit(path: tuple, leaf: jax.Array) -> None:
         names = [getattr(k, "key", "") for k in path]
-        if any(n in MLP_WEIGHTS for n in names) and names[-1] == "kernel":
+        if any(n in MLP_WEIGHTS for n in names) and names[-1] == "weight":
             found.append(leaf)
 
     jax.tree_util.tree_map_with_path(visit, params)
@@ -76,10 +78,15 @@ def forward_ms(params: dict, config: Any, cache: Any, rows: int, runs: int) -> t
     return out[True], out[False]
 
 
-def products_ms(weights: list[jax.Array], rows: int, runs: int) -> float:
-    """Milliseconds of `[rows, W.shape[0]] @ W` for every weight W, as stored."""
-    xs = [jnp.ones((rows, w.shape[0]), w.dtype) for w in weights]
-    fn = jax.jit(lambda ws, xs: [x @ w for x, w in zip(xs, ws, strict=True)])
+def products_ms(weights: list[jax.Array], rows: int, runs: int, out_major: bool) -> float:
+    """Milliseconds of `[rows, in]` times every weight `[out, in]`: by `rows_product` (`out_major`) or as
+    `[rows, in] @ [in, out]` over a transposed copy (made before timing)."""
+    xs = [jnp.ones((rows, w.shape[1]), w.dtype) for w in weights]
+    if out_major:
+        fn = jax.jit(lambda ws, xs: [rows_product(w, x) for x, w in zip(xs, ws, strict=True)])
+    else:
+        weights = [jnp.array(w.T) for w in weights]  # [in, out], laid out as such
+        fn = jax.jit(lambda ws, xs: [x @ w for x, w in zip(xs, ws, strict=True)])
     return fastest_ms(lambda: fn(weights, xs), runs)
 
 
@@ -91,7 +98,7 @@ def main() -> None:
     model, params, config = load_target(args.model)
     weights = mlp_weights(params)
     if not weights:
-        parser.error(f"{model} has no {'/'.join(MLP_WEIGHTS)} kernels to time")
+        parser.error(f"{model} has no {'/'.join(MLP_WEIGHTS)} weights to time")
     mb = sum(w.size * w.dtype.itemsize for w in weights) / 1e6
     counts = sorted(set(args.rows) | {1})
     cache = committed_cache(params, config, args.committed, counts[-1])  # one attention span for every count
@@ -99,16 +106,20 @@ def main() -> None:
     for t in counts:
         whole, layers = forward_ms(params, config, cache, t, args.runs)
         rows.append({"rows": t, "forward_ms": whole, "layers_ms": layers, "output_projection_ms": whole - layers,
-                     "mlp_products_ms": products_ms(weights, t, args.runs)})
+                     "mlp_products_ms": products_ms(weights, t, args.runs, out_major=True),
+                     "mlp_in_out_products_ms": products_ms(weights, t, args.runs, out_major=False)})
     one = rows[0]
     lines = [f"model: {model}; {args.committed} committed tokens; fp32, batch 1; fastest of {args.runs} calls; MLP "
-             f"weights: {len(weights)} kernels, {mb:.0f} MB", "",
+             f"weights: {len(weights)} matrices, {mb:.0f} MB", "",
              "| query rows T | forward ms | / T=1 | layers ms | output projection ms | MLP products ms | / T=1 | "
-             "MLP weights read GB/s |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "MLP weights read GB/s | `[T, D] @ [D, F]` ms | / T=1 | GB/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        mlp, plain = r["mlp_products_ms"], r["mlp_in_out_products_ms"]
         lines.append(f"| {r['rows']} | {r['forward_ms']:.2f} | {r['forward_ms'] / one['forward_ms']:.2f} | "
-                     f"{r['layers_ms']:.2f} | {r['output_projection_ms']:.2f} | {r['mlp_products_ms']:.2f} | "
-                     f"{r['mlp_products_ms'] / one['mlp_products_ms']:.2f} | {mb / r['mlp_products_ms']:.1f} |")
+                     f"{r['layers_ms']:.2f} | {r['output_projection_ms']:.2f} | {mlp:.2f} | "
+                     f"{mlp / one['mlp_products_ms']:.2f} | {mb / mlp:.1f} | {plain:.2f} | "
+                     f"{plain / one['mlp_in_out_products_ms']:.2f} | {mb / plain:.1f} |")
     write_report(args.out, "query_rows", {"model": model, "committed": args.committed, "runs": args.runs,
                                           "mlp_weight_mb": mb, "rows": rows}, "\n".join(lines))
 
