@@ -22,6 +22,7 @@ each projection's `weight [out, in]`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -158,14 +159,11 @@ class Attention(nn.Module):
     attention: str = "xla"
     out_major: bool = False  # projections in decoding's layout (`OutMajorDense`)
 
-    def projection(self, features: int, axes: tuple[str, str], use_bias: bool, name: str) -> nn.Module:
-        return target_projection(features, axes, use_bias, name, self.param_dtype, self.out_major)
-
     @nn.compact
     def __call__(self, x, positions, new_mask, visible, layer_k, layer_v, lengths, window, prefix, index=None):
         c = self.config
         b, t, _ = x.shape
-        proj = self.projection
+        proj = functools.partial(target_projection, param_dtype=self.param_dtype, out_major=self.out_major)
         q = proj(c.num_heads * c.head_dim, ("embed", "heads"), c.qkv_bias, "q_proj")(x)
         k = proj(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), c.qkv_bias, "k_proj")(x)
         v = proj(c.num_kv_heads * c.head_dim, ("embed", "kv_heads"), c.qkv_bias, "v_proj")(x)
@@ -204,14 +202,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     config: ModelConfig
     param_dtype: Dtype = jnp.float32
-    out_major: bool = False
-
-    projection = Attention.projection
+    out_major: bool = False  # projections in decoding's layout (`OutMajorDense`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        proj = self.projection
+        proj = functools.partial(target_projection, param_dtype=self.param_dtype, out_major=self.out_major)
         gate = proj(c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "gate_proj")(x)
         up = proj(c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "up_proj")(x)
         return proj(c.hidden_size, ("mlp", "embed"), c.mlp_bias, "down_proj")(
