@@ -1,5 +1,6 @@
-"""The scale curve reads one eval over trained head sets: each point's tokens from its run, tau and agreement from
-the eval; a bad eval directory is one line."""
+"""The scale curve reads evals over trained head sets: each point's tokens from its run, tau and agreement from
+the eval; later evals add to the curve's points, never measured otherwise than they; a bad eval directory is one
+line."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from amphista_jax.evals.scale_curve import agreement_curves, main
 
 
-def _eval(tmp_path, runs: dict[str, int]) -> str:
+def _eval(tmp_path, runs: dict[str, int], eval_name: str = "eval", new_tokens: int = 64) -> str:
     methods = [{"label": "ar", "spec": "ar", "method": "ar", "tree": "-"}]
     metrics = {"ar": {"overall": {"tau": 1.0}}}
     accuracy = {}
@@ -20,10 +21,12 @@ def _eval(tmp_path, runs: dict[str, int]) -> str:
                         "tree": "dynamic"})
         metrics[name] = {"overall": {"tau": 1.5 + i}}
         accuracy[name] = {"0": {"top1": 0.4, "agree": 0.3 + i / 10}, "1": {"top1": 0.2, "agree": 0.1 + i / 10}}
-    out = tmp_path / "eval"
+    out = tmp_path / eval_name
     out.mkdir()
+    config = {"methods": [m["spec"] for m in methods], "out_dir": str(out), "max_new_tokens": new_tokens,
+              "dataset": {"kind": "mt_bench"}}
     (out / "summary.json").write_text(json.dumps({"methods": methods, "metrics": metrics, "head_accuracy": accuracy,
-                                                  "machine": "cpu: test"}))
+                                                  "machine": f"cpu: {eval_name}", "config": config}))
     return str(out)
 
 
@@ -34,7 +37,35 @@ def test_points_in_token_order_with_tau_and_agreement(tmp_path, capsys):
     assert [(p["label"], p["tokens_seen"], p["tau"], p["agreement"]) for p in data["points"]] == [
         ("small", 1_000_000, 2.5, [0.4, 0.2]), ("big", 4_000_000, 1.5, [0.3, 0.1])]
     assert (tmp_path / "curve" / "scale_curve.png").stat().st_size > 1000
-    assert "| eagle3 | dynamic |" in capsys.readouterr().out and data["machine"] == "cpu: test"
+    assert "| eagle3 | dynamic |" in capsys.readouterr().out
+    assert {p["machine"] for p in data["points"]} == {"cpu: eval"}
+
+
+def test_a_later_eval_adds_its_points_and_replaces_the_same_run_and_tree(tmp_path, capsys):
+    curve = tmp_path / "curve"
+    assert main([_eval(tmp_path, {"small": 1_000_000, "mid": 2_000_000}), "--out", str(curve)]) == 0
+    # another machine, another day: "mid" re-measured and "big" new, on the same settings
+    (tmp_path / "mid" / "heads").rmdir()
+    (tmp_path / "mid" / "summary.json").unlink()
+    assert main([_eval(tmp_path, {"mid": 2_000_000, "big": 4_000_000}, eval_name="later"), "--out", str(curve)]) == 0
+    points = json.loads((curve / "scale_curve.json").read_text())["points"]
+    assert [(p["label"], p["machine"]) for p in points] == [
+        ("small", "cpu: eval"), ("mid", "cpu: later"), ("big", "cpu: later")]
+    table = (curve / "scale_curve.md").read_text()
+    assert "Machine 1: cpu: eval" in table and "Machine 2: cpu: later" in table and "| 4.00M |" in table
+
+
+def test_points_measured_otherwise_are_one_line(tmp_path, capsys):
+    curve = tmp_path / "curve"
+    assert main([_eval(tmp_path, {"small": 1_000_000}), "--out", str(curve)]) == 0
+    before = (curve / "scale_curve.json").read_text()
+    assert main([_eval(tmp_path, {"big": 4_000_000}, eval_name="longer", new_tokens=128), "--out", str(curve)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "max_new_tokens differ" in err
+    assert (curve / "scale_curve.json").read_text() == before
+    (curve / "scale_curve.json").write_text(json.dumps({"points": [{"label": "old"}]}))
+    assert main([_eval(tmp_path, {"new": 1}, eval_name="third"), "--out", str(curve)]) == 2
+    assert "without the eval settings" in capsys.readouterr().err
 
 
 def test_a_bad_eval_directory_is_one_line(tmp_path, capsys):
