@@ -1,7 +1,7 @@
 """DFlash: the reference's feature layers, a released checkpoint read and checked against an independent numpy
 forward of the reference architecture, the decode-time block equal to the training block, the training loss equal
-to a direct computation, greedy losslessness on chains and trees at batch 1 and 3, one compile, and one-line bad
-settings. (Sampling's losslessness: `test_speculative.py`'s chi-square, case `dflash-iid-q`.)"""
+to a direct computation, greedy losslessness on chains and trees at batch 1 and 3, typical acceptance, one compile,
+and one-line bad settings. (Sampling's losslessness: `test_speculative.py`'s chi-square, case `dflash-iid-q`.)"""
 
 from __future__ import annotations
 
@@ -14,17 +14,21 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from amphista_jax.decode import pad_prompts, speculative_generate
 from amphista_jax.drafters import DFlash
 from amphista_jax.drafters.dflash import reference_layer_ids
 from amphista_jax.drafters.published import PublishedHeadsError, read_dflash
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.sampling import SamplingConfig
 from amphista_jax.target import Target
 from amphista_jax.train.step import target_forward
 from amphista_jax.tree_names import get_tree
 from amphista_jax.trees import TreeError, chain
+from amphista_jax.verify import AcceptanceConfig
 from tests.helpers import (
     CONFIG,
+    PROMPTS,
     assert_compiles_once,
     assert_greedy_lossless,
     assert_trains,
@@ -245,6 +249,21 @@ def test_greedy_lossless(target, trained, tree):
     1.5 tokens per target forward."""
     assert_greedy_lossless(target, DFlash(block_size=5, num_layers=2, num_anchors=8), trained, get_tree(tree),
                            trained=True)
+
+
+def test_typical_acceptance_takes_fitted_drafts(target, trained):
+    """Typical acceptance (Medusa's, not lossless) over DFlash's per-depth top-k tree at T=0.7, ragged batch 3:
+    the fitted drafts are taken (the batch's 39 tokens after the first in under 26 target forwards), every row
+    gets its tokens, and no step commits more than the tree's depth plus the root."""
+    tree = get_tree("small-8")
+    tokens, lengths = pad_prompts(PROMPTS)
+    out = speculative_generate(target.params, trained, tokens, lengths, jax.random.key(2), config=CONFIG,
+                               drafter=DFlash(block_size=5, num_layers=2, num_anchors=8), tree=tree,
+                               max_new_tokens=40, cache_size=128, sampling=SamplingConfig(0.7),
+                               acceptance=AcceptanceConfig("typical"))
+    np.testing.assert_array_equal(np.asarray(out.num_tokens), 40)
+    assert (np.asarray(out.accept_lengths) <= tree.depth + 1).all()
+    assert 39 / int(out.steps) > 1.5
 
 
 def test_compiles_once_and_trains(target):
