@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from amphista_jax.errors import UserError
+from amphista_jax.evals.runner import RESULT_SETTINGS
 from amphista_jax.figures import pyplot, save_figure
+from amphista_jax.identity import changes
 from amphista_jax.output_lock import write_atomic
 
 CURVE_FILE = "scale_curve.json"
-# what an eval config holds that says which heads it decodes and where it writes, not how it measures them
-NOT_SETTINGS = ("methods", "out_dir", "tree", "order")
 
 
 class ScaleCurveError(UserError, ValueError):
@@ -37,9 +37,9 @@ class ScaleCurveError(UserError, ValueError):
 
 
 def eval_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """How an eval measured its methods (prompts, tokens, sampling, held-out set, ...): its config without the
-    methods, trees and output directory."""
-    return {k: v for k, v in config.items() if k not in NOT_SETTINGS}
+    """How an eval measured its methods: of its stored config, the dataset and the settings its results depend on
+    (`RESULT_SETTINGS`, what a resumed eval must keep)."""
+    return {k: config[k] for k in ("dataset", *RESULT_SETTINGS)}
 
 
 def points(eval_dir: str | Path) -> list[dict[str, Any]]:
@@ -84,11 +84,9 @@ def kept_points(out: Path) -> list[dict[str, Any]]:
 def merged(kept: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`kept` with `new` added, a new point replacing a kept one of the same run and tree; every point measured
     with the same eval settings (else ScaleCurveError), in (method, tree, tokens) order."""
+    reference = (kept or new)[0]
     for p in new:
-        reference = (kept or new)[0]
-        if p["settings"] != reference["settings"]:
-            changed = sorted(k for k in p["settings"].keys() | reference["settings"].keys()
-                             if p["settings"].get(k) != reference["settings"].get(k))
+        if changed := changes(reference["settings"], p["settings"]):
             raise ScaleCurveError(f"{p['label']} ({p['eval']}) was measured with other eval settings than "
                                   f"{reference['label']} ({reference['eval']}): {', '.join(changed)} differ; "
                                   "evaluate it with the curve's config, or write another curve (--out)")

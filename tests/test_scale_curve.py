@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from amphista_jax.evals.runner import RESULT_SETTINGS
 from amphista_jax.evals.scale_curve import agreement_curves, main
 
 
@@ -23,8 +24,8 @@ def _eval(tmp_path, runs: dict[str, int], eval_name: str = "eval", new_tokens: i
         accuracy[name] = {"0": {"top1": 0.4, "agree": 0.3 + i / 10}, "1": {"top1": 0.2, "agree": 0.1 + i / 10}}
     out = tmp_path / eval_name
     out.mkdir()
-    config = {"methods": [m["spec"] for m in methods], "out_dir": str(out), "max_new_tokens": new_tokens,
-              "dataset": {"kind": "mt_bench"}}
+    config = dict.fromkeys(RESULT_SETTINGS) | {"methods": [m["spec"] for m in methods], "out_dir": str(out),
+                                               "max_new_tokens": new_tokens, "dataset": {"kind": "mt_bench"}}
     (out / "summary.json").write_text(json.dumps({"methods": methods, "metrics": metrics, "head_accuracy": accuracy,
                                                   "machine": f"cpu: {eval_name}", "config": config}))
     return str(out)
