@@ -39,7 +39,7 @@ class ScaleCurveError(UserError, ValueError):
 def eval_settings(config: dict[str, Any]) -> dict[str, Any]:
     """How an eval measured its methods: of its stored config, the dataset and the settings its results depend on
     (`RESULT_SETTINGS`, what a resumed eval must keep)."""
-    return {k: config[k] for k in ("dataset", *RESULT_SETTINGS)}
+    return {k: config.get(k) for k in ("dataset", *RESULT_SETTINGS)}  # one missing from an older eval: None
 
 
 def points(eval_dir: str | Path) -> list[dict[str, Any]]:
