@@ -4,7 +4,7 @@ The Python API is `Generator` (`generator.py`): `Generator.load(model, heads, tr
 `generate(prompts)` / `stream(prompt)`. Errors a caller can cause derive from `UserError` (`errors.py`).
 """
 
-from amphista_jax.errors import UserError
-from amphista_jax.generator import Generation, Generator, GeneratorError
+from amphista_jax.facade.generator import Generation, Generator, GeneratorError
+from amphista_jax.infra.errors import UserError
 
 __all__ = ["Generation", "Generator", "GeneratorError", "UserError"]

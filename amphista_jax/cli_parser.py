@@ -7,10 +7,10 @@ from collections.abc import Callable, Mapping
 
 from amphista_jax.assets import REAL_TARGET, shipped_heads
 from amphista_jax.drafters import DRAFTERS
-from amphista_jax.fetch import DEFAULT_MODEL_ENV, default_model
-from amphista_jax.fetch import NAMES as FETCH_NAMES
 from amphista_jax.models.attention import AttentionBackend
-from amphista_jax.verify import AcceptanceRule
+from amphista_jax.models.fetch import DEFAULT_MODEL_ENV, default_model
+from amphista_jax.models.fetch import NAMES as FETCH_NAMES
+from amphista_jax.trees.verify import AcceptanceRule
 
 DESCRIPTION = "`amphista-jax` command line: one entry point, one subcommand per job."
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")

@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
+from amphista_jax.infra.errors import OutputExistsError, UsageError, check_writable_dir
+from amphista_jax.infra.output_lock import staged_output
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES, load_config, load_params, save_params
-from amphista_jax.output_lock import staged_output
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model", "chat_template.jinja")
@@ -86,7 +86,7 @@ def _convert_heads(heads: str, out: Path, target_params: dict, config: ModelConf
 def _convert_published(fmt: str, src: str, out: Path, target_params: dict, config: ModelConfig, dtype: str) -> str:
     from amphista_jax.drafters.io import save_draft
     from amphista_jax.drafters.published import READERS
-    from amphista_jax.target import Target
+    from amphista_jax.models.target import Target
 
     drafter, params = READERS[fmt](src, Target(config, target_params))
     save_draft(out, drafter.name, drafter, params, config, dtype=None if dtype == "checkpoint" else dtype,

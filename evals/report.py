@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.figures import pyplot, save_figure
-from amphista_jax.output_lock import write_atomic
+from amphista_jax.infra.figures import pyplot, save_figure
+from amphista_jax.infra.output_lock import write_atomic
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:

@@ -15,7 +15,7 @@ devices: the mesh's sizes multiply to `jax.local_device_count()`.
 
 Every input is checked before the target is loaded: the config, the dataset, each method spec and, when
 resuming, that `run.json` records the same settings and the same content (sha256) of the target, the heads
-and the dataset (`amphista_jax.identity`).
+and the dataset (`amphista_jax.infra.identity`).
 """
 
 from __future__ import annotations
@@ -34,30 +34,30 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from amphista_jax.calibration import LocalTrees
-from amphista_jax.compiled_programs import release_if_crowded
-from amphista_jax.decode import pad_prompts
-from amphista_jax.decode_spec import check_decode_settings
-from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
+from amphista_jax.choice.calibration import LocalTrees
+from amphista_jax.engine.decode import pad_prompts
+from amphista_jax.engine.decode_spec import check_decode_settings
+from amphista_jax.engine.sharding import MeshError, make_mesh
 from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
 from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
 from amphista_jax.evals.methods import CHOSEN, Method, resolve_methods
 from amphista_jax.evals.metrics import breakdown, lossless_mismatches, tree_statistics
 from amphista_jax.evals.report import write_reports
 from amphista_jax.evals.results import ResultWriter, process_file, read_results, safe_label
-from amphista_jax.fetch import default_model, resolve_model
-from amphista_jax.generator import Generator
-from amphista_jax.identity import RunMismatchError, changes, sha256_file, target_identity
-from amphista_jax.machine import this_machine
+from amphista_jax.facade.generator import Generator
+from amphista_jax.infra.compiled_programs import release_if_crowded
+from amphista_jax.infra.errors import OutputExistsError, UserError, check_writable_dir
+from amphista_jax.infra.identity import RunMismatchError, changes, sha256_file, target_identity
+from amphista_jax.infra.machine import this_machine
+from amphista_jax.infra.output_lock import LOCK_FILE, output_lock, write_atomic
 from amphista_jax.models.attention import AttentionBackend
+from amphista_jax.models.fetch import default_model, resolve_model
 from amphista_jax.models.hf import DTYPES, load_config
-from amphista_jax.output_lock import LOCK_FILE, output_lock, write_atomic
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.sharding import MeshError, make_mesh
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train.config import DataConfig, MeshConfig
 from amphista_jax.train.loop import maybe_initialize_distributed
-from amphista_jax.verify import AcceptanceConfig
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.verify import AcceptanceConfig
 
 
 class EvalConfigError(UserError, ValueError):

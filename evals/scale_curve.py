@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.errors import UserError
 from amphista_jax.evals.runner import RESULT_SETTINGS
-from amphista_jax.figures import pyplot, save_figure
-from amphista_jax.identity import changes
-from amphista_jax.output_lock import write_atomic
+from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.figures import pyplot, save_figure
+from amphista_jax.infra.identity import changes
+from amphista_jax.infra.output_lock import write_atomic
 
 CURVE_FILE = "scale_curve.json"
 

@@ -22,12 +22,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from amphista_jax.decode import generate, pad_prompts
-from amphista_jax.demo import ends_in_loop, humaneval_prompts
+from amphista_jax.engine.decode import generate, pad_prompts
+from amphista_jax.infra.output_lock import write_atomic
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
-from amphista_jax.output_lock import write_atomic
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from amphista_jax.prompts import ends_in_loop, humaneval_prompts
 from amphista_jax.train.corpus import package_texts, package_version
 from amphista_jax.train.pretrain_target import bits_per_byte
 

@@ -20,7 +20,7 @@ os.environ["AMPHISTA_MODEL"] = "tiny"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from amphista_jax.compiled_programs import release_if_crowded  # noqa: E402
+from amphista_jax.infra.compiled_programs import release_if_crowded  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -62,7 +62,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """One xdist worker running half the suite compiles enough programs to pass the kernel's memory-mapping limit
-    (`amphista_jax.compiled_programs`); after a test module, once past a third of it (the largest module adds
+    (`amphista_jax.infra.compiled_programs`); after a test module, once past a third of it (the largest module adds
     ~23k mappings), drop JAX's compiled programs; below it they stay cached for later modules."""
     yield
     release_if_crowded()
@@ -115,7 +115,7 @@ SMOKE_OVERRIDES = [
 
 
 def smoke_pretrain_config(run_dir, steps: int):
-    from amphista_jax.config_io import load_config
+    from amphista_jax.infra.config_io import load_config
     from amphista_jax.train.pretrain_target import PretrainConfig
 
     return load_config(PretrainConfig, None, SMOKE_OVERRIDES + [

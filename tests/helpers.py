@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.base import Drafter, PrefillContext, Proposal
+from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train.step import make_steps, target_forward
-from amphista_jax.trees import TreeSpec, batched, chain, tree_arrays
-from amphista_jax.verify import Verdict
+from amphista_jax.trees.tree import TreeSpec, batched, chain, tree_arrays
+from amphista_jax.trees.verify import Verdict
 
 ROOT = Path(__file__).parents[1]
 CONFIG = tiny_llama_config()

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import pad_prompts, speculative_generate
 from amphista_jax.drafters import Amphista
+from amphista_jax.engine.decode import pad_prompts, speculative_generate
 from amphista_jax.models.llama import Output, Transformer, init_params
-from amphista_jax.target import Target
-from amphista_jax.tree_names import PRESETS
+from amphista_jax.models.target import Target
+from amphista_jax.trees.names import PRESETS
 from tests.helpers import (
     CONFIG,
     PROMPTS,

@@ -19,7 +19,7 @@ import pytest
 
 from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.cli import main
-from amphista_jax.errors import BAD_INPUT_EXIT, ENVIRONMENT_EXIT
+from amphista_jax.infra.errors import BAD_INPUT_EXIT, ENVIRONMENT_EXIT
 from tests.helpers import ROOT
 
 MODEL = str(default_model_dir())
@@ -173,7 +173,7 @@ def test_heads_of_another_target_shape_are_refused(capsys, tmp_path):
 
 
 def test_debug_shows_the_traceback(capsys, monkeypatch):
-    from amphista_jax.errors import UserError
+    from amphista_jax.infra.errors import UserError
 
     with pytest.raises(UserError, match="--top-p"):
         main(["--debug"] + GEN + ["--top-p", "0"])
@@ -705,7 +705,7 @@ def test_a_damaged_config_json_is_one_line(capsys, tmp_path, damage, needles):
 def test_too_little_free_space_is_refused_before_any_work(capsys, tmp_path, argv, monkeypatch):
     import shutil
 
-    import amphista_jax.errors as errors
+    import amphista_jax.infra.errors as errors
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))

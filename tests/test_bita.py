@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import (
+from amphista_jax.drafters import DRAFTERS, VARIANTS, BiTA
+from amphista_jax.drafters.bita import mask_groups
+from amphista_jax.engine.decode import (
     forward,
     pad_prompts,
     prefill,
@@ -25,14 +27,12 @@ from amphista_jax.decode import (
     spec_verify,
     speculative_generate,
 )
-from amphista_jax.decode_spec import DecodeSpec
-from amphista_jax.drafters import DRAFTERS, VARIANTS, BiTA
-from amphista_jax.drafters.bita import mask_groups
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params, new_cache
-from amphista_jax.target import Target
-from amphista_jax.tree_names import PRESETS, get_tree
-from amphista_jax.trees import TreeError, TreeSpec, batched, chain, efficient_tree, tree_arrays
+from amphista_jax.models.target import Target
+from amphista_jax.trees.names import PRESETS, get_tree
+from amphista_jax.trees.tree import TreeError, TreeSpec, batched, chain, efficient_tree, tree_arrays
 from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless, default_cases
 
 NEW = 12
@@ -124,7 +124,7 @@ def test_init_shapes_and_logical_axes(target):
 
 def _oracle_state(target, drafter, params, tree, prompts=PROMPTS):
     """`spec_init`'s state with the drafts replaced by the AR continuation (so deep paths are accepted)."""
-    from amphista_jax.decode import generate
+    from amphista_jax.engine.decode import generate
 
     tokens, lengths = pad_prompts(prompts)
     ar = generate(target, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=NEW, cache_size=64)
@@ -236,7 +236,7 @@ def test_oracle_drafts_are_accepted_through_bitas_own_commits(target, bita_param
     step = jax.jit(lambda s: spec_commit(target, bita_params, s, *_pv(target, bita_params, s, settings), settings))
     s1 = step(s)
     assert np.asarray(s1.accept_lengths[:, 0]).tolist() == [4, 4, 4]
-    from amphista_jax.decode import generate
+    from amphista_jax.engine.decode import generate
 
     ar = generate(target, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=NEW, cache_size=64)
     np.testing.assert_array_equal(np.asarray(s1.tokens[:, :5]), np.asarray(ar.tokens[:, :5]))

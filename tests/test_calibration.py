@@ -9,12 +9,12 @@ import shutil
 
 import pytest
 
-from amphista_jax import calibration
-from amphista_jax.acceptance import ACCEPTANCE_FILE, Acceptance, AcceptanceError, Candidate
 from amphista_jax.assets import shipped_heads_dir
-from amphista_jax.calibration import MIN_MARGIN, StepCosts, calibrate, choose, worth_timing
-from amphista_jax.machine import this_machine
-from amphista_jax.trees import TreeSpec, chain
+from amphista_jax.choice import calibration
+from amphista_jax.choice.acceptance import ACCEPTANCE_FILE, Acceptance, AcceptanceError, Candidate
+from amphista_jax.choice.calibration import MIN_MARGIN, StepCosts, calibrate, choose, worth_timing
+from amphista_jax.infra.machine import this_machine
+from amphista_jax.trees.tree import TreeSpec, chain
 
 PROMPTS = ["def add(a, b):", "import os\n"]
 STATS = Acceptance("medusa", "synthetic", (
@@ -250,8 +250,8 @@ def test_acceptance_statistics_are_measured_on_held_out_prompts():
     paper's tree among them, each tau measured by decoding the calibration prompts (HumanEval from task 100 for the
     embedded code model); `expect` is told the number of prompt decodes in all, which `progress` then counts."""
     from amphista_jax import Generator
-    from amphista_jax.tree_names import get_tree
     from amphista_jax.tree_search import calibration_prompts, measure_acceptance
+    from amphista_jax.trees.names import get_tree
 
     gen = Generator.load(heads="medusa", tree="chain-1")
     prompts, where = calibration_prompts(gen, 2)

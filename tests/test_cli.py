@@ -27,7 +27,7 @@ def test_speculative_generate_equals_ar_and_reports_tau(smoke_model, capsys, tmp
     from amphista_jax.drafters import Medusa
     from amphista_jax.drafters.io import save_draft
     from amphista_jax.models.hf import load_params
-    from amphista_jax.target import Target
+    from amphista_jax.models.target import Target
 
     run_dir, _ = smoke_model
     model = str(run_dir / "export")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.compiled_programs import memory_maps, release_if_crowded
+from amphista_jax.infra.compiled_programs import memory_maps, release_if_crowded
 
 
 def test_programs_are_dropped_only_past_the_share_and_recompile_after():

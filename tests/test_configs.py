@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from amphista_jax.config_io import ConfigFileError, load_config
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.evals.runner import EvalConfig
+from amphista_jax.infra.config_io import ConfigFileError, load_config
 from amphista_jax.train.config import TrainConfig
 from amphista_jax.train.pretrain_target import PretrainConfig
 

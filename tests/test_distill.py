@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from amphista_jax.assets import default_model_dir
-from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.engine.decode import generate, pad_prompts
 from amphista_jax.models.hf import load_params
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.distill import Answering, InFlight, answer_in_flight, distill, length_buckets
 
 MODEL = str(default_model_dir())

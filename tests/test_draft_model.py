@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 
 from amphista_jax import Generator
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.drafters.base import PrefillContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
+from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.models.hf import save_params
 from amphista_jax.models.llama import Output, Transformer, has_split_layers, init_params, split_layers, target_model
-from amphista_jax.target import Target
-from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.tree_names import PRESETS
-from amphista_jax.trees import batched, chain, tree_arrays
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.trees.growth import dynamic_tree
+from amphista_jax.trees.names import PRESETS
+from amphista_jax.trees.tree import batched, chain, tree_arrays
+from amphista_jax.trees.verify import Verdict
 from tests.helpers import CONFIG, PROMPTS, assert_compiles_once, assert_greedy_lossless, default_cases
 
 SMALL = dataclasses.replace(CONFIG, num_layers=1, sliding_windows=(0,), hidden_size=32, intermediate_size=64,

@@ -12,16 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import generate, pad_prompts, spec_init, spec_propose
-from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import Amphista, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive
 from amphista_jax.drafters.base import head_metrics
 from amphista_jax.drafters.draft_vocab import most_frequent, to_draft, to_target, token_counts
 from amphista_jax.drafters.io import load_draft, save_draft
+from amphista_jax.engine.decode import generate, pad_prompts, spec_init, spec_propose
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.models.llama import init_params
-from amphista_jax.target import Target
-from amphista_jax.tree_names import get_tree
-from amphista_jax.trees import TreeError, TreeSpec
+from amphista_jax.models.target import Target
+from amphista_jax.trees.names import get_tree
+from amphista_jax.trees.tree import TreeError, TreeSpec
 from tests.helpers import CONFIG, PROMPTS, assert_greedy_lossless, assert_trains, default_cases
 
 

@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import pad_prompts, spec_init, spec_propose, spec_step
-from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import Eagle
 from amphista_jax.drafters.io import load_draft, save_draft
+from amphista_jax.engine.decode import pad_prompts, spec_init, spec_propose, spec_step
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.models.llama import Output, Transformer, init_params
-from amphista_jax.target import Target
-from amphista_jax.tree_growth import dynamic_tree, grow_dynamic_tree
-from amphista_jax.tree_names import PRESETS, get_tree
-from amphista_jax.trees import TreeError, tree_arrays
+from amphista_jax.models.target import Target
+from amphista_jax.trees.growth import dynamic_tree, grow_dynamic_tree
+from amphista_jax.trees.names import PRESETS, get_tree
+from amphista_jax.trees.tree import TreeError, tree_arrays
 from tests.helpers import (
     CONFIG,
     PROMPTS,

@@ -12,20 +12,20 @@ import numpy as np
 import optax
 import pytest
 
-from amphista_jax.cache import KVCache
-from amphista_jax.decode import prefill
 from amphista_jax.drafters import Eagle3
 from amphista_jax.drafters.base import DraftContext, PrefillContext
 from amphista_jax.drafters.eagle import FeatureDrafting
 from amphista_jax.drafters.eagle3 import reference_layers
 from amphista_jax.drafters.io import load_draft, save_draft
+from amphista_jax.engine.decode import prefill
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer, init_params, new_cache, split_layers
-from amphista_jax.target import Target, forward
+from amphista_jax.models.target import Target, forward
 from amphista_jax.train.step import make_steps
-from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.tree_names import get_tree
-from amphista_jax.trees import batched, chain, tree_arrays
+from amphista_jax.trees.growth import dynamic_tree
+from amphista_jax.trees.names import get_tree
+from amphista_jax.trees.tree import batched, chain, tree_arrays
 from tests.helpers import (
     CONFIG,
     assert_compiles_once,

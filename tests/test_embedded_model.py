@@ -12,7 +12,7 @@ import pytest
 from amphista_jax.assets import default_model_dir
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
-from amphista_jax.tokenizer import load_tokenizer
+from amphista_jax.models.tokenizer import load_tokenizer
 from amphista_jax.train.pretrain_target import next_token_loss
 
 MODEL = default_model_dir()
@@ -87,7 +87,7 @@ def test_medusa_heads_learn_on_real_code(shipped):
     import optax
 
     from amphista_jax.drafters import Medusa
-    from amphista_jax.target import Target
+    from amphista_jax.models.target import Target
     from amphista_jax.train.step import make_steps
 
     params, config, tok = shipped

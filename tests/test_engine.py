@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from amphista_jax.decode import (
+from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
+from amphista_jax.engine.decode import (
     PromptTooLongError,
     generate,
     pad_prompts,
@@ -25,14 +26,13 @@ from amphista_jax.decode import (
     spec_step,
     speculative_generate,
 )
-from amphista_jax.decode_spec import DecodeSpec
-from amphista_jax.drafters.base import DraftContext, Proposal, accepted_hidden
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params
-from amphista_jax.sampling import SamplingConfig, warp_logits
-from amphista_jax.target import Extras, Target
-from amphista_jax.trees import TreeBudget, TreeSpec, arrays_from_parents, batched, chain, children, tree_arrays
-from amphista_jax.verify import verify_rejection
+from amphista_jax.models.target import Extras, Target
+from amphista_jax.trees.sampling import SamplingConfig, warp_logits
+from amphista_jax.trees.tree import TreeBudget, TreeSpec, arrays_from_parents, batched, chain, children, tree_arrays
+from amphista_jax.trees.verify import verify_rejection
 from tests.helpers import (
     CHI2_999,
     CONFIG,

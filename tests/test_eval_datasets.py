@@ -10,7 +10,7 @@ import pytest
 
 from amphista_jax.assets import default_model_dir
 from amphista_jax.evals.datasets import DatasetConfig, Prompt, humaneval_path, load_prompts, render_turn
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.train.data import DataError
 
 

@@ -147,8 +147,7 @@ def test_a_mesh_gives_the_one_device_tokens(reference, tmp_path, monkeypatch):
     test_sharded_speculative_generate_equals_one_device[medusa] and test_cli.py's
     test_generate_on_a_mesh_prints_the_one_device_text decode with the target and the heads sharded over the same
     mesh and get one device's tokens."""
-    from amphista_jax import sharding
-
+    from amphista_jax.engine import sharding
     placed = []
     place = sharding.place_for_decoding  # the generator's placement of the target and the heads
     monkeypatch.setattr(sharding, "place_for_decoding", lambda *a, **k: placed.append(place(*a, **k)) or placed[-1])
@@ -201,8 +200,8 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     from amphista_jax.evals.methods import MethodSpecError, resolve_methods, split_label
     from amphista_jax.models.config import tiny_llama_config
     from amphista_jax.models.llama import init_params
-    from amphista_jax.target import Target
-    from amphista_jax.trees import TreeSpec
+    from amphista_jax.models.target import Target
+    from amphista_jax.trees.tree import TreeSpec
 
     config = tiny_llama_config()
     target = Target(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from amphista_jax import fetch as fetch_mod
 from amphista_jax.cli import main
-from amphista_jax.fetch import REGISTRY, FetchError, fetched_dir, resolve_data, resolve_model, sha256
+from amphista_jax.models import fetch as fetch_mod
+from amphista_jax.models.fetch import REGISTRY, FetchError, fetched_dir, resolve_data, resolve_model, sha256
 from amphista_jax.models.hf import load_config
 from tests.gguf_writer import llama_cpp_tensors, write_gguf
 from tests.test_gguf import VARIANTS, random_checkpoint

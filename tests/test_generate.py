@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.engine.decode import generate, pad_prompts
+from amphista_jax.engine.prompt_checks import PromptTooLongError, check_fits
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import init_params, split_layers
-from amphista_jax.prompt_checks import PromptTooLongError, check_fits
-from amphista_jax.sampling import SamplingConfig, select_token, warp_logits
+from amphista_jax.trees.sampling import SamplingConfig, select_token, warp_logits
 
 CONFIG = tiny_llama_config()
 PROMPTS = [[5, 9, 33, 8, 1, 77, 4, 3, 100], [11, 12], [200, 1, 2, 3, 4]]

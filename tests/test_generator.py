@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from amphista_jax import Generator, GeneratorError
-from amphista_jax.compiled_programs import release_if_crowded
-from amphista_jax.decode import generate, pad_prompts, speculative_generate
-from amphista_jax.generator import bucket
-from amphista_jax.prompt_checks import PromptError
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.target import Target
-from amphista_jax.trees import TreeError
+from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.engine.decode_spec import bucket
+from amphista_jax.engine.prompt_checks import PromptError
+from amphista_jax.infra.compiled_programs import release_if_crowded
+from amphista_jax.models.target import Target
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import TreeError
 from tests.helpers import count_compiles
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def push(self, x):"]
@@ -138,7 +138,7 @@ def test_a_method_name_without_trained_heads_gets_untrained_heads_that_decode_lo
 def test_another_drafters_params_are_refused_on_the_host(hydra, door):
     """Medusa's heads (or Hydra heads of another size) handed to a Hydra drafter: one typed line naming the first
     leaf that differs, not an error from inside the trace."""
-    from amphista_jax.prompt_checks import DraftParamsError
+    from amphista_jax.engine.prompt_checks import DraftParamsError
 
     medusa = Generator.load(heads="medusa", tree="chain-1").draft_params
     two_heads = dataclasses.replace(hydra.drafter, num_heads=2).init(jax.random.key(0),

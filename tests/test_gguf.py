@@ -19,7 +19,7 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.gguf import GGUFError, convert_gguf, unpermute
 from amphista_jax.models.hf import load_params, save_params
 from amphista_jax.models.llama import Transformer, param_shapes
-from amphista_jax.tokenizer import load_tokenizer
+from amphista_jax.models.tokenizer import load_tokenizer
 from tests.gguf_writer import SPECIALS, llama_cpp_permute, llama_cpp_tensors, vocabulary, write_gguf
 
 BASE = dict(vocab_size=288, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, head_dim=16,

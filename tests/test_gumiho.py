@@ -9,17 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import generate, pad_prompts, spec_init, spec_propose, speculative_generate
-from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import Gumiho
 from amphista_jax.drafters.base import Proposal, accepted_tokens
 from amphista_jax.drafters.io import load_draft, save_draft
+from amphista_jax.engine.decode import generate, pad_prompts, spec_init, spec_propose, speculative_generate
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.target import Target
-from amphista_jax.tree_growth import DraftedTree, dynamic_tree, extend_short_paths
-from amphista_jax.trees import TreeError, arrays_from_parents
-from amphista_jax.verify import AcceptanceConfig, verify
+from amphista_jax.models.target import Target
+from amphista_jax.trees.growth import DraftedTree, dynamic_tree, extend_short_paths
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import TreeError, arrays_from_parents
+from amphista_jax.trees.verify import AcceptanceConfig, verify
 from tests.helpers import (
     CONFIG,
     PROMPTS,

@@ -12,8 +12,8 @@ from amphista_jax.drafters import DRAFTERS, Medusa
 from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
-from amphista_jax.target import Target
-from amphista_jax.tokenizer import load_tokenizer
+from amphista_jax.models.target import Target
+from amphista_jax.models.tokenizer import load_tokenizer
 from amphista_jax.train.config import DataConfig
 from tests.helpers import default_cases
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import generate, pad_prompts
+from amphista_jax.engine.decode import generate, pad_prompts
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer
 

@@ -1,5 +1,5 @@
-"""The first-party import graph, read from the source: it has no cycles, and the kernels import nothing from the
-library.
+"""The first-party import graph, read from the source: it has no cycles, the kernels import nothing from the
+library, and each wing imports only the wings below it (`WINGS`, drawn in docs/architecture.md).
 
 Nodes are the modules of `amphista_jax` and `pallas_kernels`, with `train/` and `evals/` under the names they
 install as (`[tool.setuptools.package-dir]` in pyproject.toml). An edge is any `import` / `from ... import` of
@@ -134,9 +134,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read():
     graph = import_graph()
-    assert {"amphista_jax.trees", "amphista_jax.tree_names", "amphista_jax.train.step", "amphista_jax.evals.runner",
-            "pallas_kernels.tree_attention"} <= graph.keys()
-    assert "amphista_jax.trees" in graph["amphista_jax.tree_growth"]
+    assert {"amphista_jax.trees.tree", "amphista_jax.trees.names", "amphista_jax.train.step",
+            "amphista_jax.evals.runner", "pallas_kernels.tree_attention"} <= graph.keys()
+    assert "amphista_jax.trees.tree" in graph["amphista_jax.trees.growth"]
     assert "amphista_jax.convert" in graph["amphista_jax.cli"]  # a function-level import counts
     assert "amphista_jax.drafters" in graph["amphista_jax.drafters.io"]  # `from pkg import name`: the package
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}) == [["a", "b", "c", "a"]]
@@ -152,3 +152,52 @@ def test_kernels_import_nothing_from_the_library():
     offenders = {m: sorted(t for t in targets if t.startswith("amphista_jax"))
                  for m, targets in graph.items() if m.startswith("pallas_kernels")}
     assert not {m: t for m, t in offenders.items() if t}
+
+
+# The wings, lowest first, and the wings each may import besides itself: `amphista_jax/<wing>/`, the recipes and the
+# evaluation (`train/`, `evals/`), the kernels, and the modules directly in `amphista_jax/` (the commands, the demo,
+# the package's face) as `top`, with the prompt sets (`amphista_jax/prompts.py`) on their own below evaluation.
+WINGS: dict[str, set[str]] = {
+    "kernels": set(),
+    "infra": set(),
+    "assets": set(),
+    "prompts": {"infra"},
+    "models": {"kernels", "infra", "assets"},
+    "trees": {"infra"},
+    "drafters": {"kernels", "infra", "models", "trees"},
+    "engine": {"kernels", "infra", "models", "trees", "drafters"},
+    "choice": {"infra", "assets", "models", "trees", "drafters", "engine"},
+    "train": {"infra", "assets", "models", "trees", "drafters", "engine"},
+    "facade": {"infra", "assets", "models", "trees", "drafters", "engine", "choice"},
+    "evals": {"kernels", "infra", "assets", "prompts", "models", "trees", "drafters", "engine", "choice", "train",
+              "facade"},
+}
+WINGS["top"] = set(WINGS)
+TOP_LEVEL_MODULES = 12  # at most this many modules directly in amphista_jax/, its __init__ included
+
+
+def wing_of(module: str) -> str:
+    """The wing a first-party module belongs to."""
+    parts = module.split(".")
+    if parts[0] == "pallas_kernels":
+        return "kernels"
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in WINGS):
+        return parts[1]
+    return "prompts" if parts[1:] == ["prompts"] else "top"
+
+
+def test_every_wing_imports_only_the_wings_below_it():
+    graph = import_graph()
+    offenders = sorted(f"{m} ({wing_of(m)}) imports {t} ({wing_of(t)})" for m, targets in graph.items()
+                       for t in targets if wing_of(t) != wing_of(m) and wing_of(t) not in WINGS[wing_of(m)])
+    assert not offenders, "imports against the wing rule:\n" + "\n".join(offenders)
+
+
+def test_the_wings_are_the_folders():
+    graph = import_graph()
+    folders = {m.split(".")[1] for m in graph if m.startswith("amphista_jax.") and m.count(".") >= 2}
+    assert folders <= WINGS.keys(), f"folders with no wing: {sorted(folders - WINGS.keys())}"
+    top = [m for m in graph if wing_of(m) in ("top", "prompts") and m.startswith("amphista_jax")]
+    assert len(top) <= TOP_LEVEL_MODULES, f"{len(top)} modules directly in amphista_jax/: {sorted(top)}"
+    assert wing_of("amphista_jax.engine.decode") == "engine" and wing_of("amphista_jax.cli") == "top"
+    assert wing_of("amphista_jax.evals.benchmarks.roofline") == "evals" and wing_of("pallas_kernels") == "kernels"

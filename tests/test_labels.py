@@ -15,7 +15,7 @@ from amphista_jax.drafters import DRAFTERS
 from amphista_jax.drafters.base import head_losses, target_kl, topk_kl
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train import data
 from amphista_jax.train.config import DataConfig, LossConfig, TrainConfigError, check_store_layers
 from amphista_jax.train.examples import with_hidden

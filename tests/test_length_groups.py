@@ -13,7 +13,7 @@ import pytest
 from amphista_jax.drafters import VARIANTS
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train import data
 from amphista_jax.train.config import DataConfig, TrainConfig
 from amphista_jax.train.data import bucket_cut, length_grouped_dataset, trained_lengths

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from amphista_jax.evals.benchmarks.common import write_report
-from amphista_jax.machine import cpu_model_and_isa, this_machine
+from amphista_jax.infra.machine import cpu_model_and_isa, this_machine
 
 EPYC_AVX2 = """processor\t: 0
 model name\t: AMD EPYC 7B12

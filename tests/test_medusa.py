@@ -10,10 +10,10 @@ import optax
 from amphista_jax.drafters import Medusa
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Output, Transformer, init_params
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.target import Target
-from amphista_jax.trees import TreeSpec, batched, tree_arrays
-from amphista_jax.verify import AcceptanceConfig, verify_typical
+from amphista_jax.models.target import Target
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import TreeSpec, batched, tree_arrays
+from amphista_jax.trees.verify import AcceptanceConfig, verify_typical
 
 CONFIG = tiny_llama_config()
 

@@ -7,7 +7,7 @@ import json
 
 from amphista_jax.evals.benchmarks import oracle_curve
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.tree_names import PRESETS
+from amphista_jax.trees.names import PRESETS
 
 
 def test_oracle_accuracy_sets_tau_and_outputs_equal_ar(tmp_path):

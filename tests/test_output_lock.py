@@ -13,8 +13,8 @@ import pytest
 
 from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.cli import main
-from amphista_jax.errors import BAD_INPUT_EXIT
-from amphista_jax.output_lock import (
+from amphista_jax.infra.errors import BAD_INPUT_EXIT
+from amphista_jax.infra.output_lock import (
     LOCK_FILE,
     OutputLockedError,
     atomic_file,

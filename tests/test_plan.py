@@ -17,18 +17,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from amphista_jax.assets import default_model_dir
 from amphista_jax.cli import main
-from amphista_jax.config_io import load_config
-from amphista_jax.decode import decode, scratch_slots
-from amphista_jax.decode_spec import DecodeSpec
+from amphista_jax.engine.decode import decode, scratch_slots
+from amphista_jax.engine.decode_spec import DecodeSpec
+from amphista_jax.engine.memory_plan import compiled_cost, decode_plan, device_bytes
+from amphista_jax.engine.sharding import batch_sharding, make_mesh, on_mesh, place_for_decoding
+from amphista_jax.infra.config_io import load_config
 from amphista_jax.models.hf import load_config as load_model_config
 from amphista_jax.models.hf import load_params
-from amphista_jax.plan import compiled_cost, decode_plan, device_bytes
-from amphista_jax.sharding import batch_sharding, make_mesh, on_mesh, place_for_decoding
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train.config import DataConfig, LossConfig, MeshConfig, TrainConfig
 from amphista_jax.train.heads import plan_training, train_job
 from amphista_jax.train.plan import plan_request
-from amphista_jax.tree_names import get_tree
+from amphista_jax.trees.names import get_tree
 from tests.helpers import ROOT, default_cases, subprocess_env
 
 MODEL = str(default_model_dir())
@@ -170,7 +170,7 @@ def test_plan_takes_the_model_names_train_takes(tmp_path, monkeypatch):
     fetched = tmp_path / "smollm2"
     fetched.mkdir()
     (fetched / "config.json").write_text((default_model_dir() / "config.json").read_text())
-    monkeypatch.setattr("amphista_jax.fetch.fetch", lambda name: fetched if name == "smollm2" else None)
+    monkeypatch.setattr("amphista_jax.models.fetch.fetch", lambda name: fetched if name == "smollm2" else None)
     req = plan_request("smollm2", TrainConfig(data=DATA, method="medusa", model="smollm2"))
     assert req.source == f"{fetched}/config.json" and req.target == CONFIG
 

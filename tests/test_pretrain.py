@@ -64,7 +64,7 @@ def test_the_default_recipe_reads_the_runtime_dependencies():
     """configs/target/code.yaml's corpus is the project's direct runtime dependencies (pyproject.toml) as they were
     when the embedded target was trained (gguf and jinja2, added later for `convert --gguf` and chat templates, are
     not in its recipe), and its bits-per-byte package is in none of them."""
-    from amphista_jax.config_io import load_config
+    from amphista_jax.infra.config_io import load_config
     from amphista_jax.train.pretrain_target import PretrainConfig
 
     root = Path(__file__).parents[1]

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 
 from amphista_jax import Generator
-from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.drafters import DRAFTERS, VARIANTS
 from amphista_jax.drafters.base import DraftContext
 from amphista_jax.drafters.prompt_lookup import NothingToTrainError, PromptLookup, lookup
+from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.target import Target
-from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.tree_names import PRESETS
-from amphista_jax.trees import TreeError, TreeSpec, chain, fan
-from amphista_jax.verify import AcceptanceConfig
+from amphista_jax.models.target import Target
+from amphista_jax.trees.growth import dynamic_tree
+from amphista_jax.trees.names import PRESETS
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import TreeError, TreeSpec, chain, fan
+from amphista_jax.trees.verify import AcceptanceConfig
 from tests.helpers import CHI2_999, CONFIG, PROMPTS, assert_compiles_once, chi_square, default_cases
 
 DRAFTER = PromptLookup()
@@ -163,8 +163,8 @@ def test_sharded_decoding_equals_one_device():
     """The target sharded over (data=2, fsdp=2, tensor=2) decodes one device's tokens. Under -m slow:
     test_sharding.py's test_sharded_speculative_generate_equals_one_device[medusa] covers sharded speculative
     decoding against one device, and test_lookup_is_per_row_in_a_batch that prompt lookup's state is per row."""
+    from amphista_jax.engine.sharding import make_mesh, on_mesh, place_for_decoding
     from amphista_jax.models.llama import split_layers
-    from amphista_jax.sharding import make_mesh, on_mesh, place_for_decoding
 
     params = split_layers(init_params(CONFIG, jax.random.key(0)))
     tokens, lengths = pad_prompts(REPEATING + [[7, 7, 8]])
@@ -270,7 +270,7 @@ def test_eval_specs_name_it_plainly_with_its_paper_tree(target):
 
 
 def test_train_refuses_it_in_one_line(tmp_path):
-    from amphista_jax.config_io import ConfigFileError, load_config
+    from amphista_jax.infra.config_io import ConfigFileError, load_config
     from amphista_jax.train.config import TrainConfig
 
     (tmp_path / "job.yaml").write_text("method: prompt_lookup\ndata: {kind: text, train: x}\n")

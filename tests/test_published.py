@@ -21,11 +21,11 @@ from amphista_jax.cli import main
 from amphista_jax.drafters.base import PrefillContext
 from amphista_jax.drafters.io import load_draft
 from amphista_jax.drafters.published import PublishedHeadsError, read_eagle, read_eagle3, read_medusa
-from amphista_jax.errors import BAD_INPUT_EXIT
+from amphista_jax.infra.errors import BAD_INPUT_EXIT
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Output
+from amphista_jax.models.target import Target
 from amphista_jax.models.torch_files import TensorFileError, read_safetensors, read_torch_file
-from amphista_jax.target import Target
 from tests.helpers import default_cases
 
 

@@ -16,11 +16,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from amphista_jax.decode import generate, pad_prompts  # noqa: E402
-from amphista_jax.fetch import resolve_model  # noqa: E402
+from amphista_jax.engine.decode import generate, pad_prompts  # noqa: E402
+from amphista_jax.models.fetch import resolve_model  # noqa: E402
 from amphista_jax.models.hf import load_params  # noqa: E402
 from amphista_jax.models.llama import Transformer  # noqa: E402
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 from tests.helpers import default_cases
 
 torch = pytest.importorskip("torch")
@@ -97,7 +97,7 @@ def test_shipped_heads_decode_the_real_target_losslessly(smollm2, method, tree):
     tokens as autoregressive greedy decoding, with drafts accepted."""
     from amphista_jax import Generator
     from amphista_jax.assets import shipped_heads_dir
-    from amphista_jax.tree_names import searched_tree_path
+    from amphista_jax.trees.names import searched_tree_path
 
     path, _, prompts = smollm2
     heads = shipped_heads_dir(method, "smollm2")

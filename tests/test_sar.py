@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import pad_prompts, speculative_generate
 from amphista_jax.drafters import SemiAutoregressive
 from amphista_jax.drafters.base import DraftContext
 from amphista_jax.drafters.io import load_draft, save_draft
 from amphista_jax.drafters.sar import _SARNet
+from amphista_jax.engine.decode import pad_prompts, speculative_generate
 from amphista_jax.models.llama import init_params
-from amphista_jax.target import Target
-from amphista_jax.tree_names import PRESETS
-from amphista_jax.trees import tree_arrays
+from amphista_jax.models.target import Target
+from amphista_jax.trees.names import PRESETS
+from amphista_jax.trees.tree import tree_arrays
 from tests.helpers import (
     CONFIG,
     PROMPTS,

@@ -9,14 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from amphista_jax.decode import generate, pad_prompts, scratch_slots, spec_init, speculative_generate
-from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters import VARIANTS
-from amphista_jax.errors import UserError
-from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.hf import load_params, save_params
-from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
-from amphista_jax.sharding import (
+from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, spec_init, speculative_generate
+from amphista_jax.engine.decode_spec import DecodeSpec
+from amphista_jax.engine.sharding import (
     LOGICAL_RULES,
     batch_sharding,
     cache_sharding,
@@ -25,9 +21,13 @@ from amphista_jax.sharding import (
     param_shardings,
     place_for_decoding,
 )
-from amphista_jax.target import Target
-from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.tree_names import get_tree
+from amphista_jax.infra.errors import UserError
+from amphista_jax.models.config import tiny_llama_config
+from amphista_jax.models.hf import load_params, save_params
+from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
+from amphista_jax.models.target import Target
+from amphista_jax.trees.growth import dynamic_tree
+from amphista_jax.trees.names import get_tree
 from tests.helpers import default_cases
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")

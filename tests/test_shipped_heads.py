@@ -12,15 +12,15 @@ import jax
 import numpy as np
 import pytest
 
-from amphista_jax.acceptance import ACCEPTANCE_FILE, Acceptance
 from amphista_jax.assets import default_model_dir, draft_model_dir, shipped_heads, shipped_heads_dir
-from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
-from amphista_jax.demo import humaneval_prompt
+from amphista_jax.choice.acceptance import ACCEPTANCE_FILE, Acceptance
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.drafters.io import load_draft
+from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.models.hf import load_params
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.tree_names import PRESETS, get_tree, searched_tree_path
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer
+from amphista_jax.prompts import humaneval_prompt
+from amphista_jax.trees.names import PRESETS, get_tree, searched_tree_path
 from tests.helpers import default_cases
 
 MODEL = default_model_dir()
@@ -148,7 +148,7 @@ def test_amphista_beats_medusa_on_later_heads(target, heads):
     test_shipped_heads_files that both shipped heads load (the ranking itself changes only when heads are
     re-shipped)."""
     from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
-    from amphista_jax.target import Target
+    from amphista_jax.models.target import Target
 
     params, config, tok = target
     batches = heldout_batches(tok, n_batches=8)
@@ -165,8 +165,8 @@ def test_tree_search_cli_writes_a_tree_report_and_plot(tmp_path, capsys):
     prompts, growth, timing on this device; the tree, report and plot are written, `generate` decodes with the
     tree, and a second search refuses to replace the tree."""
     from amphista_jax.cli import main
-    from amphista_jax.errors import BAD_INPUT_EXIT
-    from amphista_jax.tree_names import load_tree
+    from amphista_jax.infra.errors import BAD_INPUT_EXIT
+    from amphista_jax.trees.names import load_tree
 
     out = tmp_path / "cpu.json"
     args = ["tree-search", "--heads", str(shipped_heads_dir("medusa")), "--tasks", "100:102", "--max-nodes", "3",

@@ -9,18 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.drafters import Amphista, BiTA, DFlash, Eagle, Eagle3, Gumiho, Hydra, Medusa, SemiAutoregressive
 from amphista_jax.drafters.base import DraftContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel
+from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.target import Target
-from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.tree_names import PRESETS
-from amphista_jax.trees import TreeSpec, batched, children, tree_arrays
-from amphista_jax.verify import verify_rejection
+from amphista_jax.models.target import Target
+from amphista_jax.trees.growth import dynamic_tree
+from amphista_jax.trees.names import PRESETS
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import TreeSpec, batched, children, tree_arrays
+from amphista_jax.trees.verify import verify_rejection
 from tests.helpers import (
     CHI2_999,
     CONFIG,

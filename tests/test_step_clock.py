@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from amphista_jax import step_clock
-from amphista_jax.step_clock import NOISE_RETRIES, StepClock, TimingError
+from amphista_jax.choice import step_clock
+from amphista_jax.choice.step_clock import NOISE_RETRIES, StepClock, TimingError
 
 
 class ScriptedRuns:

@@ -7,9 +7,9 @@ import math
 import jax
 import pytest
 
-from amphista_jax.demo import ends_in_loop
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Transformer, init_params
+from amphista_jax.prompts import ends_in_loop
 from amphista_jax.train.corpus import train_tokenizer
 from amphista_jax.train.pretrain_target import bits_per_byte
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.tokenizer import TokenizerError, encode_prompt, load_tokenizer, stop_token_ids
+from amphista_jax.models.tokenizer import TokenizerError, encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.corpus import train_tokenizer
 
 

@@ -18,13 +18,13 @@ from amphista_jax.assets import default_model_dir
 from amphista_jax.cli import main
 from amphista_jax.drafters import VARIANTS, Medusa
 from amphista_jax.drafters.io import load_draft
-from amphista_jax.errors import BAD_INPUT_EXIT
+from amphista_jax.engine.sharding import make_mesh, param_shardings, train_state_shardings
+from amphista_jax.infra.errors import BAD_INPUT_EXIT
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.sharding import make_mesh, param_shardings, train_state_shardings
-from amphista_jax.target import Target
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer
+from amphista_jax.models.target import Target
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.train.data import DataError, conversation_examples, example_dataset, render_with_mask
 from amphista_jax.train.distill import distill
 from amphista_jax.train.loop import LoopConfig, Preempted, read_metrics, run_loop

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from amphista_jax.drafters import VARIANTS
+from amphista_jax.engine.sharding import make_mesh, param_shardings, train_state_shardings
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.sharding import make_mesh, param_shardings, train_state_shardings
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train.optim import OptimConfig, make_optimizer
 from amphista_jax.train.step import make_steps
 from tests.helpers import default_cases

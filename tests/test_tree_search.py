@@ -13,8 +13,9 @@ import pytest
 
 from amphista_jax.assets import default_model_dir, shipped_heads_dir
 from amphista_jax.drafters.io import read_draft_meta
-from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.tree_names import (
+from amphista_jax.tree_search import acceptance_rates, grow_trees, pick, tree_policy
+from amphista_jax.trees.growth import dynamic_tree
+from amphista_jax.trees.names import (
     PAPER_TREE,
     PRESETS,
     TreePolicy,
@@ -22,8 +23,7 @@ from amphista_jax.tree_names import (
     resolve_tree,
     searched_tree_path,
 )
-from amphista_jax.tree_search import acceptance_rates, grow_trees, pick, tree_policy
-from amphista_jax.trees import TreeError, TreeSpec, efficient_tree
+from amphista_jax.trees.tree import TreeError, TreeSpec, efficient_tree
 
 
 def _expected_tau(choices, rates) -> float:
@@ -154,7 +154,7 @@ def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path, m
     to release compiled programs after each, against the memory-mapping limit), and `auto` then decodes on the
     searched tree with AR's tokens. Heads of a fixed depth refuse a deeper search."""
     from amphista_jax import Generator, step_clock
-    from amphista_jax.demo import humaneval_prompts
+    from amphista_jax.prompts import humaneval_prompts
     from amphista_jax.tree_search import TreeSearchError, search
 
     releases = []
@@ -191,8 +191,8 @@ def test_search_by_method_for_prompt_lookup_and_its_policy_file(tmp_path):
     test_generator_and_eval_follow_a_policy_file_by_batch and test_tree_policy_picks_by_batch_and_says_no_speculation
     resolve a per-batch policy for the Generator and eval specs."""
     from amphista_jax import Generator
-    from amphista_jax.demo import humaneval_prompts
     from amphista_jax.evals.methods import resolve_method
+    from amphista_jax.prompts import humaneval_prompts
     from amphista_jax.tree_search import search
 
     out = tmp_path / "pl.json"

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amphista_jax.tree_names import PRESETS, get_tree
-from amphista_jax.trees import TreeSpec, batched, children, tree_arrays
+from amphista_jax.trees.names import PRESETS, get_tree
+from amphista_jax.trees.tree import TreeSpec, batched, children, tree_arrays
 
 
 def test_mc_sim_7b_63_preset():

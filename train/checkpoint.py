@@ -12,7 +12,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from amphista_jax.errors import MachineRefusal, UserError
+from amphista_jax.infra.errors import MachineRefusal, UserError
 
 
 class CheckpointRestoreError(UserError, RuntimeError):

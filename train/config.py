@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from amphista_jax.accelerators import get_accelerator
 from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.drafters.draft_vocab import DraftVocab
-from amphista_jax.errors import UserError
+from amphista_jax.infra.accelerators import get_accelerator
+from amphista_jax.infra.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES
 from amphista_jax.models.shapes import known_target

@@ -19,7 +19,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # A minimal template so `--chat` works; the embedded model is a code model, not an instruction model.

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from amphista_jax.errors import UserError
-from amphista_jax.tokenizer import encode_conversation
+from amphista_jax.infra.errors import UserError
+from amphista_jax.models.tokenizer import encode_conversation
 
 
 def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, seq_len: int, pad_id: int | None = None

@@ -36,15 +36,14 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from amphista_jax.decode import advance, ar_idle, pad_prompts, refill
-from amphista_jax.decode_spec import DecodeSpec
-from amphista_jax.errors import OutputExistsError, UsageError, check_writable_dir
-from amphista_jax.generator import bucket
+from amphista_jax.engine.decode import advance, ar_idle, pad_prompts, refill
+from amphista_jax.engine.decode_spec import DecodeSpec, bucket
+from amphista_jax.infra.errors import OutputExistsError, UsageError, check_writable_dir
+from amphista_jax.infra.output_lock import file_lock, lock_beside, write_atomic
 from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.output_lock import file_lock, lock_beside, write_atomic
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.data import DataError, DataReport, normalize_messages, read_records
+from amphista_jax.trees.sampling import SamplingConfig
 
 
 def read_prompts(path: str | Path) -> tuple[list[tuple[str, str]], DataReport]:

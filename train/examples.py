@@ -21,12 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from amphista_jax import config_io
 from amphista_jax.drafters.draft_vocab import DraftVocab, most_frequent, token_counts
-from amphista_jax.fetch import resolve_data
-from amphista_jax.identity import files_digest, json_digest, matching_files
+from amphista_jax.infra import config_io
+from amphista_jax.infra.identity import files_digest, json_digest, matching_files
+from amphista_jax.infra.output_lock import LOCK_FILE, file_lock, write_atomic
+from amphista_jax.models.fetch import resolve_data
 from amphista_jax.models.llama import Transformer
-from amphista_jax.output_lock import LOCK_FILE, file_lock, write_atomic
 from amphista_jax.train.config import DataConfig, TrainConfig, TrainConfigError, check_store_layers
 from amphista_jax.train.corpus import build_corpus, package_version
 from amphista_jax.train.data import (

@@ -28,27 +28,34 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from amphista_jax.accelerators import GIB
 from amphista_jax.drafters import Drafter
 from amphista_jax.drafters.draft_vocab import DraftVocab
 from amphista_jax.drafters.io import META_FILE, save_draft
-from amphista_jax.errors import OutputExistsError, check_writable_dir
-from amphista_jax.fetch import resolve_model
-from amphista_jax.figures import pyplot, save_figure
-from amphista_jax.identity import target_identity
-from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.hf import load_config, load_params, param_dtype
-from amphista_jax.models.llama import Transformer, param_shapes
-from amphista_jax.output_lock import output_lock, write_atomic
-from amphista_jax.plan import MemoryPlan, abstract, accelerator_capacity, compiled_plan, mesh_devices, plan_table
-from amphista_jax.sharding import (
+from amphista_jax.engine.memory_plan import (
+    MemoryPlan,
+    abstract,
+    accelerator_capacity,
+    compiled_plan,
+    mesh_devices,
+    plan_table,
+)
+from amphista_jax.engine.sharding import (
     make_mesh,
     param_shardings,
     process_batch_rows,
     train_state_shardings,
 )
-from amphista_jax.target import Target
-from amphista_jax.tokenizer import load_tokenizer
+from amphista_jax.infra.accelerators import GIB
+from amphista_jax.infra.errors import OutputExistsError, check_writable_dir
+from amphista_jax.infra.figures import pyplot, save_figure
+from amphista_jax.infra.identity import target_identity
+from amphista_jax.infra.output_lock import output_lock, write_atomic
+from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.fetch import resolve_model
+from amphista_jax.models.hf import load_config, load_params, param_dtype
+from amphista_jax.models.llama import Transformer, param_shapes
+from amphista_jax.models.target import Target
+from amphista_jax.models.tokenizer import load_tokenizer
 from amphista_jax.train.checkpoint import saved_steps
 from amphista_jax.train.config import (
     DRAFT_VOCAB_SIZE,

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from amphista_jax.errors import OutputExistsError
-from amphista_jax.output_lock import write_atomic
+from amphista_jax.infra.errors import OutputExistsError
+from amphista_jax.infra.output_lock import write_atomic
 from amphista_jax.train.checkpoint import Checkpointer, saved_steps
 
 PREEMPTED_EXIT = 143

@@ -2,8 +2,8 @@
 step's FLOPs where XLA can count them, before launch.
 
 The train step and the decode loop are compiled ahead of time, for each config's target and mesh, from abstract
-shapes on emulated CPU devices: no weights are loaded and no data is read (`amphista_jax.plan`). The target's
-shape comes from `model`'s config.json when the checkpoint is here, else from `target_shape`. The device
+shapes on emulated CPU devices: no weights are loaded and no data is read (`amphista_jax.engine.memory_plan`). The
+target's shape comes from `model`'s config.json when the checkpoint is here, else from `target_shape`. The device
 capacity comes from `--accelerator`, else the config's `accelerator`; a slice of it runs one process per
 `devices_per_host` devices, and `data.batch_size` (the global batch) must split over them.
 """
@@ -18,18 +18,18 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-from amphista_jax.accelerators import Accelerator, get_accelerator
-from amphista_jax.decode import scratch_slots
-from amphista_jax.errors import OutputExistsError, UserError, check_writable_dir
-from amphista_jax.fetch import resolve_model
+from amphista_jax.engine.decode import scratch_slots
+from amphista_jax.engine.memory_plan import MemoryPlan, accelerator_capacity, decode_plan, plan_table
+from amphista_jax.infra.accelerators import Accelerator, get_accelerator
+from amphista_jax.infra.errors import OutputExistsError, UserError, check_writable_dir
+from amphista_jax.infra.output_lock import write_atomic
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import DTYPES, load_config, param_dtype
 from amphista_jax.models.shapes import known_target
-from amphista_jax.output_lock import write_atomic
-from amphista_jax.plan import MemoryPlan, accelerator_capacity, decode_plan, plan_table
 from amphista_jax.train.config import TrainConfig, check_batch_split, check_positions, check_target_shape
 from amphista_jax.train.heads import plan_training, train_job
-from amphista_jax.tree_names import get_tree
+from amphista_jax.trees.names import get_tree
 
 DECODE_NEW_TOKENS = 256
 

@@ -25,13 +25,13 @@ import numpy as np
 import optax
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from amphista_jax.decode import generate, pad_prompts
-from amphista_jax.errors import OutputExistsError, check_writable_dir
+from amphista_jax.engine.decode import generate, pad_prompts
+from amphista_jax.engine.prompt_checks import check_fits
+from amphista_jax.infra.errors import OutputExistsError, check_writable_dir
+from amphista_jax.infra.output_lock import output_lock, staged_output, write_atomic
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_params, save_params
 from amphista_jax.models.llama import Transformer, init_params
-from amphista_jax.output_lock import output_lock, staged_output, write_atomic
-from amphista_jax.prompt_checks import check_fits
 from amphista_jax.train.corpus import CorpusError, build_corpus, package_texts, package_version, train_tokenizer
 from amphista_jax.train.data import pack_documents, packed_dataset
 from amphista_jax.train.loop import LoopConfig, check_no_foreign_log, run_loop

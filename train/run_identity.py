@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.identity import RunMismatchError, changes
-from amphista_jax.output_lock import write_atomic
+from amphista_jax.infra.identity import RunMismatchError, changes
+from amphista_jax.infra.output_lock import write_atomic
 
 RUN_FILE = "run.json"
 BOOKKEEPING = frozenset({"out_dir", "mesh", "loop.checkpoint_every", "loop.keep_checkpoints", "loop.log_every",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "code-llama"
 HEADS_DIR = Path(__file__).parent / f"{DEFAULT_MODEL}-heads"
-REAL_TARGET = "smollm2"  # the fetched real target (`amphista_jax.fetch`) heads are shipped for
+REAL_TARGET = "smollm2"  # the fetched real target (`amphista_jax.models.fetch`) heads are shipped for
 
 
 def default_model_dir() -> Path:

@@ -39,7 +39,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
     LogicalInit,
@@ -57,11 +56,12 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, decoder_stack, logical_dense, run_stack
-from amphista_jax.target import Target
-from amphista_jax.trees import Tree
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree
+from amphista_jax.trees.verify import Verdict
 
 MAX_STAGES = 4
 

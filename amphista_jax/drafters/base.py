@@ -37,9 +37,9 @@ from amphista_jax.drafters.draft_vocab import (
 )
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
-from amphista_jax.target import Extras, Target
-from amphista_jax.tree_names import PAPER_TREE
-from amphista_jax.trees import (
+from amphista_jax.models.target import Extras, Target
+from amphista_jax.trees.names import PAPER_TREE
+from amphista_jax.trees.tree import (
     Tree,
     TreeArrays,
     TreeBudget,
@@ -50,7 +50,7 @@ from amphista_jax.trees import (
     tree_arrays,
     tree_levels,
 )
-from amphista_jax.verify import Verdict, last_accepted_node
+from amphista_jax.trees.verify import Verdict, last_accepted_node
 
 
 @struct.dataclass

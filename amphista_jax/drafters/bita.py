@@ -78,9 +78,9 @@ from amphista_jax.drafters.base import (
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, target_model
-from amphista_jax.target import Extras, Target, forward
-from amphista_jax.trees import Tree, TreeArrays
-from amphista_jax.verify import Verdict, last_accepted_node
+from amphista_jax.models.target import Extras, Target, forward
+from amphista_jax.trees.tree import Tree, TreeArrays
+from amphista_jax.trees.verify import Verdict, last_accepted_node
 
 LARGE_TARGET = 13.5e9  # the paper: 3 mask tokens for targets up to 13B parameters, 4 above
 

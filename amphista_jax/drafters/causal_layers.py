@@ -15,10 +15,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.cache import KVCache
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
-from amphista_jax.verify import Verdict
+from amphista_jax.trees.verify import Verdict
 
 # (positions [B, T], caches) -> (outputs [B, T, ...], caches with the T new tokens in their scratch slots)
 RunLayers = Callable[[jax.Array, tuple[KVCache, ...]], tuple[jax.Array, tuple[KVCache, ...]]]

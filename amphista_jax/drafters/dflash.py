@@ -38,7 +38,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.cache import KVCache, write
 from amphista_jax.drafters.base import (
     DraftContext,
     LogicalInit,
@@ -55,12 +54,13 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.causal_layers import at_path, block_config
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
+from amphista_jax.models.cache import KVCache, write
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import MLP, Output, RMSNorm, logical_dense
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
-from amphista_jax.target import Target
-from amphista_jax.trees import Tree
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree
+from amphista_jax.trees.verify import Verdict
 from pallas_kernels.dense_attention import dot_product_attention
 
 

@@ -38,8 +38,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from amphista_jax import config_io
-from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
     LogicalInit,
@@ -52,7 +50,9 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.causal_layers import run_and_commit
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
 from amphista_jax.drafters.eagle import FeatureDrafting
-from amphista_jax.errors import UserError
+from amphista_jax.infra import config_io
+from amphista_jax.infra.errors import UserError
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.models.llama import (
@@ -63,10 +63,10 @@ from amphista_jax.models.llama import (
     param_shapes,
     target_model,
 )
-from amphista_jax.target import Target
-from amphista_jax.tokenizer import load_tokenizer
-from amphista_jax.trees import Tree, TreeBudget, TreeError, TreeSpec
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.models.tokenizer import load_tokenizer
+from amphista_jax.trees.tree import Tree, TreeBudget, TreeError, TreeSpec
+from amphista_jax.trees.verify import Verdict
 
 
 class DraftModelError(UserError, ValueError):

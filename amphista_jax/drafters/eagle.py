@@ -48,7 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
     LogicalInit,
@@ -61,12 +60,13 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids, to_target, to_vocab
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, logical_dense, run_stack
-from amphista_jax.target import Target
-from amphista_jax.tree_growth import Expansion, grow_dynamic_tree
-from amphista_jax.trees import Tree, TreeBudget, TreeSpec, batched, tree_arrays, tree_levels
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.trees.growth import Expansion, grow_dynamic_tree
+from amphista_jax.trees.tree import Tree, TreeBudget, TreeSpec, batched, tree_arrays, tree_levels
+from amphista_jax.trees.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)

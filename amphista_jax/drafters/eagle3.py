@@ -36,7 +36,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
     LogicalInit,
@@ -52,11 +51,12 @@ from amphista_jax.drafters.causal_layers import at_path, block_config, run_and_c
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.drafters.eagle import FeatureDrafting
 from amphista_jax.models.attention import causal_mask
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import DecoderLayer, Output, PrefixKV, RMSNorm, logical_dense, run_stack
-from amphista_jax.target import Target
-from amphista_jax.trees import Tree, TreeBudget, TreeSpec
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree, TreeBudget, TreeSpec
+from amphista_jax.trees.verify import Verdict
 
 NUM_FEATURES = 3  # low, middle, high
 

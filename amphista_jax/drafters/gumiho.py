@@ -55,10 +55,10 @@ from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, 
 from amphista_jax.drafters.eagle import Eagle, FeatureDrafting
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
-from amphista_jax.target import Target
-from amphista_jax.tree_growth import Expansion, draft_dynamic_tree, extend_short_paths
-from amphista_jax.trees import Tree, TreeBudget, TreeError, arrays_from_parents
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.trees.growth import Expansion, draft_dynamic_tree, extend_short_paths
+from amphista_jax.trees.tree import Tree, TreeBudget, TreeError, arrays_from_parents
+from amphista_jax.trees.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import (
     DraftContext,
     LogicalInit,
@@ -55,11 +54,12 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, logical_dense, run_stack
-from amphista_jax.target import Target
-from amphista_jax.trees import Tree
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree
+from amphista_jax.trees.verify import Verdict
 
 
 @dataclasses.dataclass(frozen=True)

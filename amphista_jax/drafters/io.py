@@ -16,11 +16,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from amphista_jax.drafters import DRAFTERS, Drafter
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.output_lock import write_atomic
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import layer_params, projection_kernel
-from amphista_jax.output_lock import write_atomic
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 
 META_FILE = "draft.json"
 TARGET_KEYS = ("model_type", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads")

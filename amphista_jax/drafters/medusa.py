@@ -31,8 +31,8 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
 from amphista_jax.models.llama import Output
-from amphista_jax.target import Target
-from amphista_jax.trees import Tree
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,12 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.drafters.base import DraftContext, Drafter, PrefillContext, Proposal, accepted_hidden, accepted_tokens
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
-from amphista_jax.target import Target
-from amphista_jax.trees import Tree, TreeArrays, batched, tree_arrays
-from amphista_jax.verify import Verdict
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree, TreeArrays, batched, tree_arrays
+from amphista_jax.trees.verify import Verdict
 
 
 class NothingToTrainError(UserError, ValueError):

@@ -41,10 +41,10 @@ from amphista_jax.drafters.eagle import Eagle
 from amphista_jax.drafters.eagle3 import Eagle3
 from amphista_jax.drafters.io import params_fit
 from amphista_jax.drafters.medusa import Medusa
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 from amphista_jax.models.hf import LAYER_TENSORS
+from amphista_jax.models.target import Target
 from amphista_jax.models.torch_files import read_tensors
-from amphista_jax.target import Target
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")

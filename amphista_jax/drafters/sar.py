@@ -55,8 +55,8 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
-from amphista_jax.target import Target
-from amphista_jax.trees import Tree
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree
 
 ENCODERS = ("simplified", "lstm")
 Carry = Any  # the encoder's state over a path: a pytree of `[..., H/2]` (and `[..., 1]`) arrays

@@ -11,7 +11,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.errors import UsageError
+from amphista_jax.infra.errors import UsageError
 
 
 class AttentionBackend(enum.StrEnum):

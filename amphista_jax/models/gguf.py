@@ -20,7 +20,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 from amphista_jax.models.config import ModelConfig, RopeScaling
 from amphista_jax.models.hf import save_safetensors
 

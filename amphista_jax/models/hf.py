@@ -21,7 +21,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
 

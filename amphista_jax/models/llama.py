@@ -15,7 +15,7 @@ One forward serves prefill, single-token decode, tree verification and training:
   values visible to the extras alone (a deep prompt), never written to the cache.
 
 Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv_heads`, `mlp`, `norm`, `layers`);
-`amphista_jax.sharding` maps them to a mesh. Layers are stacked on a leading `layers` axis (`nn.scan`), so
+`amphista_jax.engine.sharding` maps them to a mesh. Layers are stacked on a leading `layers` axis (`nn.scan`), so
 the model compiles once whatever its depth; decoding reads them in the `split_layers` layout (one tree per layer,
 each projection's `weight [out, in]`).
 """
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from amphista_jax.cache import KVCache, write, write_layer
 from amphista_jax.models.attention import AttentionBackend, causal_mask
+from amphista_jax.models.cache import KVCache, write, write_layer
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
 from pallas_kernels.dense_attention import apply_window, dot_product_attention, key_visibility

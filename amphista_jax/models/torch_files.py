@@ -18,7 +18,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 
 STORAGE_DTYPES = {
     "FloatStorage": np.float32, "HalfStorage": np.float16, "BFloat16Storage": ml_dtypes.bfloat16,

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.decode import GenerateOutput, generate, pad_prompts
+from amphista_jax.engine.decode import GenerateOutput, generate, pad_prompts
 from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, nbytes, write_report
-from amphista_jax.fetch import resolve_model
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import LAYOUTS, load_params
 
 BANDWIDTH_MATRIX = (16384, 8192)  # fp32: 512 MiB

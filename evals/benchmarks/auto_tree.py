@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from amphista_jax.acceptance import Acceptance
-from amphista_jax.calibration import LocalTrees, StepCosts, calibrate, choose
-from amphista_jax.drafter_source import read_source
+from amphista_jax.choice.acceptance import Acceptance
+from amphista_jax.choice.calibration import LocalTrees, StepCosts, calibrate, choose
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.evals.datasets import DatasetConfig, load_prompts
-from amphista_jax.fetch import resolve_data
-from amphista_jax.generator import Generator
+from amphista_jax.facade.drafter_source import read_source
+from amphista_jax.facade.generator import Generator
+from amphista_jax.models.fetch import resolve_data
 
 METHODS = ("eagle3", "amphista", "medusa", "sar", "bita", "eagle", "prompt_lookup")
 

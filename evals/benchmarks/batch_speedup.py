@@ -25,11 +25,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.errors import UserError
 from amphista_jax.evals.benchmarks.common import write_report
 from amphista_jax.evals.benchmarks.roofline import run_label
 from amphista_jax.evals.report import ar_timed_again
-from amphista_jax.figures import pyplot, save_figure
+from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.figures import pyplot, save_figure
 
 Curves = dict[str, dict[int, float]]  # series label -> {batch size: speed-up}
 

@@ -1,5 +1,5 @@
 """What every benchmark script shares: its common options, the target it loads, median timing
-(`amphista_jax.timing`) and writing its table + JSON."""
+(`amphista_jax.infra.timing`) and writing its table + JSON."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Any
 
 import jax
 
-from amphista_jax.fetch import resolve_model
-from amphista_jax.machine import this_machine
+from amphista_jax.infra.machine import this_machine
+from amphista_jax.infra.output_lock import write_atomic
+from amphista_jax.infra.timing import median_seconds
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import init_params, split_layers
-from amphista_jax.output_lock import write_atomic
-from amphista_jax.timing import median_seconds
 
 __all__ = ["SIZES", "benchmark_parser", "load_target", "median_seconds", "model_config", "nbytes", "random_target",
            "write_report"]

@@ -28,13 +28,13 @@ import re
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.decode import advance, start
-from amphista_jax.decode_spec import DecodeSpec
+from amphista_jax.engine.decode import advance, start
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.ar_decode import memory_bandwidth
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
-from amphista_jax.fetch import resolve_model
-from amphista_jax.hlo import HloModule, Instr, nbytes
+from amphista_jax.infra.hlo import HloModule, Instr, nbytes
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import LAYOUTS, load_config
 from amphista_jax.models.llama import param_shapes
 

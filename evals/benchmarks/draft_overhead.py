@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from amphista_jax.decode import (
+from amphista_jax.drafters import VARIANTS
+from amphista_jax.engine.decode import (
     SpecState,
     ar_init,
     ar_step,
@@ -54,9 +55,7 @@ from amphista_jax.decode import (
     spec_step,
     spec_verify,
 )
-from amphista_jax.decode_spec import DecodeSpec
-from amphista_jax.drafter_source import load_draft_params, read_source
-from amphista_jax.drafters import VARIANTS
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.common import (
     SIZES,
     benchmark_parser,
@@ -67,11 +66,12 @@ from amphista_jax.evals.benchmarks.common import (
     random_target,
     write_report,
 )
+from amphista_jax.facade.drafter_source import load_draft_params, read_source
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import target_model
-from amphista_jax.target import Target
-from amphista_jax.tree_names import get_tree
-from amphista_jax.trees import TreeSpec
+from amphista_jax.models.target import Target
+from amphista_jax.trees.names import get_tree
+from amphista_jax.trees.tree import TreeSpec
 
 MAX_NEW_TOKENS = 64
 

@@ -30,15 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.drafters.base import DraftContext, Drafter, Proposal
-from amphista_jax.errors import UserError
+from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, model_config, random_target, write_report
-from amphista_jax.figures import pyplot, save_figure
+from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.figures import pyplot, save_figure
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.target import Target
-from amphista_jax.tree_names import get_tree
-from amphista_jax.trees import TreeSpec, batched, tree_arrays
+from amphista_jax.models.target import Target
+from amphista_jax.trees.names import get_tree
+from amphista_jax.trees.tree import TreeSpec, batched, tree_arrays
 
 TREES = ("chain-4", "small-8", "small-16", "mc_sim_7b_63")
 

@@ -24,12 +24,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.decode import ar_init
+from amphista_jax.engine.decode import ar_init
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
+from amphista_jax.infra.timing import wall_times
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.llama import rows_product, target_model
-from amphista_jax.target import forward
-from amphista_jax.timing import wall_times
+from amphista_jax.models.target import forward
 
 MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 

@@ -26,12 +26,10 @@ import time
 import jax
 import numpy as np
 
-from amphista_jax.decode_spec import DecodeSpec
+from amphista_jax.engine.decode_spec import DecodeSpec, bucket
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
-from amphista_jax.fetch import resolve_data
-from amphista_jax.generator import bucket
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+from amphista_jax.models.fetch import resolve_data
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 from amphista_jax.train.distill import (
     MIN_REFILL,
     Answering,
@@ -40,6 +38,7 @@ from amphista_jax.train.distill import (
     read_prompts,
     refill_wait,
 )
+from amphista_jax.trees.sampling import SamplingConfig
 
 
 def bucket_prompts(model: str, count: int, length: int) -> list[Answering]:

@@ -36,21 +36,21 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from amphista_jax import plan
-from amphista_jax.accelerators import ACCELERATORS, Accelerator
-from amphista_jax.decode import ar_init, ar_step, scratch_slots, spec_init, spec_step
-from amphista_jax.decode_spec import DecodeSpec
-from amphista_jax.drafter_source import with_settings
 from amphista_jax.drafters import VARIANTS, Drafter
+from amphista_jax.engine import memory_plan as plan
+from amphista_jax.engine.decode import ar_init, ar_step, scratch_slots, spec_init, spec_step
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.evals.methods import parse_settings
-from amphista_jax.fetch import resolve_model
+from amphista_jax.facade.drafter_source import with_settings
+from amphista_jax.infra.accelerators import ACCELERATORS, Accelerator
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.llama import param_shapes, target_model
 from amphista_jax.models.shapes import KNOWN_TARGETS
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train.config import DRAFT_VOCAB_SIZE
-from amphista_jax.tree_names import get_tree
+from amphista_jax.trees.names import get_tree
 
 MAX_NEW_TOKENS = 128
 

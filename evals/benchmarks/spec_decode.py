@@ -25,16 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.drafters import Medusa
 from amphista_jax.drafters.io import load_draft
+from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
-from amphista_jax.generator import Generator
+from amphista_jax.facade.generator import Generator
 from amphista_jax.models.llama import new_cache, target_model
-from amphista_jax.target import Target
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.tree_names import AUTO, resolve_tree
-from amphista_jax.trees import TreeSpec, tree_arrays
+from amphista_jax.models.target import Target
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer
+from amphista_jax.trees.names import AUTO, resolve_tree
+from amphista_jax.trees.tree import TreeSpec, tree_arrays
 
 PROMPTS = (
     "def binary_search(items, target):\n",

@@ -31,20 +31,20 @@ import numpy as np
 from tqdm import tqdm
 
 from amphista_jax.assets import shipped_heads, shipped_heads_dir
+from amphista_jax.choice.step_clock import StepClock
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.io import cast_floating, load_draft
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
-from amphista_jax.fetch import resolve_model
-from amphista_jax.generator import Generator
+from amphista_jax.facade.generator import Generator
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import init_params, split_layers
 from amphista_jax.models.shapes import KNOWN_TARGETS
-from amphista_jax.step_clock import StepClock
-from amphista_jax.target import Target
-from amphista_jax.tokenizer import encode_prompt, load_tokenizer
-from amphista_jax.tree_names import get_tree
-from amphista_jax.trees import TreeError
+from amphista_jax.models.target import Target
+from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer
+from amphista_jax.trees.names import get_tree
+from amphista_jax.trees.tree import TreeError
 
 SHIPPED_NAME = {"hydra++": "hydra-plus"}
 PROMPT = "def binary_search(items, target):\n"

@@ -25,7 +25,7 @@ from amphista_jax.drafters import DRAFTERS
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Transformer
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 from amphista_jax.train.config import LossConfig
 from amphista_jax.train.examples import stored_fields
 from amphista_jax.train.optim import OptimConfig, make_optimizer

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from amphista_jax.errors import DecodeSpecError
+from amphista_jax.infra.errors import DecodeSpecError
 
 
 def is_whole(value: object) -> bool:

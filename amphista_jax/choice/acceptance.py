@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from amphista_jax.errors import UserError
-from amphista_jax.output_lock import write_atomic
-from amphista_jax.tree_names import get_tree
-from amphista_jax.trees import Tree, TreeError, TreeSpec
+from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.output_lock import write_atomic
+from amphista_jax.trees.names import get_tree
+from amphista_jax.trees.tree import Tree, TreeError, TreeSpec
 
 ACCEPTANCE_FILE = "acceptance.json"
 CANDIDATE_NODES = (1, 2, 4, 8, 16)  # static candidates: grown trees of these many draft nodes
@@ -134,6 +134,6 @@ def is_chat_target(model_dir: str | Path, tokenizer: Any) -> bool:
     """Whether the target answers chat turns (a chat template, and not the embedded code model, which completes
     code): what its demo, calibration and acceptance prompts look like."""
     from amphista_jax.assets import DEFAULT_MODEL
-    from amphista_jax.fetch import shipped_target
+    from amphista_jax.models.fetch import shipped_target
 
     return shipped_target(model_dir) != DEFAULT_MODEL and bool(tokenizer.chat_template)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 
 
 class TreeError(UserError, ValueError):

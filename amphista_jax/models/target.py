@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from amphista_jax.cache import KVCache
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import (
     Output,

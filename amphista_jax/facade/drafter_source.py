@@ -16,15 +16,15 @@ from typing import Any
 
 import jax
 
-from amphista_jax.acceptance import Acceptance, AcceptanceError, acceptance_file
+from amphista_jax.choice.acceptance import Acceptance, AcceptanceError, acceptance_file
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
 from amphista_jax.drafters.io import META_FILE, load_draft, params_fit, read_draft_meta
-from amphista_jax.errors import GeneratorError
+from amphista_jax.infra.errors import GeneratorError
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.target import Target
-from amphista_jax.tree_names import AUTO, TreePolicy, get_tree, read_policy, resolve_tree
-from amphista_jax.trees import Tree, TreeError
+from amphista_jax.models.target import Target
+from amphista_jax.trees.names import AUTO, TreePolicy, get_tree, read_policy, resolve_tree
+from amphista_jax.trees.tree import Tree, TreeError
 
 UNTRAINED = ":untrained"  # `<method>:untrained`: the method's freshly initialised heads
 
@@ -57,7 +57,7 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
     if isinstance(source, Drafter):
         return DrafterSource(source.name, with_settings(source, settings), params=params)
     from amphista_jax.assets import shipped_heads, shipped_heads_dir, shipped_heads_root
-    from amphista_jax.fetch import shipped_target
+    from amphista_jax.models.fetch import shipped_target
     from amphista_jax.models.hf import load_config
 
     name = str(source)

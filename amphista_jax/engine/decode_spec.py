@@ -15,15 +15,21 @@ from collections.abc import Iterable
 from typing import Any
 
 from amphista_jax.drafters.base import Drafter
-from amphista_jax.errors import DecodeSpecError, UserError
+from amphista_jax.infra.errors import DecodeSpecError, UserError
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.sampling import SamplingConfig, is_whole
-from amphista_jax.trees import Tree
-from amphista_jax.verify import AcceptanceConfig
+from amphista_jax.trees.sampling import SamplingConfig, is_whole
+from amphista_jax.trees.tree import Tree
+from amphista_jax.trees.verify import AcceptanceConfig
 
 GREEDY = SamplingConfig()
 DEFAULT_ACCEPTANCE = AcceptanceConfig()
+MIN_BUCKET = 16  # prompts pad to the next power of two >= this many tokens
+
+
+def bucket(length: int) -> int:
+    """The padded prompt length of a `length`-token prompt: the next power of two, at least `MIN_BUCKET`."""
+    return max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length())
 
 
 def check_decode_settings(max_new_tokens: Any, sampling: SamplingConfig, acceptance: AcceptanceConfig,

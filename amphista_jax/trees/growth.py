@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from amphista_jax.trees import TreeArrays, TreeBudget, TreeError, arrays_from_parents
+from amphista_jax.trees.tree import TreeArrays, TreeBudget, TreeError, arrays_from_parents
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 
 GIB = 1 << 30
 

@@ -16,12 +16,12 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from amphista_jax.cache import KVCache
 from amphista_jax.drafters.base import Drafter, draft_param_shapes
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
+from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import has_split_layers, param_shapes
-from amphista_jax.target import Target
+from amphista_jax.models.target import Target
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")

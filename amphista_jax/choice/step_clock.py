@@ -11,11 +11,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from amphista_jax.compiled_programs import release_if_crowded
-from amphista_jax.decode import pad_prompts, scratch_slots
-from amphista_jax.errors import UserError
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.trees import Tree
+from amphista_jax.engine.decode import pad_prompts, scratch_slots
+from amphista_jax.infra.compiled_programs import release_if_crowded
+from amphista_jax.infra.errors import UserError
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import Tree
 
 
 class TimingError(UserError, ValueError):

@@ -32,30 +32,24 @@ from typing import Any
 import jax
 import numpy as np
 
-from amphista_jax.calibration import LocalTrees
-from amphista_jax.decode import GenerateOutput, advance, decode, pad_prompts, scratch_slots, start
-from amphista_jax.decode_spec import GREEDY, DecodeSpec
-from amphista_jax.drafter_source import DrafterSource, TreeChoice, choose_tree, load_draft_params, read_source
+from amphista_jax.choice.calibration import LocalTrees
 from amphista_jax.drafters import Drafter
-from amphista_jax.errors import GeneratorError
-from amphista_jax.fetch import resolve_model
+from amphista_jax.engine.decode import GenerateOutput, advance, decode, pad_prompts, scratch_slots, start
+from amphista_jax.engine.decode_spec import GREEDY, DecodeSpec, bucket
+from amphista_jax.engine.prompt_checks import check_decode_inputs
+from amphista_jax.facade.drafter_source import DrafterSource, TreeChoice, choose_tree, load_draft_params, read_source
+from amphista_jax.infra.errors import GeneratorError
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.prompt_checks import check_decode_inputs
-from amphista_jax.sampling import SamplingConfig
-from amphista_jax.target import Target
-from amphista_jax.tree_names import AUTO, TreePolicy
-from amphista_jax.trees import Tree
-from amphista_jax.verify import AcceptanceConfig
+from amphista_jax.models.fetch import resolve_model
+from amphista_jax.models.target import Target
+from amphista_jax.trees.names import AUTO, TreePolicy
+from amphista_jax.trees.sampling import SamplingConfig
+from amphista_jax.trees.tree import Tree
+from amphista_jax.trees.verify import AcceptanceConfig
 
-__all__ = ["Generation", "Generator", "GeneratorError", "bucket"]
+__all__ = ["Generation", "Generator", "GeneratorError"]
 
-MIN_BUCKET = 16  # prompts pad to the next power of two >= this many tokens
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]  # text, chat messages, or token ids
-
-
-def bucket(length: int) -> int:
-    """The padded prompt length of a `length`-token prompt: the next power of two, at least `MIN_BUCKET`."""
-    return max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +109,9 @@ class Generator:
         """Load the target `model` (a Hugging Face directory, a fetched name such as `smollm2`, or None for the
         embedded default) in the decode layout, then attach `heads` or `draft_model` as `with_drafter` does (None:
         autoregressive). The drafter and its tree are read and checked before any weights load."""
+        from amphista_jax.engine.sharding import param_shardings
         from amphista_jax.models.hf import load_config, load_params
-        from amphista_jax.sharding import param_shardings
-        from amphista_jax.tokenizer import load_tokenizer, stop_token_ids
+        from amphista_jax.models.tokenizer import load_tokenizer, stop_token_ids
 
         model_dir = resolve_model(None if model is None else str(model))
         config = load_config(model_dir)
@@ -152,7 +146,7 @@ class Generator:
         drafter, draft_params = load_draft_params(source, Target(self.config, self.params), self.model_dir,
                                                   self.dtype, seed)
         if self.mesh is not None:
-            from amphista_jax.sharding import place_for_decoding
+            from amphista_jax.engine.sharding import place_for_decoding
 
             draft_params = place_for_decoding(self.mesh, self.config, self.params, drafter, draft_params)[1]
         gen = dataclasses.replace(self, drafter=drafter, draft_params=draft_params, method=source.method,
@@ -214,7 +208,7 @@ class Generator:
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids of one prompt: text (through the chat template with `chat`), chat messages (`[{"role",
         "content"}]`, always through the template) or token ids (checked against the vocabulary)."""
-        from amphista_jax.tokenizer import encode_conversation, encode_prompt
+        from amphista_jax.models.tokenizer import encode_conversation, encode_prompt
 
         if isinstance(prompt, str):
             ids = encode_prompt(self.tokenizer, prompt, chat=chat)
@@ -303,7 +297,7 @@ class Generator:
         return jax.device_get(out), seconds, compile_s
 
     def on_mesh(self) -> contextlib.AbstractContextManager:
-        from amphista_jax.sharding import on_mesh
+        from amphista_jax.engine.sharding import on_mesh
 
         return on_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 

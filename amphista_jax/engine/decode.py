@@ -22,18 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from amphista_jax.cache import KVCache, compact, constrain_caches
-from amphista_jax.decode_spec import DEFAULT_ACCEPTANCE, GREEDY, DecodeSpec
 from amphista_jax.drafters.base import DraftContext, Drafter, PrefillContext, Proposal, accepted_tokens
-from amphista_jax.errors import DecodeSpecError
+from amphista_jax.engine.decode_spec import DEFAULT_ACCEPTANCE, GREEDY, DecodeSpec
+from amphista_jax.engine.prompt_checks import HostChecked, PromptTooLongError
+from amphista_jax.infra.errors import DecodeSpecError
 from amphista_jax.models.attention import causal_mask
+from amphista_jax.models.cache import KVCache, compact, constrain_caches
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, Transformer, new_cache
-from amphista_jax.prompt_checks import HostChecked, PromptTooLongError
-from amphista_jax.sampling import SamplingConfig, select_token
-from amphista_jax.target import Extras, Target, forward
-from amphista_jax.trees import Tree, tree_statistics
-from amphista_jax.verify import AcceptanceConfig, Verdict, verify
+from amphista_jax.models.target import Extras, Target, forward
+from amphista_jax.trees.sampling import SamplingConfig, select_token
+from amphista_jax.trees.tree import Tree, tree_statistics
+from amphista_jax.trees.verify import AcceptanceConfig, Verdict, verify
 
 
 @struct.dataclass

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 from amphista_jax.models.config import ModelConfig
 
 
@@ -92,7 +92,7 @@ class DraftParamsError(UserError, ValueError):
 def _expected_leaves(drafter: Any, config: Any, target: Any) -> tuple[dict[str, tuple[int, ...]], ...]:
     """({path: shape} of each param tree `drafter` decodes with, `Drafter.param_trees`) for a target of `config`
     (its params' abstract shapes `target`)."""
-    from amphista_jax.target import Target
+    from amphista_jax.models.target import Target
 
     params = jax.tree.unflatten(target[0], [jax.ShapeDtypeStruct(s, d) for s, d in target[1]])
     return tuple(_leaf_shapes(t) for t in drafter.param_trees(Target(config, params)))

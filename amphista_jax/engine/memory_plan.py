@@ -31,16 +31,16 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from amphista_jax.accelerators import GIB, Accelerator
-from amphista_jax.decode import decode, scratch_slots
-from amphista_jax.decode_spec import DecodeSpec
 from amphista_jax.drafters.base import Drafter
-from amphista_jax.hlo import HloModule
+from amphista_jax.engine.decode import decode, scratch_slots
+from amphista_jax.engine.decode_spec import DecodeSpec
+from amphista_jax.engine.sharding import batch_sharding, draft_param_shardings, on_mesh, param_shardings
+from amphista_jax.infra.accelerators import GIB, Accelerator
+from amphista_jax.infra.hlo import HloModule
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import param_shapes
-from amphista_jax.sharding import batch_sharding, draft_param_shardings, on_mesh, param_shardings
-from amphista_jax.target import Target
-from amphista_jax.trees import Tree
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree
 
 
 def device_bytes(tree: Any) -> int:

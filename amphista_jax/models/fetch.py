@@ -26,8 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, default_model_dir
-from amphista_jax.errors import UsageError, UserError, check_writable_dir
-from amphista_jax.output_lock import file_lock
+from amphista_jax.infra.errors import UsageError, UserError, check_writable_dir
+from amphista_jax.infra.output_lock import file_lock
 
 MARKER = "fetched.json"
 _WORK_PREFIX = ".partial-"

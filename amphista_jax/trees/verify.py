@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from amphista_jax.errors import UsageError
-from amphista_jax.sampling import SamplingConfig, warp_logits
-from amphista_jax.trees import TreeArrays, children
+from amphista_jax.infra.errors import UsageError
+from amphista_jax.trees.sampling import SamplingConfig, warp_logits
+from amphista_jax.trees.tree import TreeArrays, children
 
 
 class AcceptanceRule(enum.StrEnum):

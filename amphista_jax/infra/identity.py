@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 
 _CHUNK = 1 << 24
 # Files of a HF checkpoint that change what it computes or generates (weights, architecture, tokenization,

@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 
 LOCK_FILE = ".amphista-lock"
 

@@ -28,14 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.acceptance import Acceptance, is_chat_target
-from amphista_jax.compiled_programs import release_if_crowded
-from amphista_jax.decode import pad_prompts, scratch_slots
-from amphista_jax.errors import UserError
-from amphista_jax.machine import Machine, this_machine
-from amphista_jax.output_lock import write_atomic
-from amphista_jax.step_clock import StepClock
-from amphista_jax.trees import Tree
+from amphista_jax.choice.acceptance import Acceptance, is_chat_target
+from amphista_jax.choice.step_clock import StepClock
+from amphista_jax.engine.decode import pad_prompts, scratch_slots
+from amphista_jax.infra.compiled_programs import release_if_crowded
+from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.machine import Machine, this_machine
+from amphista_jax.infra.output_lock import write_atomic
+from amphista_jax.trees.tree import Tree
 
 Generator = Any  # a `generator.Generator` (which imports this module for `LocalTrees`)
 
@@ -186,7 +186,7 @@ def cost_key(gen: Generator, batch: int, acceptance: Acceptance) -> str:
 
 def cache_file(machine: Machine | None = None) -> Path:
     """This machine's calibration cache (`AMPHISTA_HOME/calibration/<machine key>.json`)."""
-    from amphista_jax.fetch import amphista_home
+    from amphista_jax.models.fetch import amphista_home
 
     return amphista_home() / "calibration" / f"{(machine or this_machine()).key()}.json"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.output_lock import atomic_file
+from amphista_jax.infra.output_lock import atomic_file
 
 
 def pyplot() -> Any:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from amphista_jax.errors import UserError
+from amphista_jax.infra.errors import UserError
 
 T = TypeVar("T")
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import jax
 
-from amphista_jax.tree_growth import dynamic_tree
-from amphista_jax.trees import Tree, TreeError, TreeSpec, chain, efficient_tree, fan
+from amphista_jax.trees.growth import dynamic_tree
+from amphista_jax.trees.tree import Tree, TreeError, TreeSpec, chain, efficient_tree, fan
 
-PRESET_DIR = Path(__file__).parent / "assets" / "trees"
+PRESET_DIR = Path(__file__).parents[1] / "assets" / "trees"
 
 
 def load_tree(path: str | Path) -> TreeSpec:
