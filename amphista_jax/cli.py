@@ -63,7 +63,8 @@ def _generate(args: argparse.Namespace) -> int:
     print_notes(gen)
     ids = gen.encode(args.prompt, chat=args.chat)
     if args.max_len:  # the cache the user allows: the prompt, the new tokens and the tree's scratch slots
-        check_fits(np.array([bucket(len(ids))]), args.max_new_tokens + gen.cache_size(0, 0), args.max_len, gen.config)
+        scratch = gen.for_batch(1).spec(args.max_new_tokens).scratch
+        check_fits(np.array([bucket(len(ids))]), args.max_new_tokens + scratch, args.max_len, gen.config)
     run = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, acceptance=acceptance, cache_size=args.max_len)
     first = gen.generate([ids], **run)  # compiles
@@ -78,11 +79,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _check_heads(heads: str):
-    """The drafter of a draft-head checkpoint (from its `draft.json`, before any loading), or a one-line error."""
-    from amphista_jax.drafters.io import read_draft_meta
+    """The drafter of a draft-head checkpoint or draft model directory (`read_source`, before any loading), or a
+    one-line error."""
+    from pathlib import Path
+
+    from amphista_jax.facade.drafter_source import read_source
 
     try:
-        return read_draft_meta(heads).drafter
+        return read_source(Path(heads), None, None).drafter
     except UserError as e:
         raise UsageError(f"--heads: {e}") from None
 
@@ -183,7 +187,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from amphista_jax.choice.acceptance import ACCEPTANCE_FILE
-    from amphista_jax.choice.calibration import LocalTrees, cache_file, calibrate, table
+    from amphista_jax.choice.calibration import cache_file, calibrate, table
     from amphista_jax.facade.generator import Generator, print_notes
     from amphista_jax.infra.machine import this_machine
     from amphista_jax.tree_search import calibration_prompts, measure_acceptance
@@ -193,7 +197,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     heads = Path(args.heads) if Path(args.heads).is_dir() else args.heads
     if not args.acceptance:
         gen = Generator.load(args.model, heads, "auto")
-        if not isinstance(local := gen.policy, LocalTrees):
+        if (local := gen.policy) is None or not local.chooses_here:
             raise UsageError(f"{args.heads} has no acceptance statistics ({ACCEPTANCE_FILE}): measure them with "
                              f"`amphista-jax calibrate --acceptance --heads {args.heads}`, or name a tree (--tree)")
         costs = [calibrate(gen, local.acceptance, b, remeasure=args.remeasure) for b in args.batch_sizes]

@@ -23,7 +23,6 @@ import numpy as np
 
 from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, shipped_heads, shipped_heads_dir
 from amphista_jax.choice.acceptance import is_chat_target
-from amphista_jax.choice.calibration import LocalTrees
 from amphista_jax.facade.generator import Generator, print_notes
 from amphista_jax.infra.errors import UsageError
 from amphista_jax.infra.machine import this_machine
@@ -106,6 +105,7 @@ class DemoResult:
     text: str  # the speculative completion, drafted tokens coloured
     new_tokens: int
     forwards: int  # target forwards after the prefill
+    tau: float  # tokens committed per decoding forward (the prefill's token is not counted)
     ar_forwards: int
     ar_seconds: float  # median wall time of one whole generation
     spec_seconds: float
@@ -114,11 +114,6 @@ class DemoResult:
     loops: bool  # the completion ends in a repeating loop (`ends_in_loop`)
     speculation_off: str | None = None  # `auto` chose no speculation on this machine, and why (the drafter then
     # decodes on its best candidate, for the comparison)
-
-    @property
-    def tau(self) -> float:
-        """Tokens committed per decoding forward (the prefill's token is not counted)."""
-        return (self.new_tokens - 1) / max(self.forwards, 1)
 
     @property
     def ar_tokens_per_s(self) -> float:
@@ -147,7 +142,7 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
     loaded = Generator.load(model_dir, heads, tree)
     print_notes(loaded)
     spec, off = loaded.for_batch(1), None
-    if spec.drafter is None and isinstance(local := loaded.policy, LocalTrees):  # `auto` chose no speculation here
+    if spec.drafter is None and (local := loaded.policy).chooses_here:  # `auto` chose no speculation here
         off, best = local.describe(1), local.acceptance.candidates[local.decision(1).best]
         spec = dataclasses.replace(loaded.with_tree(best.tree),
                                    tree_name=f"auto: none here; shown on {best.name}, its best candidate")
@@ -162,8 +157,9 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
     shown = f"{prompt}\n\n" if chat else prompt  # a chat answer starts on its own line
     tree_used = f"{spec.tree_name} ({spec.tree.num_nodes - 1} draft nodes, depth {spec.tree.depth})"
     return DemoResult(target_label(spec), spec.method, shown, tree_used,
-                      colour_drafts(spec.tokenizer, new, spec_out.drafted[0]), len(new), int(spec_out.output.steps),
-                      int(ar_out.output.steps), ar_s, spec_s, len(ar_out.token_ids[0]), new == ar_out.token_ids[0],
+                      colour_drafts(spec.tokenizer, new, spec_out.drafted[0]), len(new),
+                      int(spec_out.output.row_steps[0]), spec_out.tau[0], int(ar_out.output.row_steps[0]), ar_s,
+                      spec_s, len(ar_out.token_ids[0]), new == ar_out.token_ids[0],
                       ends_in_loop(np.asarray(new)), off)
 
 

@@ -9,8 +9,8 @@
    is prefix-closed, and tree `k` maximises the expected accept length `1 + sum(path probabilities)` over all
    trees of `k` draft nodes under the model's independence assumption.
 3. **Price.** `measure_step_seconds` times the real decode loop of this drafter on this device for a grid of
-   sizes; `pick` keeps the size with the most expected tokens per second, `tau(k) / step(k)`, and compares it
-   with autoregressive decoding measured the same way.
+   sizes; `pick` prices them by the tree plan's rule (`plan.decide`, as `auto` does): the size with the most
+   expected tokens per second, `tau(k) / step(k)`, against autoregressive decoding measured the same way.
 4. **Per batch size.** Steps are priced at each batch size asked for (a verify forward of B x nodes tokens costs
    more, relative to an AR step of B tokens, as B grows), so the pick may shrink with the batch and, where no tree
    is predicted to beat AR, be no speculation at all (`TreePolicy`, a policy file `--tree` takes). The
@@ -37,9 +37,10 @@ from amphista_jax.choice.acceptance import (
     is_chat_target,
     mean_tau,
 )
+from amphista_jax.choice.plan import Decision, decide
 from amphista_jax.choice.step_clock import StepClock
-from amphista_jax.drafters.base import Drafter
 from amphista_jax.engine.decode import pad_prompts
+from amphista_jax.facade.drafter_source import DrafterSource, read_source
 from amphista_jax.facade.generator import Generator
 from amphista_jax.infra.errors import UserError
 from amphista_jax.infra.figures import pyplot, save_figure
@@ -96,7 +97,12 @@ class SearchResult:
     taus: tuple[float, ...]  # expected accept length of each
     step_seconds: tuple[float, ...]  # measured seconds per decode step of each
     ar_step_seconds: float
-    best: int  # index into sizes
+    decision: Decision  # the tree plan's rule on them
+
+    @property
+    def best(self) -> int:
+        """Index into sizes of the tree with the most expected tokens per second (beating AR or not)."""
+        return self.decision.best
 
     @property
     def tokens_per_second(self) -> tuple[float, ...]:
@@ -104,20 +110,22 @@ class SearchResult:
 
     @property
     def speedups(self) -> tuple[float, ...]:
-        """Predicted speed-up over AR: expected tokens per second relative to one token per AR step."""
-        return tuple(tps * self.ar_step_seconds for tps in self.tokens_per_second)
+        """Predicted speed-up over AR: expected tau x AR step / step (`plan.decide`)."""
+        return self.decision.speedups
 
 
-def pick(sizes: Sequence[int], taus: Sequence[float], step_seconds: Sequence[float], ar_step_seconds: float
-         ) -> SearchResult:
-    """The size with the most expected tokens per second."""
-    rate = [t / s for t, s in zip(taus, step_seconds, strict=True)]
-    return SearchResult(tuple(sizes), tuple(taus), tuple(step_seconds), ar_step_seconds, int(np.argmax(rate)))
+def pick(sizes: Sequence[int], taus: Sequence[float], step_seconds: Sequence[float], ar_step_seconds: float,
+         batch: int = 1) -> SearchResult:
+    """The sizes priced by the tree plan's rule (`plan.decide`): the best has the most expected tokens per second."""
+    decision = decide(batch, taus, ar_step_seconds, step_seconds)
+    return SearchResult(tuple(sizes), tuple(taus), tuple(step_seconds), ar_step_seconds, decision)
 
 
 def tree_policy(results: dict[int, SearchResult], trees: Sequence[TreeSpec]) -> TreePolicy:
-    """At each batch size, its picked tree where that is predicted to beat AR, else None (no speculation)."""
-    return TreePolicy(tuple((b, trees[r.best] if r.speedups[r.best] > 1 else None) for b, r in sorted(results.items())))
+    """At each batch size, the tree the rule keeps (predicted to beat AR by more than its margin), else None (no
+    speculation)."""
+    return TreePolicy(tuple((b, None if r.decision.index is None else trees[r.decision.index])
+                            for b, r in sorted(results.items())))
 
 
 def greedy_outputs(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int = 8,
@@ -152,7 +160,7 @@ def measured_tau(gen: Generator, prompts: Sequence[Sequence[int]], max_new_token
     new, steps = [], []
     for out, keep in greedy_outputs(gen, prompts, max_new_tokens, batch_size, progress):
         new.append(np.asarray(out.num_tokens)[keep])
-        steps.append((np.asarray(out.accept_lengths)[keep] > 0).sum(1))
+        steps.append(out.row_steps[keep])
     return mean_tau(np.concatenate(new), np.concatenate(steps))
 
 
@@ -230,7 +238,7 @@ def measure_speedup(gen: Generator, prompts: Sequence[Sequence[int]], batch: int
     together: the ratio of their median seconds (both write the same tokens: greedy decoding is lossless)."""
     rows = [prompts[i % len(prompts)] for i in range(batch)]
     tokens, lengths = pad_prompts(rows, pad_id=gen.pad_id, multiple=64)
-    cache_size = gen.cache_size(tokens.shape[1], max_new_tokens)
+    cache_size = gen.spec(max_new_tokens, SamplingConfig()).cache_size(tokens.shape[1])  # AR's cache as the tree's
 
     def seconds(g: Generator) -> float:
         spec = g.spec(max_new_tokens, SamplingConfig())
@@ -305,16 +313,13 @@ def output_paths(out_path: Path) -> tuple[Path, ...]:
             stem.with_suffix(".png"), stem.with_suffix(".batch.png"))
 
 
-def searched_drafter(heads: str | Path) -> tuple[Drafter, str]:
-    """(the drafter, its method) of a draft-head checkpoint directory, or of a method with nothing to train named
-    by itself (`prompt_lookup`)."""
+def searched_drafter(heads: str | Path) -> DrafterSource:
+    """The drafter a search is for, read once (`read_source`): a draft-head checkpoint directory, or a method with
+    nothing to train named by itself (`prompt_lookup`)."""
     from amphista_jax.drafters import VARIANTS
-    from amphista_jax.drafters.io import read_draft_meta
 
-    if str(heads) in VARIANTS and not VARIANTS[str(heads)].trainable:
-        return VARIANTS[str(heads)], str(heads)
-    meta = read_draft_meta(heads)
-    return meta.drafter, meta.method
+    name = str(heads)
+    return read_source(name if name in VARIANTS and not VARIANTS[name].trainable else Path(name), None, None)
 
 
 def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str], out_path: Path, *, max_nodes: int = 63,
@@ -332,7 +337,8 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
 
     from tqdm import tqdm
 
-    drafter, method = searched_drafter(heads_dir)
+    source = searched_drafter(heads_dir)
+    drafter, method = source.drafter, source.method
     if TreeSpec not in drafter.tree_kinds:
         raise TreeSearchError(f"tree search grows static trees; {method} drafts dynamic trees only: use its paper's "
                               f"tree ({drafter.paper_tree})")
@@ -341,7 +347,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
         raise TreeSearchError(f"--depth {depth}: the {method} heads draft {drafter.max_depth} tokens deep at most")
     batch_sizes = sorted(set(batch_sizes))
     calib = efficient_tree(depth, min(ranks, drafter.rankable(ranks)))
-    probe = Generator.load(model_dir, heads_dir, calib)
+    probe = Generator.load(model_dir).with_drafter(source, calib)
     ids = [probe.encode(p) for p in prompts]
     with tqdm(total=len(ids), desc="acceptance statistics", unit="prompt") as bar:
         tries, hits = collect_rates(probe, ids, max_new_tokens, progress=bar.update)
@@ -359,7 +365,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
         for b in batch_sizes:
             ar_step, step_seconds = measure_step_seconds(probe, ids[0], trees, max_new_tokens, runs,
                                                          progress=bar.update, batch=b)
-            results[b] = pick([i + 1 for i in picked], [grown[i][1] for i in picked], step_seconds, ar_step)
+            results[b] = pick([i + 1 for i in picked], [grown[i][1] for i in picked], step_seconds, ar_step, b)
             measured[b] = measure_speedup(probe.with_tree(trees[results[b].best]), ids, b, max_new_tokens, runs)
     policy = tree_policy(results, trees)
     first = results[batch_sizes[0]]

@@ -31,13 +31,12 @@ from typing import Any
 
 import yaml
 
-from amphista_jax.choice.calibration import LocalTrees
+from amphista_jax.choice.plan import TreePlan
 from amphista_jax.drafters import Drafter
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.facade.drafter_source import (
     UNTRAINED,
     DrafterSource,
-    TreeChoice,
     choose_tree,
     read_source,
     with_settings,
@@ -69,7 +68,7 @@ class Method:
     tree: Tree | None = None  # a static tree, or the budget of trees the drafter grows (EAGLE-2)
     tree_name: str = "-"
     heads_files: dict[str, str] | None = None  # sha256 of each of its files (amphista_jax.infra.identity)
-    choice: TreeChoice | None = None  # `auto` from acceptance statistics: the tree is chosen once the target loads
+    choice: TreePlan | None = None  # `auto` from acceptance statistics: the tree is chosen once the target loads
 
     @property
     def drafter(self) -> Drafter | None:
@@ -92,14 +91,14 @@ class Method:
         if self.drafter is None:
             return base
         try:
-            return base.with_drafter(self.source, self.choice or TreeChoice(self.tree, self.tree_name), seed=seed)
+            return base.with_drafter(self.source, self.choice or TreePlan(self.tree_name, self.tree), seed=seed)
         except UserError as e:
             raise MethodSpecError(f"method spec {self.spec!r}: {e}") from None
 
     def chosen(self, gen: Generator, batch: int) -> Method:
         """This method as `gen` (its `generator`) decodes `batch` rows: the tree `auto` chose on this machine
         (None: no speculation), named `auto: <candidate>`."""
-        if self.choice is None or not isinstance(gen.policy, LocalTrees):
+        if self.choice is None or gen.policy is None or not gen.policy.chooses_here:
             return self
         return dataclasses.replace(self, tree=gen.policy.at(batch), tree_name=gen.policy.label(batch), choice=None)
 

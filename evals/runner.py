@@ -34,7 +34,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from amphista_jax.choice.calibration import LocalTrees
 from amphista_jax.engine.decode import pad_prompts
 from amphista_jax.engine.decode_spec import check_decode_settings
 from amphista_jax.engine.sharding import MeshError, make_mesh
@@ -197,7 +196,7 @@ def _agree_on_trees(gens: dict[str, Generator], batch: int) -> None:
     method (each machine calibrates on its own; timing noise must not split one method between two trees)."""
     if jax.process_count() == 1:
         return
-    local = [g.policy for _, g in sorted(gens.items()) if isinstance(g.policy, LocalTrees)]
+    local = [g.policy for _, g in sorted(gens.items()) if g.policy is not None and g.policy.chooses_here]
     picks = np.array([-1 if (i := p.decision(batch).index) is None else i for p in local], np.int32)
     for policy, pick in zip(local, multihost_utils.broadcast_one_to_all(picks), strict=True):
         policy.decisions[batch] = dataclasses.replace(policy.decision(batch), index=None if pick < 0 else int(pick))
@@ -267,7 +266,8 @@ def _run_batch(s: _Session, gen: Generator, batch: list[tuple[int, Prompt]], com
             accept = [int(a) for a in out.accept_lengths[row] if a > 0]
             turns[i].append({"prompt_tokens": int(lengths[row]), "tokens": new,
                              "text": s.tok.decode(new, skip_special_tokens=True), "new_tokens": n,
-                             "steps": len(accept), "accept_lengths": accept, "drafted": int(out.drafted[row].sum()),
+                             "steps": int(out.row_steps[row]), "accept_lengths": accept,
+                             "drafted": int(out.drafted[row].sum()),
                              "wall_s": seconds / len(rows)})
             if out.node_tries is not None:
                 node_stats.setdefault(i, []).append(np.stack([out.node_tries[row], out.node_hits[row]]))

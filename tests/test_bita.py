@@ -20,14 +20,13 @@ from amphista_jax.engine.decode import (
     forward,
     pad_prompts,
     prefill,
-    scratch_slots,
     spec_commit,
     spec_init,
     spec_propose,
     spec_verify,
     speculative_generate,
 )
-from amphista_jax.engine.decode_spec import DecodeSpec
+from amphista_jax.engine.decode_spec import DecodeSpec, scratch_slots
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params, new_cache
 from amphista_jax.models.target import Target

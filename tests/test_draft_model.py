@@ -109,7 +109,7 @@ def test_sampled_drafts_are_draws_from_q(target):
     """With temperature > 0 every child is a draw from its parent's draft distribution, which the proposal carries
     as that child's `q`: over many steps' roots the children's frequencies match q (siblings independent)."""
     from amphista_jax.drafters.base import DraftContext
-    from amphista_jax.drafters.eagle import FeatureDrafting
+    from amphista_jax.drafters.feature_drafting import FeatureDrafting
     from tests.helpers import CHI2_999, chi_square
 
     config = dataclasses.replace(SMALL, vocab_size=16)

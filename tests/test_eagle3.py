@@ -14,8 +14,8 @@ import pytest
 
 from amphista_jax.drafters import Eagle3
 from amphista_jax.drafters.base import DraftContext, PrefillContext
-from amphista_jax.drafters.eagle import FeatureDrafting
 from amphista_jax.drafters.eagle3 import reference_layers
+from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.drafters.io import load_draft, save_draft
 from amphista_jax.engine.decode import prefill
 from amphista_jax.models.cache import KVCache

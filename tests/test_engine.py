@@ -21,12 +21,11 @@ from amphista_jax.engine.decode import (
     PromptTooLongError,
     generate,
     pad_prompts,
-    scratch_slots,
     spec_init,
     spec_step,
     speculative_generate,
 )
-from amphista_jax.engine.decode_spec import DecodeSpec
+from amphista_jax.engine.decode_spec import DecodeSpec, scratch_slots
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import PrefixKV, Transformer, init_params
 from amphista_jax.models.target import Extras, Target

@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from amphista_jax.assets import default_model_dir
 from amphista_jax.cli import main
-from amphista_jax.engine.decode import decode, scratch_slots
-from amphista_jax.engine.decode_spec import DecodeSpec
+from amphista_jax.engine.decode import decode
+from amphista_jax.engine.decode_spec import DecodeSpec, scratch_slots
 from amphista_jax.engine.memory_plan import compiled_cost, decode_plan, device_bytes
 from amphista_jax.engine.sharding import batch_sharding, make_mesh, on_mesh, place_for_decoding
 from amphista_jax.infra.config_io import load_config

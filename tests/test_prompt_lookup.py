@@ -16,7 +16,8 @@ from amphista_jax import Generator
 from amphista_jax.drafters import DRAFTERS, VARIANTS
 from amphista_jax.drafters.base import DraftContext
 from amphista_jax.drafters.prompt_lookup import NothingToTrainError, PromptLookup, lookup
-from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
+from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.engine.decode_spec import scratch_slots
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.models.target import Target

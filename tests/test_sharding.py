@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from amphista_jax.drafters import VARIANTS
-from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, spec_init, speculative_generate
-from amphista_jax.engine.decode_spec import DecodeSpec
+from amphista_jax.engine.decode import generate, pad_prompts, spec_init, speculative_generate
+from amphista_jax.engine.decode_spec import DecodeSpec, scratch_slots
 from amphista_jax.engine.sharding import (
     LOGICAL_RULES,
     batch_sharding,

@@ -16,7 +16,8 @@ from amphista_jax.assets import default_model_dir, draft_model_dir, shipped_head
 from amphista_jax.choice.acceptance import ACCEPTANCE_FILE, Acceptance
 from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.drafters.io import load_draft
-from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
+from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.engine.decode_spec import scratch_slots
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer
 from amphista_jax.prompts import humaneval_prompt

@@ -12,7 +12,8 @@ import pytest
 from amphista_jax.drafters import Amphista, BiTA, DFlash, Eagle, Eagle3, Gumiho, Hydra, Medusa, SemiAutoregressive
 from amphista_jax.drafters.base import DraftContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel
-from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
+from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.engine.decode_spec import scratch_slots
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.models.target import Target

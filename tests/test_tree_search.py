@@ -153,7 +153,8 @@ def test_search_grows_static_trees_for_heads_that_draft_to_any_depth(tmp_path, m
     """EAGLE drafts to any depth: the search calibrates to `depth`, grows and times static trees no deeper (offering
     to release compiled programs after each, against the memory-mapping limit), and `auto` then decodes on the
     searched tree with AR's tokens. Heads of a fixed depth refuse a deeper search."""
-    from amphista_jax import Generator, step_clock
+    from amphista_jax import Generator
+    from amphista_jax.choice import step_clock
     from amphista_jax.prompts import humaneval_prompts
     from amphista_jax.tree_search import TreeSearchError, search
 

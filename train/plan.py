@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-from amphista_jax.engine.decode import scratch_slots
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.engine.memory_plan import MemoryPlan, accelerator_capacity, decode_plan, plan_table
 from amphista_jax.infra.accelerators import Accelerator, get_accelerator
 from amphista_jax.infra.errors import OutputExistsError, UserError, check_writable_dir
@@ -101,8 +101,8 @@ def plan_config(req: PlanRequest, devices: list[jax.Device], decode_batch: int =
     tree_name = tree_name or job.drafter.paper_tree
     capacity = accelerator_capacity(accelerator) if accelerator else (None, "")
     tree = get_tree(tree_name)
-    prompt_len = min(cfg.data.max_len,
-                     req.target.max_positions - DECODE_NEW_TOKENS - scratch_slots(job.drafter, tree))
+    spec = DecodeSpec(req.target, job.drafter, tree, DECODE_NEW_TOKENS)
+    prompt_len = min(cfg.data.max_len, req.target.max_positions - spec.cache_size(0))  # what the positions leave
     if prompt_len < 1:
         raise PlanError(f"{req.name}: the target's {req.target.max_positions} positions leave no room for a prompt "
                         f"besides {DECODE_NEW_TOKENS} new tokens and tree {tree_name}: plan a smaller --tree")

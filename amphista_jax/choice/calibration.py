@@ -8,9 +8,12 @@ two processes' timings is not a speed-up), and caches the costs under `AMPHISTA_
 (`machine.Machine.key`: the CPU model and vector extensions or the accelerator, cores, memory and the library's
 version), so later loads reuse them. A damaged cache is said in one line and measured again.
 
-`choose` is the pure part: the candidate with the most predicted tokens per second (tau x AR step / step), kept only
-if its predicted speed-up beats autoregressive decoding by more than the calibration's noise (the largest spread of
-any program's timed runs) and at least `MIN_MARGIN`; otherwise no speculation.
+`choose` is the pure part, the tree plan's rule (`plan.decide`) on these costs: the candidate with the most predicted
+tokens per second (tau x AR step / step), kept only if its predicted speed-up beats autoregressive decoding by more
+than the calibration's noise (the largest spread of any program's timed runs) and at least `MIN_MARGIN`; otherwise
+no speculation.
+
+What is timed is a `Decoder`: the facade's `Generator` as this module uses it (`step_clock.Decoder`).
 
 Timing stops early once no larger candidate can win: a step costs at least as much as a smaller tree's (more nodes
 to draft and verify), and no candidate's tau exceeds the best one's, so when the best tau over the last measured
@@ -24,22 +27,20 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from amphista_jax.choice.acceptance import Acceptance, is_chat_target
-from amphista_jax.choice.step_clock import StepClock
-from amphista_jax.engine.decode import pad_prompts, scratch_slots
+from amphista_jax.choice.plan import MIN_MARGIN, Decision, StepCosts, decide
+from amphista_jax.choice.step_clock import Decoder, StepClock
+from amphista_jax.engine.decode import pad_prompts
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.infra.compiled_programs import release_if_crowded
 from amphista_jax.infra.errors import UserError
 from amphista_jax.infra.machine import Machine, this_machine
 from amphista_jax.infra.output_lock import write_atomic
-from amphista_jax.trees.tree import Tree
 
-Generator = Any  # a `generator.Generator` (which imports this module for `LocalTrees`)
-
-MIN_MARGIN = 0.03  # the least margin over AR a tree must be predicted to beat it by, whatever the measured noise
 CALIBRATION_TOKENS = 24  # decode steps timed per program (no EOS stop)
 CALIBRATION_RUNS = 2  # timed runs per program after its compile and warm-up run (the fastest kept)
 CALIBRATION_PROMPT = "Explain, step by step, how a hash map stores and finds a key."  # through the chat template
@@ -50,63 +51,12 @@ class CalibrationError(UserError, ValueError):
     """A calibration that cannot be made or read."""
 
 
-@dataclasses.dataclass(frozen=True)
-class StepCosts:
-    """What one decode step costs on this machine at `batch` rows: AR's, and each candidate's (None: not timed,
-    as no larger tree could win)."""
-
-    batch: int
-    ar_ms: float
-    step_ms: tuple[float | None, ...]  # per candidate of the acceptance statistics, in their order
-    noise: float  # the largest relative spread of any program's timed runs (AR's included)
-    seconds: float  # the calibration's wall time, compiles included
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> StepCosts:
-        return cls(int(d["batch"]), float(d["ar_ms"]), tuple(None if s is None else float(s) for s in d["step_ms"]),
-                   float(d["noise"]), float(d["seconds"]))
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """`auto`'s choice at one batch size: a candidate (its index) or no speculation (None), and why."""
-
-    batch: int
-    index: int | None
-    speedups: tuple[float | None, ...]  # predicted, per candidate (None: not timed)
-    margin: float  # a tree must be predicted faster than AR by more than this
-
-    @property
-    def best(self) -> int:
-        """The candidate with the largest predicted speed-up (chosen or not)."""
-        return max((i for i, s in enumerate(self.speedups) if s is not None), key=lambda i: self.speedups[i])
-
-    def describe(self, acceptance: Acceptance) -> str:
-        c, s = acceptance.candidates[self.best], self.speedups[self.best]
-        if self.index is None:
-            return (f"auto: no speculation at batch {self.batch} on this machine (best candidate {c.name}, tau "
-                    f"{c.tau:.2f}, predicted {s:.2f}x: not above 1 + its {self.margin:.0%} noise margin)")
-        return f"auto: {c.name} ({c.nodes} draft nodes, tau {c.tau:.2f}) at batch {self.batch}, predicted {s:.2f}x here"
-
-
-def speedups(acceptance: Acceptance, costs: StepCosts) -> tuple[float | None, ...]:
-    """Predicted speed-up of each candidate: tau x AR step / its step (None where not timed)."""
-    return tuple(None if s is None else c.tau * costs.ar_ms / s
-                 for c, s in zip(acceptance.candidates, costs.step_ms, strict=True))
-
-
 def choose(acceptance: Acceptance, costs: StepCosts, min_margin: float = MIN_MARGIN) -> Decision:
-    """The candidate predicted fastest, if it beats AR by more than the margin (the larger of the calibration's
-    noise and `min_margin`); else no speculation."""
-    predicted = speedups(acceptance, costs)
-    if all(s is None for s in predicted):
-        raise CalibrationError("no candidate tree was timed: calibrate again")
-    margin = max(costs.noise, min_margin)
-    decision = Decision(costs.batch, None, predicted, margin)
-    return dataclasses.replace(decision, index=decision.best) if predicted[decision.best] > 1 + margin else decision
+    """The tree plan's rule (`plan.decide`) on `acceptance`'s candidates and these step costs: the candidate predicted
+    fastest, if it beats AR by more than the margin (the larger of the calibration's noise and `min_margin`); else no
+    speculation."""
+    return decide(costs.batch, [c.tau for c in acceptance.candidates], costs.ar_ms, costs.step_ms, costs.noise,
+                  min_margin)
 
 
 def worth_timing(acceptance: Acceptance, ar_ms: float, last_ms: float, best: float, margin: float) -> bool:
@@ -132,24 +82,26 @@ class ARCosts:
         return ARCosts(min(before.prefill_ms, after.prefill_ms), step, max(before.spread, after.spread, drift))
 
 
-def calibration_clock(gen: Generator, acceptance: Acceptance, batch: int) -> StepClock:
+def calibration_clock(gen: Decoder, acceptance: Acceptance, batch: int) -> StepClock:
     """`batch` copies of `CALIBRATION_PROMPT` in one cache size for AR and every candidate (`CALIBRATION_SCRATCH`
     slots beyond the prompt and the new tokens, or the largest candidate's scratch if more), so only the step
     differs between the programs timed."""
     prompt = gen.encode(CALIBRATION_PROMPT, chat=is_chat_target(gen.model_dir, gen.tokenizer))
     tokens, lengths = pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
-    scratch = max(CALIBRATION_SCRATCH, *(scratch_slots(gen.drafter, c.tree) for c in acceptance.candidates))
-    return StepClock(tokens, lengths, tokens.shape[1] + CALIBRATION_TOKENS + scratch, CALIBRATION_TOKENS,
-                     CALIBRATION_RUNS)
+    specs = [DecodeSpec(gen.config, gen.drafter, c.tree, CALIBRATION_TOKENS) for c in acceptance.candidates]
+    floor = DecodeSpec(gen.config, None, None, CALIBRATION_TOKENS).cache_size(tokens.shape[1]) + CALIBRATION_SCRATCH
+    return StepClock(tokens, lengths, max(floor, *(s.cache_size(tokens.shape[1]) for s in specs)),
+                     CALIBRATION_TOKENS, CALIBRATION_RUNS)
 
 
-def measure_ar(gen: Generator, clock: StepClock) -> ARCosts:
+def measure_ar(gen: Decoder, clock: StepClock) -> ARCosts:
     """The target's prefill (a one-token decode) and AR step on `clock`."""
     step, spread, prefill = clock.step_timing(gen.autoregressive())
     return ARCosts(prefill * 1e3, step * 1e3, spread)
 
 
-def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCosts, progress: Any = None
+def measure(gen: Decoder, acceptance: Acceptance, clock: StepClock, ar: ARCosts,
+            progress: Callable[[int], object] | None = None
             ) -> StepCosts:
     """Time the candidates on `clock` in ascending size, stopping early (`worth_timing`, against `ar`: AR timed
     first, in this process). The speculative programs' prefill is priced as AR's (a drafter's own prefill, a few per
@@ -172,7 +124,7 @@ def measure(gen: Generator, acceptance: Acceptance, clock: StepClock, ar: ARCost
     return StepCosts(int(clock.tokens.shape[0]), ar.step_ms, tuple(steps), max(spreads), 0.0)
 
 
-def cost_key(gen: Generator, batch: int, acceptance: Acceptance) -> str:
+def cost_key(gen: Decoder, batch: int, acceptance: Acceptance) -> str:
     """What step costs depend on besides the machine: the target's shape, the dtype, the attention, the mesh, the
     batch size, the calibration's settings, the drafter with its settings and the candidates -- not the weights'
     values."""
@@ -207,7 +159,7 @@ def read_cache(path: Path) -> dict[str, Any]:
         return {}
 
 
-def calibrate(gen: Generator, acceptance: Acceptance, batch: int, remeasure: bool = False) -> StepCosts:
+def calibrate(gen: Decoder, acceptance: Acceptance, batch: int, remeasure: bool = False) -> StepCosts:
     """This machine's step costs for `gen`'s drafter and `acceptance`'s candidates at `batch` rows: cached, else
     measured (a progress line on stderr), AR before and after the candidates (`ARCosts.around`), and cached.
     `remeasure` measures again and replaces the cached costs."""
@@ -236,34 +188,6 @@ def calibrate(gen: Generator, acceptance: Acceptance, batch: int, remeasure: boo
         print(f"note: the calibration cannot be cached in {path} ({e.strerror or e}); it is measured again next time",
               file=sys.stderr)
     return costs
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LocalTrees:
-    """What `tree="auto"` follows for heads with acceptance statistics: at each batch size, the tree `choose`
-    picks from them and this machine's step costs (calibrated on first use of that batch size)."""
-
-    acceptance: Acceptance
-    gen: Generator  # the target and drafter whose steps are timed
-    decisions: dict[int, Decision] = dataclasses.field(default_factory=dict)
-
-    def decision(self, batch: int) -> Decision:
-        if batch not in self.decisions:
-            self.decisions[batch] = choose(self.acceptance, calibrate(self.gen, self.acceptance, batch))
-        return self.decisions[batch]
-
-    def at(self, batch: int) -> Tree | None:
-        """The tree at `batch` rows; None: no speculation."""
-        d = self.decision(batch)
-        return None if d.index is None else self.acceptance.candidates[d.index].tree
-
-    def describe(self, batch: int) -> str:
-        return self.decision(batch).describe(self.acceptance)
-
-    def label(self, batch: int) -> str:
-        """Short, for a results table: `auto: <candidate>` or `auto: none` (no speculation)."""
-        d = self.decision(batch)
-        return f"auto: {'none' if d.index is None else self.acceptance.candidates[d.index].name}"
 
 
 def table(acceptance: Acceptance, costs: Sequence[StepCosts]) -> str:

@@ -1,21 +1,63 @@
 """Timing whole decode loops: what a decode step costs on this machine (tree search's pricing, `auto`'s calibration,
-the step-time benchmark). A `gen` here is a `generator.Generator` (typed `Any`: the generator imports the modules
-that time it)."""
+the step-time benchmark).
+
+What is timed is a `Decoder`: a loaded target with a drafter on a tree, as this module needs it (the facade's
+`Generator` is one); declared here, so that timing depends on the operations it calls, not on the facade above it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from amphista_jax.engine.decode import pad_prompts, scratch_slots
+from amphista_jax.drafters.base import Drafter
+from amphista_jax.engine.decode import GenerateOutput, pad_prompts
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.infra.compiled_programs import release_if_crowded
 from amphista_jax.infra.errors import UserError
+from amphista_jax.models.config import ModelConfig
 from amphista_jax.trees.sampling import SamplingConfig
 from amphista_jax.trees.tree import Tree
+from amphista_jax.trees.verify import AcceptanceConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class Decoder(Protocol):
+    """A loaded target, optionally with a drafter on a tree, that decodes compiled programs (`Generator`)."""
+
+    config: ModelConfig
+    drafter: Drafter | None
+    tokenizer: PreTrainedTokenizerBase | None
+    model_dir: str
+    method: str
+    attention: str
+    mesh: Mesh | None
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]: ...
+
+    def spec(self, max_new_tokens: int, sampling: SamplingConfig = ..., acceptance: AcceptanceConfig | None = None,
+             stop_at_eos: bool = True, adapt: bool = True) -> DecodeSpec: ...
+
+    def run(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, rng: jax.Array | int = 0,
+            cache_size: int | None = None) -> tuple[GenerateOutput, float, float]: ...
+
+    def with_tree(self, tree: Tree) -> Decoder: ...
+
+    def autoregressive(self) -> Decoder: ...
 
 
 class TimingError(UserError, ValueError):
@@ -44,14 +86,16 @@ class StepClock:
     runs: int
 
     @classmethod
-    def for_trees(cls, gens: Sequence[Any], prompt: Sequence[int], trees: Sequence[Tree],
+    def for_trees(cls, gens: Sequence[Decoder], prompt: Sequence[int], trees: Sequence[Tree],
                   max_new_tokens: int, runs: int, batch: int = 1) -> StepClock:
         """A clock whose cache holds the scratch slots of any of `trees` under any of `gens`' drafters."""
         tokens, lengths = pad_prompts([prompt] * batch, pad_id=gens[0].pad_id, multiple=64)
-        scratch = max((scratch_slots(g.drafter, t) for g in gens if g.drafter is not None for t in trees), default=0)
-        return cls(tokens, lengths, tokens.shape[1] + max_new_tokens + scratch, max_new_tokens, runs)
+        specs = [DecodeSpec(gens[0].config, None, None, max_new_tokens)]  # AR's, and each drafter's on each tree
+        specs += [DecodeSpec(g.config, g.drafter, t, max_new_tokens)
+                  for g in gens if g.drafter is not None for t in trees]
+        return cls(tokens, lengths, max(s.cache_size(tokens.shape[1]) for s in specs), max_new_tokens, runs)
 
-    def timed_runs(self, gen: Any, new_tokens: int) -> tuple[list[float], int]:
+    def timed_runs(self, gen: Decoder, new_tokens: int) -> tuple[list[float], int]:
         """(seconds of each of `runs` timed runs, decode steps) of `gen` writing `new_tokens` tokens, after a compile
         and warm-up run."""
         spec = gen.spec(new_tokens, SamplingConfig(), stop_at_eos=False)
@@ -59,12 +103,12 @@ class StepClock:
         results = [gen.run(self.tokens, self.lengths, spec, cache_size=self.cache_size) for _ in range(self.runs)]
         return [r[1] for r in results], int(results[-1][0].steps)
 
-    def decode(self, gen: Any, new_tokens: int) -> tuple[float, int]:
+    def decode(self, gen: Decoder, new_tokens: int) -> tuple[float, int]:
         """(fastest seconds, decode steps) of `gen` writing `new_tokens` tokens."""
         seconds, steps = self.timed_runs(gen, new_tokens)
         return min(seconds), steps
 
-    def step_timing(self, gen: Any, prefill_s: float | None = None) -> StepTiming:
+    def step_timing(self, gen: Decoder, prefill_s: float | None = None) -> StepTiming:
         """`gen`'s seconds per decode step, (decode time - prefill) / steps, and the spread of its timed runs.
         `prefill_s`: the prefill to subtract; None: `gen`'s own, a one-token decode (`fastest_prefill`)."""
         runs, steps = self.timed_runs(gen, self.max_new_tokens)
@@ -72,7 +116,7 @@ class StepClock:
             prefill_s = self.fastest_prefill(gen, min(runs))
         return StepTiming(_per_step(min(runs), steps, prefill_s), (max(runs) - min(runs)) / min(runs), prefill_s)
 
-    def fastest_prefill(self, gen: Any, decode_s: float, prefill_s: float = math.inf) -> float:
+    def fastest_prefill(self, gen: Decoder, decode_s: float, prefill_s: float = math.inf) -> float:
         """The fastest one-token decode of `gen` (its prefill; `prefill_s`: one timed before), timed while it is no
         shorter than a whole decode of `decode_s` seconds, at most `1 + NOISE_RETRIES` times: a prefill that long was
         inflated by noise (noise only adds time, and a decode is the prefill and its steps)."""
@@ -82,12 +126,12 @@ class StepClock:
             prefill_s = min(prefill_s, self.decode(gen, 1)[0])
         return prefill_s
 
-    def ar_step_seconds(self, ar: Any) -> float:
+    def ar_step_seconds(self, ar: Decoder) -> float:
         """Seconds per step of `ar`, an autoregressive generator (`Generator.autoregressive()`; the caller keeps it,
         so a second timing reuses its compiled programs), on its own prefill."""
         return self.step_timing(ar).step_s
 
-    def spec_step_seconds(self, gen: Any, trees: Sequence[Tree],
+    def spec_step_seconds(self, gen: Decoder, trees: Sequence[Tree],
                           progress: Callable[[int], None] | None = None) -> list[float]:
         """Seconds per speculative step of `gen`'s drafter on each of `trees`. The prefill (with the drafter's own,
         the same for every tree) is timed by the same programs with one new token (`fastest_prefill`, against every

@@ -149,7 +149,6 @@ class Amphista(LogicalInit):
         return self._adapt_and_cache(params, target, prompt.out.hidden, prompt.next_tokens(), prompt.lengths, state)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         logits = self.head_logits(params, target, ctx.state["adapted"], max(tree.depth, 1))  # [B, depth, V_d]
         return topk_proposal(logits, ctx.root, tree, self.draft_vocab)
 

@@ -184,7 +184,6 @@ class BiTA(LogicalInit):
         return state | {"logits": hidden.astype(jnp.float32) @ target.lm_head()}
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         proposal = topk_proposal(ctx.state["logits"][:, :max(tree.depth, 1)], ctx.root, tree)
         positions, sees_new, sees_extras = mask_groups(proposal.tree, ctx.lengths, self.num_masks)
         return proposal.replace(extras=self._extras(params, positions, sees_new, sees_extras))

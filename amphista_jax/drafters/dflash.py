@@ -194,7 +194,6 @@ class DFlash(LogicalInit):
         return self.logits(params, target, out[:, 1: depth + 1])
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         logits = self.block_logits(params, target, ctx.root, ctx.state, max(tree.depth, 1))  # [B, depth, V_d]
         if self.temperature > 0:
             return sampled_proposal(logits, ctx.root, tree, rng, self.temperature, target.config.vocab_size,

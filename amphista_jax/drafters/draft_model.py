@@ -9,7 +9,7 @@ Cache convention (one ahead of the target's): the root — the target's own next
 there (`state["base"]`, after the final norm) gives the root's children. `prefill` runs it over the prompt and
 the root; `commit` over the tokens that follow each accepted node (the next accepted node's token, then the
 bonus, which is the next root: `accepted_tokens`), committing `n_accepted`. A node of depth d then sits at
-`lengths + d - 1` of its cache, which is `FeatureDrafting`'s convention (`eagle.py`): each depth's nodes run
+`lengths + d - 1` of its cache, which is `FeatureDrafting`'s convention (`feature_drafting.py`): each depth's nodes run
 through the model in one call and see the committed cache, their ancestors' keys/values of this step
 (scratch) and themselves. Chains are static trees of one child per node; static trees give each node the rank
 the tree says among its parent's drafts; a `TreeBudget` grows an EAGLE-2 dynamic tree from its log-probs.
@@ -49,7 +49,7 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.causal_layers import run_and_commit
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
-from amphista_jax.drafters.eagle import FeatureDrafting
+from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.infra import config_io
 from amphista_jax.infra.errors import UserError
 from amphista_jax.models.cache import KVCache
@@ -193,7 +193,6 @@ class DraftModel(LogicalInit):
         return state, accepted_hidden(verdict, verify_out)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         draft = FeatureDrafting(self, params, target, ctx)
         if isinstance(tree, TreeBudget):
             if self.temperature > 0:

@@ -39,13 +39,11 @@ the CE term's teacher is the target's distribution restricted to them.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Protocol
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from amphista_jax.drafters.base import (
@@ -59,13 +57,13 @@ from amphista_jax.drafters.base import (
     head_losses,
 )
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
-from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids, to_target, to_vocab
+from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
+from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, logical_dense, run_stack
 from amphista_jax.models.target import Target
-from amphista_jax.trees.growth import Expansion, grow_dynamic_tree
-from amphista_jax.trees.tree import Tree, TreeBudget, TreeSpec, batched, tree_arrays, tree_levels
+from amphista_jax.trees.tree import Tree, TreeBudget, TreeSpec
 from amphista_jax.trees.verify import Verdict
 
 
@@ -134,7 +132,6 @@ class Eagle(LogicalInit):
         return state, accepted_hidden(verdict, verify_out)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         draft = FeatureDrafting(self, params, target, ctx)
         if isinstance(tree, TreeBudget):
             return draft.dynamic(tree)
@@ -216,126 +213,3 @@ class _EagleNet(nn.Module):
     def inputs(self, embeds: jax.Array, features: jax.Array) -> jax.Array:
         """The stack's inputs `FC([E(token) ; feature])` `[..., D]`."""
         return self.fc(jnp.concatenate([embeds, features], axis=-1))
-
-
-class CachedStack(Protocol):
-    """A drafter with its own cached stack that `FeatureDrafting` drives (EAGLE's layers, a whole draft model).
-    Its state holds `base` (the stack's output for the root: its children's draft distribution) and `caches[0]`,
-    whose committed prefix ends just before depth 1 (a node of depth d sits at `lengths + d - 1`). `logprobs` are
-    over its `draft_vocab` (`()`: the whole vocabulary)."""
-
-    draft_vocab: tuple[int, ...]
-
-    def run_nodes(self, params: Any, target: Target, tokens: jax.Array, parent_features: jax.Array,
-                  positions: jax.Array, cache: KVCache, new_mask: jax.Array,
-                  prefix: PrefixKV | None) -> tuple[jax.Array, KVCache, jax.Array | None]: ...
-
-    def logprobs(self, params: Any, target: Target, features: jax.Array) -> jax.Array: ...
-
-
-@dataclasses.dataclass
-class FeatureDrafting:
-    """One step's tree drafting: expansions of the drafter's cached stack over tree nodes, each depth in one
-    call, with the earlier depths' keys/values of this step as scratch that only their descendants see."""
-
-    drafter: CachedStack
-    params: dict
-    target: Target
-    ctx: DraftContext
-
-    def logprobs(self, features: jax.Array) -> jax.Array:
-        return self.drafter.logprobs(self.params, self.target, features)
-
-    def top_k(self, logprobs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-        """(scores, target token ids) `[..., k]` of the `k` best of `logprobs [..., V_d]`."""
-        score, index = jax.lax.top_k(logprobs, k)
-        return score, to_target(index.astype(jnp.int32), self.drafter.draft_vocab)
-
-    def expand(self, tokens: jax.Array, parent_features: jax.Array, depth: int, sees: jax.Array,
-               scratch: tuple[jax.Array, jax.Array] | None
-               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None]:
-        """Run `M` nodes of tree depth `depth` (tokens `[B, M]`, their parents' predicted features `[B, M, D]`)
-        in one call; `sees [B, M, S]`: which `scratch` slots (earlier calls' nodes; None: there are none) each
-        one sees. Returns their predicted features `[B, M, D]`, their keys/values `[L, B, M, KVH, Dh]` and their
-        stack inputs `[B, M, D]` (None for a stack whose inputs are its tokens alone)."""
-        cache = self.ctx.state["caches"][0]
-        b, m = tokens.shape
-        positions = jnp.broadcast_to(cache.lengths[:, None] + depth - 1, (b, m))
-        prefix = PrefixKV(*scratch, sees) if scratch is not None and scratch[0].shape[2] else None
-        own = jnp.broadcast_to(jnp.eye(m, dtype=bool), (b, m, m))
-        out, written, inputs = self.drafter.run_nodes(self.params, self.target, tokens, parent_features, positions,
-                                                      cache, own, prefix)
-
-        def new_entries(layer: jax.Array) -> jax.Array:  # [L, B, S, KVH, Dh] -> [L, B, M, KVH, Dh]
-            return jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, m, 1), (1, 0), 1)(layer, cache.lengths)
-
-        return out, (new_entries(written.k), new_entries(written.v)), inputs
-
-    def static(self, spec: TreeSpec, rng: jax.Array | None = None, temperature: float = 0.0) -> Proposal:
-        """A static tree, depth by depth: each expanded node's children are the top-k of its own draft
-        distribution (EAGLE; `q = None`), or, with `temperature > 0`, independent draws from that distribution at
-        `temperature` (one per child rank; siblings may repeat), which the proposal passes on as each child's `q`
-        for lossless rejection sampling."""
-        b, n, vocab = self.ctx.root.shape[0], spec.num_nodes, self.drafter.draft_vocab
-        levels = tree_levels(spec)
-        sees = _static_scratch_visibility(spec)  # [depth, M_d, S]
-        tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(self.ctx.root)
-        q = None
-        features = self.ctx.state["base"][:, None]  # [B, M, D] predicted features of the expanded nodes
-        scratch = _empty_scratch(self.ctx.state["caches"][0], b, sum(len(lv.expand) for lv in levels[:-1]))
-        used = 0
-        for depth, level in enumerate(levels, start=1):
-            logprobs, k = self.logprobs(features), int(level.rank.max()) + 1  # [B, M, V_d]
-            if temperature > 0:
-                dist = jax.nn.log_softmax(logprobs / temperature, axis=-1)  # [B, M, V_d]
-                draws = jax.random.categorical(jax.random.fold_in(rng, depth), dist, shape=(k,) + dist.shape[:-1])
-                top = to_target(jnp.moveaxis(draws, 0, -1).astype(jnp.int32), vocab)  # [B, M, k] i.i.d. per parent
-                probs = to_vocab(jnp.exp(dist), vocab, self.target.config.vocab_size)  # [B, M, V]
-                q = (jnp.zeros((b, n) + probs.shape[-1:], jnp.float32) if q is None else q).at[:, level.nodes].set(
-                    probs[:, level.parent_slot])
-            else:
-                top = self.top_k(logprobs, k)[1]  # [B, M, k]
-            children = top[:, level.parent_slot, level.rank]  # [B, C]
-            tokens = tokens.at[:, level.nodes].set(children)
-            if not len(level.expand):
-                break
-            m = len(level.expand)
-            parents = features[:, level.parent_slot[level.expand]]
-            features, kv, _ = self.expand(children[:, level.expand], parents, depth,
-                                          jnp.broadcast_to(sees[depth - 1], (b,) + sees[depth - 1].shape), scratch)
-            scratch = tuple(s.at[:, :, used: used + m].set(x) for s, x in zip(scratch, kv, strict=True))
-            used += m
-        return Proposal(tokens, batched(tree_arrays(spec), b), q)
-
-    def dynamic(self, budget: TreeBudget) -> Proposal:
-        """EAGLE-2 (`tree_growth.grow_dynamic_tree`): each frontier runs through the layer in one call, its
-        keys/values kept as this step's scratch at the slots the builder assigns."""
-        base, b = self.ctx.state["base"], self.ctx.root.shape[0]
-        scratch = _empty_scratch(self.ctx.state["caches"][0], b, (budget.depth - 1) * budget.max_children)
-        tokens, arrays = grow_dynamic_tree(self.ctx.root, self.logprobs(base), base, self.expansion, scratch, budget,
-                                           target_ids(self.drafter.draft_vocab))
-        return Proposal(tokens, arrays)
-
-    def expansion(self, tokens: jax.Array, parent_features: jax.Array, level: Expansion, sees: jax.Array,
-                  scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, tuple]:
-        """`tree_growth.Expand`: a frontier through the layer; its children are its top-k drafts."""
-        features, kv, _ = self.expand(tokens, parent_features, level.depth, sees, scratch)
-        end = level.offset + level.width
-        scratch = tuple(x.at[:, :, level.offset: end].set(y) for x, y in zip(scratch, kv, strict=True))
-        score, child = self.top_k(self.logprobs(features), level.children)
-        return score, child, features, scratch
-
-
-def _empty_scratch(cache: KVCache, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:
-    shape = (cache.k.shape[0], batch, slots) + cache.k.shape[3:]
-    return jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _static_scratch_visibility(spec: TreeSpec) -> tuple[np.ndarray, ...]:
-    """Per depth d (1-based) of a static tree, `[M_d, S]`: which scratch slots (the expanded nodes of depths
-    < d, in expansion order) each expanded node of depth d sees: its ancestors'."""
-    arrays, levels = tree_arrays(spec), tree_levels(spec)
-    slot_nodes = np.concatenate([lv.nodes[lv.expand] for lv in levels[:-1]] + [np.zeros(0, np.int64)])
-    return tuple(arrays.mask[np.ix_(lv.nodes[lv.expand], slot_nodes)] & (lv.nodes[lv.expand][:, None] != slot_nodes)
-                 for lv in levels)

@@ -12,7 +12,7 @@ The draft layer (`midlayer`) is one decoder layer of the target's block type who
 `lm_head` at the draft vocabulary's columns, then trained) give the draft distribution. Slot `p` of its cache
 holds the input `(E(x_{p+1}), fc(captured_p))` of a committed position; a drafted node's input is its token with
 its parent's draft-layer output (not `fc` of anything): the feature is the layer's own output from depth 2 on.
-Decoding is EAGLE's (`eagle.FeatureDrafting`, static trees or EAGLE-2's dynamic one).
+Decoding is EAGLE's (`feature_drafting.FeatureDrafting`, static trees or EAGLE-2's dynamic one).
 
 Training-time test (the reference's `traineagle3/cnets.py`, `length = 7`): the layer is unrolled `ttt_steps` times
 over the whole sequence. Step 0 is teacher-forced: position t reads `(E(x_{t+1}), fc(captured_t))` at position t
@@ -49,7 +49,7 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.causal_layers import at_path, block_config, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
-from amphista_jax.drafters.eagle import FeatureDrafting
+from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
@@ -141,7 +141,6 @@ class Eagle3(LogicalInit):
         return state, accepted_hidden(verdict, verify_out)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         draft = FeatureDrafting(self, params, target, ctx)
         return draft.dynamic(tree) if isinstance(tree, TreeBudget) else draft.static(tree)
 

@@ -52,7 +52,8 @@ from amphista_jax.drafters.base import (
     teacher_ce,
 )
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids
-from amphista_jax.drafters.eagle import Eagle, FeatureDrafting
+from amphista_jax.drafters.eagle import Eagle
+from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
 from amphista_jax.models.target import Target
@@ -136,7 +137,6 @@ class Gumiho(LogicalInit):
         return _ParallelHeads(self.mlp_heads, self.mlp_layers, d).apply({"params": params["mlps"]}, x)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         depth, s, extra = tree.depth, tree.max_children, self.fta_nodes if self.full_tree_attention else 0
         serial = self.serial
         draft = FeatureDrafting(serial, params["serial"], target, ctx)

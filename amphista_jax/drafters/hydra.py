@@ -157,7 +157,6 @@ class Hydra(LogicalInit):
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         """Deterministic top-k drafts (`q = None`), depth by depth: each node's children are the top-k of the
         next head applied to that node's own path."""
-        self.check_tree(tree, target.config.vocab_size)
         # Head inputs of the nodes that have children, depth by depth: [B, M, (depth + 2) D].
         inputs = jnp.concatenate([self.base_state(ctx).astype(jnp.float32), target.embed(ctx.root)], axis=-1)[:, None]
         return draft_by_levels(ctx.root, tree, inputs, lambda depth, x: self._logits(params, target, depth, x),

@@ -86,7 +86,6 @@ class Medusa(LogicalInit):
         return split_heads(params)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         logits = self.head_logits(params, target, ctx.hidden, heads=max(tree.depth, 1))  # [B, depth, V_d]
         return topk_proposal(logits, ctx.root, tree, self.draft_vocab)
 

@@ -90,7 +90,6 @@ class PromptLookup(Drafter):
         return append(state, new, verdict.n_accepted), accepted_hidden(verdict, verify_out)
 
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
-        self.check_tree(tree, target.config.vocab_size)
         branch = np.array([0] + [path[0] for path in tree.choices])  # [N] the match each node continues
         first_children = np.array([True] + [not any(path[1:]) for path in tree.choices])  # [N]
         drafts, known = lookup(ctx.state["history"], ctx.state["length"], self.max_ngram, self.min_ngram,

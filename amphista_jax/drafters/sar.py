@@ -128,7 +128,6 @@ class SemiAutoregressive(LogicalInit):
     def propose(self, params: dict, target: Target, ctx: DraftContext, tree: Tree, rng: jax.Array) -> Proposal:
         """Deterministic top-k drafts (`q = None`), depth by depth: each node's children are the top-k of `q0`
         on that node's own path (root .. node)."""
-        self.check_tree(tree, target.config.vocab_size)
         base = ctx.hidden.astype(jnp.float32)[:, None]  # [B, 1, D]
         carry = self._apply(params, target, _SARNet.empty, (ctx.root.shape[0], 1))
         carry = self._step(params, target, carry, ctx.root[:, None], 0)  # the encoder over each node's path

@@ -49,6 +49,19 @@ class GenerateOutput:
     node_tries: jax.Array | None = None
     node_hits: jax.Array | None = None
 
+    @property
+    def row_steps(self) -> np.ndarray:
+        """`[B]` target forwards after the prefill that committed tokens to each row (a row stops counting once it
+        is done)."""
+        return (np.asarray(self.accept_lengths) > 0).sum(1)
+
+    @property
+    def tau(self) -> np.ndarray:
+        """`[B]` tokens committed per decoding forward, each row's own: (its new tokens - the prefill's one) / its
+        steps; 1.0 for a row the prefill finished."""
+        steps, new = self.row_steps, np.asarray(self.num_tokens)
+        return np.where(steps > 0, (new - 1) / np.maximum(steps, 1), 1.0)
+
 
 @struct.dataclass
 class ARState:
@@ -99,22 +112,15 @@ def prefill(
     return out, cache, last_hidden, logits
 
 
-def scratch_slots(drafter: Drafter, tree: Tree) -> int:
-    """Cache slots a verify forward writes past the committed ones: the tree's nodes and the drafter's extras.
-    A speculative cache needs `padded prompt length + max_new_tokens + scratch_slots(drafter, tree)`."""
-    return tree.num_nodes + drafter.num_extras(tree)
-
-
-def _check_static_fit(prompt_len: int, max_new_tokens: int, scratch: int, cache_size: int) -> None:
+def _check_static_fit(spec: DecodeSpec, prompt_len: int, cache_size: int) -> None:
     """Trace-time guard: every cache write must land inside the cache (XLA would otherwise clamp the write
-    onto committed slots). Sized on the padded prompt length, which bounds every row's length; `scratch`:
-    the slots a verify forward writes past the committed ones (tree nodes and extras)."""
-    need = prompt_len + max_new_tokens + scratch
-    if need > cache_size:
+    onto committed slots). Sized on the padded prompt length, which bounds every row's length
+    (`DecodeSpec.cache_size`)."""
+    if (need := spec.cache_size(prompt_len)) > cache_size:
         raise PromptTooLongError(
-            f"padded prompt length {prompt_len} + max_new_tokens={max_new_tokens} + {scratch} scratch slots (tree "
-            f"nodes and extras) = {need} cache slots, but {cache_size=}: raise the cache size (--max-len) or lower "
-            "--max-new-tokens")
+            f"padded prompt length {prompt_len} + max_new_tokens={spec.max_new_tokens} + {spec.scratch} scratch slots "
+            f"(tree nodes and extras) = {need} cache slots, but {cache_size=}: raise the cache size (--max-len) or "
+            "lower --max-new-tokens")
 
 
 def is_stop(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -129,8 +135,7 @@ def generate(params: dict, prompt: jax.Array, prompt_lengths: jax.Array, rng: ja
              pad_id: int = 0, attention: str = "xla") -> GenerateOutput:
     """Autoregressive generation of up to `max_new_tokens` per row of right-padded `prompt [B, T]`; a row stops
     after an EOS token: `decode` with no drafter. Needs `cache_size >= T + max_new_tokens`. `params` in either
-    layer layout; the `split_layers` one (what `hf.load_params(layout="split")` reads) decodes 2-3x faster on
-    XLA:CPU at 132M-500M parameters (docs/ar_decode.md)."""
+    layer layout (decoding loads the `split_layers` one: `hf.load_params(layout="split")`)."""
     spec = DecodeSpec(config, None, None, max_new_tokens, sampling, DEFAULT_ACCEPTANCE, eos_ids, pad_id, attention)
     return decode(params, None, prompt, prompt_lengths, rng, spec=spec, cache_size=cache_size)
 
@@ -210,11 +215,11 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
     # The verify forward writes N + E scratch slots after the committed ones (E: the proposal's extras).
     ctx = DraftContext(hidden, first, cache.lengths, draft_state)
     shape = jax.eval_shape(lambda: spec.drafter.propose(draft_params, frozen, ctx, spec.tree, rng))
-    scratch, extras = scratch_slots(spec.drafter, spec.tree), shape.extras.count if shape.extras else 0
-    if spec.tree.num_nodes + extras != scratch:
+    extras = shape.extras.count if shape.extras else 0
+    if spec.tree.num_nodes + extras != spec.scratch:
         raise ValueError(f"the drafter's proposals carry {extras} extras but its num_extras(tree) says "
-                         f"{scratch - spec.tree.num_nodes}")
-    _check_static_fit(t, spec.max_new_tokens, scratch, cache_size)
+                         f"{spec.scratch - spec.tree.num_nodes}")
+    _check_static_fit(spec, t, cache_size)
     stats = jnp.zeros((b, spec.stat_shape[0] * spec.stat_shape[1]), jnp.int32)
     return SpecState(
         cache=cache, draft_state=draft_state, root=first, hidden=hidden,
@@ -312,8 +317,8 @@ def speculative_generate(params: dict, draft_params: Any, prompt: jax.Array, pro
                          acceptance: AcceptanceConfig = DEFAULT_ACCEPTANCE, eos_ids: tuple[int, ...] = (),
                          pad_id: int = 0, attention: str = "xla") -> GenerateOutput:
     """Draft-tree / verify generation: `decode` with `drafter` on `tree`; greedy output equals `generate`'s token
-    for token. Needs `cache_size >= T + max_new_tokens + scratch_slots(drafter, tree)` (the tree's nodes and the
-    drafter's extras; checked at trace time)."""
+    for token. Needs `cache_size >= spec.cache_size(T)` (`DecodeSpec.cache_size`: the prompt, the new tokens and
+    the tree's scratch slots; checked at trace time)."""
     spec = DecodeSpec(config, drafter, tree, max_new_tokens, sampling, acceptance, eos_ids, pad_id, attention)
     return decode(params, draft_params, prompt, prompt_lengths, rng, spec=spec, cache_size=cache_size)
 
@@ -323,7 +328,7 @@ def init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: jax
     """The state after the prefill (the first token emitted): `ar_init` without a drafter, else `spec_init`
     (`draft_params` in the drafter's decode layout, `Drafter.decode_params`)."""
     if spec.drafter is None:
-        _check_static_fit(prompt.shape[1], spec.max_new_tokens, 0, cache_size)
+        _check_static_fit(spec, prompt.shape[1], cache_size)
         return ar_init(spec.model(params), params, prompt, prompt_lengths, rng, cache_size, spec.max_new_tokens,
                        spec.sampling, spec.eos_ids, spec.pad_id)
     return spec_init(params, draft_params, prompt, prompt_lengths, rng, cache_size, spec)
@@ -411,7 +416,7 @@ def refill(params: dict, state: ARState, slots: jax.Array, prompt: jax.Array, pr
     that a few refill sizes share programs). `state` is donated: its cache is updated in place."""
     if spec.speculative:
         raise DecodeSpecError("drafter", spec.drafter, "in-flight refill is autoregressive only: pass None")
-    _check_static_fit(prompt.shape[1], spec.max_new_tokens, 0, state.cache.size)
+    _check_static_fit(spec, prompt.shape[1], state.cache.size)
     new = ar_init(spec.model(params), params, prompt, prompt_lengths, rng, state.cache.size, spec.max_new_tokens,
                   spec.sampling, spec.eos_ids, spec.pad_id)
 

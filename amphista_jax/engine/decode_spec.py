@@ -5,7 +5,13 @@ number of new tokens, the sampling and acceptance settings, the stop ids, the pa
 is the static argument of `decode.decode` (one jitted entry for AR and speculative decoding), so two equal specs
 share a compiled program. Every range check of these settings lives here: `check_decode_settings` (what a
 front-end can check before loading any weights) and `DecodeSpec.__post_init__` (all of them, the vocabulary
-included). Errors are `DecodeSpecError`s (one line, naming the setting); the CLI names its flag for the setting.
+included, and the tree against the drafter: once per spec, not per step). Errors are `DecodeSpecError`s (one line,
+naming the setting); the CLI names its flag for the setting.
+
+The spec is also the one home of a decode's token budget: `cache_size(prompt_length)` is the slots a cache needs
+for right-padded prompts of that length (the prompt, `max_new_tokens`, and the `scratch` slots a verify forward
+writes past the committed ones: the tree's nodes and the drafter's extras). Every door that allocates a cache
+(`Generator.run` / `stream`, the memory plans, the calibration's clock, the benchmarks) asks the spec.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from amphista_jax.drafters.base import Drafter
 from amphista_jax.infra.errors import DecodeSpecError, UserError
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.llama import Transformer, target_model
 from amphista_jax.trees.sampling import SamplingConfig, is_whole
 from amphista_jax.trees.tree import Tree
 from amphista_jax.trees.verify import AcceptanceConfig
@@ -30,6 +37,11 @@ MIN_BUCKET = 16  # prompts pad to the next power of two >= this many tokens
 def bucket(length: int) -> int:
     """The padded prompt length of a `length`-token prompt: the next power of two, at least `MIN_BUCKET`."""
     return max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length())
+
+
+def scratch_slots(drafter: Drafter, tree: Tree) -> int:
+    """Cache slots a verify forward writes past the committed ones: the tree's nodes and the drafter's extras."""
+    return tree.num_nodes + drafter.num_extras(tree)
 
 
 def check_decode_settings(max_new_tokens: Any, sampling: SamplingConfig, acceptance: AcceptanceConfig,
@@ -90,12 +102,20 @@ class DecodeSpec:
         return self.drafter is not None
 
     @property
+    def scratch(self) -> int:
+        """Cache slots a verify forward writes past the committed ones (0 for autoregressive decoding)."""
+        return 0 if self.drafter is None else scratch_slots(self.drafter, self.tree)
+
+    def cache_size(self, prompt_length: int) -> int:
+        """Slots of a cache for right-padded prompts of `prompt_length` tokens: the prompt, the new tokens and the
+        scratch slots (the number every door allocates, and the engine checks at trace time)."""
+        return prompt_length + self.max_new_tokens + self.scratch
+
+    @property
     def stat_shape(self) -> tuple[int, int]:
         """(D, R) of the tree statistics."""
         return max(self.tree.depth, 1), self.tree.num_ranks
 
-    def model(self, params: dict) -> Any:
+    def model(self, params: dict) -> Transformer:
         """The target model that applies `params` (either layer layout)."""
-        from amphista_jax.models.llama import target_model
-
         return target_model(self.config, params, self.attention)

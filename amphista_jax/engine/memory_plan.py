@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from amphista_jax.drafters.base import Drafter
-from amphista_jax.engine.decode import decode, scratch_slots
+from amphista_jax.engine.decode import decode
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.engine.sharding import batch_sharding, draft_param_shardings, on_mesh, param_shardings
 from amphista_jax.infra.accelerators import GIB, Accelerator
@@ -155,11 +155,10 @@ def decode_plan(config: ModelConfig, drafter: Drafter, tree: Tree, mesh: Mesh | 
     if mesh is not None:  # rows over the batch axes
         prompt = abstract(prompt, {"tokens": batch_sharding(mesh, (batch, prompt_len)),
                                    "lengths": batch_sharding(mesh, (batch,)), "rng": NamedSharding(mesh, P())})
-    cache_size = prompt_len + max_new_tokens + scratch_slots(drafter, tree)
     with on_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         spec = DecodeSpec(config, drafter, tree, max_new_tokens)
         compiled = decode.lower(params, draft, prompt["tokens"], prompt["lengths"], prompt["rng"], spec=spec,
-                                cache_size=cache_size).compile()
+                                cache_size=spec.cache_size(prompt_len)).compile()
     return compiled_plan("decode", compiled, {"target params": params, "draft params": draft, "batch": prompt},
                          mesh_devices(mesh), capacity, where)
 

@@ -2,10 +2,10 @@
 
 `read_source` turns what a user names (a draft-head directory, a method name, the heads shipped for the target, a
 method's untrained heads, a draft model's directory, or a `Drafter` in hand) into a `DrafterSource`: the method, its
-drafter with its settings, and where its params are, read without loading any params. `choose_tree` decides the
-tree it drafts (a name, a file, `auto`, a tree policy searched per batch size), checked against the drafter and
-the target's vocabulary. `load_draft_params` then reads or initialises the params against the loaded target.
-`Generator.load` and `Generator.with_drafter` are the only callers; every front-end goes through them.
+drafter with its settings, and where its params are, read without loading any params. `choose_tree` makes the
+`TreePlan` of the trees it drafts (a name, a file, `auto`, a tree policy searched per batch size), checked against
+the drafter and the target's vocabulary. `load_draft_params` then reads or initialises the params against the loaded
+target. `Generator.load` and `Generator.with_drafter` are the only callers; every front-end goes through them.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from typing import Any
 import jax
 
 from amphista_jax.choice.acceptance import Acceptance, AcceptanceError, acceptance_file
+from amphista_jax.choice.plan import TreePlan
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
 from amphista_jax.drafters.io import META_FILE, load_draft, params_fit, read_draft_meta
 from amphista_jax.infra.errors import GeneratorError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.target import Target
-from amphista_jax.trees.names import AUTO, TreePolicy, get_tree, read_policy, resolve_tree
+from amphista_jax.trees.names import AUTO, get_tree, read_policy, resolve_tree
 from amphista_jax.trees.tree import Tree, TreeError
 
 UNTRAINED = ":untrained"  # `<method>:untrained`: the method's freshly initialised heads
@@ -74,8 +75,8 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
                 check_vocabularies(draft_config, config, name)
             return DrafterSource(DraftModel.name, with_settings(DraftModel(draft_config), settings), str(path),
                                  acceptance=acceptance_file(path))
-        raise GeneratorError(f"{name} holds neither draft heads ({META_FILE}) nor a model (config.json): pass the "
-                             "heads/ directory `amphista-jax train` wrote or a Hugging Face model directory")
+        raise GeneratorError(f"{name} is not a draft-head checkpoint (no {META_FILE}) nor a model (no config.json): "
+                             "pass the heads/ directory `amphista-jax train` wrote or a Hugging Face model directory")
     target, shipped = shipped_target(model_dir) if model_dir else None, method.replace("++", "-plus")
     if not untrained and target and shipped in shipped_heads(target):
         path = shipped_heads_dir(shipped, target)
@@ -109,47 +110,29 @@ def with_settings(drafter: Drafter, settings: dict[str, Any] | None) -> Drafter:
         raise GeneratorError(str(e)) from None
 
 
-@dataclasses.dataclass(frozen=True)
-class TreeChoice:
-    """The tree a drafter drafts: `tree` at batch size 1 (None: chosen on this machine when the target has loaded),
-    its name as the user gave it, the per-batch `policy` a policy file follows (None: one tree at every batch
-    size), the `acceptance` statistics `auto` chooses from with this machine's step costs (`calibration`), and a
-    note saying how `auto` was resolved (or None)."""
-
-    tree: Tree | None
-    name: str
-    policy: TreePolicy | None = None
-    note: str | None = None
-    acceptance: Acceptance | None = None
-
-    def at(self, batch: int) -> Tree | None:
-        """The tree for `batch` rows: the policy's, else the one tree (None under `acceptance`: not chosen yet)."""
-        return self.policy.at(batch) if self.policy is not None else self.tree
-
-
-def choose_tree(tree: str | Tree | TreeChoice, source: DrafterSource, vocab_size: int | None) -> TreeChoice:
-    """The tree `source`'s drafter drafts for `tree`: a `Tree` as it is; a name, a JSON file or `fan-KxD` as named;
-    `auto`: chosen on this machine from the acceptance statistics shipped with the heads (`calibration`, once the
-    target has loaded), else the drafter's paper tree (said in the note; a draft model's directory quietly); a
-    policy file (`<stem>.batch.json`): its tree per batch size. Every tree is checked against the drafter and the
-    vocabulary."""
+def choose_tree(tree: str | Tree | TreePlan, source: DrafterSource, vocab_size: int | None) -> TreePlan:
+    """The plan of the trees `source`'s drafter drafts for `tree`: a `Tree` as it is; a name, a JSON file or `fan-KxD`
+    as named; `auto`: chosen on this machine from the acceptance statistics shipped with the heads (once the target
+    has loaded and can time steps: `TreePlan.priced`), else the drafter's paper tree (said in the note; a draft
+    model's directory quietly); a policy file (`<stem>.batch.json`): its tree per batch size. Every tree named is
+    checked against the drafter and the vocabulary (`auto`'s candidates as `usable_acceptance` keeps them)."""
     drafter = source.drafter
-    if isinstance(tree, TreeChoice):
-        choice = tree
+    if isinstance(tree, TreePlan):
+        plan = tree
     elif not isinstance(tree, str):
-        choice = TreeChoice(tree, str(tree))
+        plan = TreePlan(str(tree), tree)
     elif tree == AUTO and (stats := usable_acceptance(source, vocab_size)) is not None:
-        choice = TreeChoice(None, tree, acceptance=stats)
+        plan = TreePlan(tree, acceptance=stats)
     elif (policy := read_policy(tree)) is not None:
         trees = [t for _, t in policy.by_batch if t is not None]
         first = policy.at(1) or (trees[0] if trees else get_tree(drafter.paper_tree))
-        choice = TreeChoice(first, tree, policy, f"tree {tree}: {policy.describe()}")
+        plan = TreePlan(tree, first, policy, note=f"tree {tree}: {policy.describe()}")
     else:
         spec, note = resolve_tree(tree, source.path, drafter.paper_tree)
-        choice = TreeChoice(spec, tree, None, None if source.is_model_dir else note)
-    for t in {choice.tree, *(t for _, t in (choice.policy.by_batch if choice.policy else ()))} - {None}:
-        drafter.check_tree(t, vocab_size)  # `auto`'s candidates: checked as `usable_acceptance` keeps them
-    return choice
+        plan = TreePlan(tree, spec, note=None if source.is_model_dir else note)
+    for t in plan.named_trees():
+        drafter.check_tree(t, vocab_size)
+    return plan
 
 
 def usable_acceptance(source: DrafterSource, vocab_size: int | None) -> Acceptance | None:

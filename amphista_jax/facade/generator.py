@@ -27,25 +27,29 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from amphista_jax.choice.calibration import LocalTrees
+from amphista_jax.choice.calibration import calibrate
+from amphista_jax.choice.plan import TreePlan
 from amphista_jax.drafters import Drafter
-from amphista_jax.engine.decode import GenerateOutput, advance, decode, pad_prompts, scratch_slots, start
+from amphista_jax.engine.decode import ARState, GenerateOutput, SpecState, advance, decode, pad_prompts, start
 from amphista_jax.engine.decode_spec import GREEDY, DecodeSpec, bucket
 from amphista_jax.engine.prompt_checks import check_decode_inputs
-from amphista_jax.facade.drafter_source import DrafterSource, TreeChoice, choose_tree, load_draft_params, read_source
+from amphista_jax.facade.drafter_source import DrafterSource, choose_tree, load_draft_params, read_source
 from amphista_jax.infra.errors import GeneratorError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.target import Target
-from amphista_jax.trees.names import AUTO, TreePolicy
+from amphista_jax.trees.names import AUTO
 from amphista_jax.trees.sampling import SamplingConfig
 from amphista_jax.trees.tree import Tree
 from amphista_jax.trees.verify import AcceptanceConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["Generation", "Generator", "GeneratorError"]
 
@@ -85,7 +89,7 @@ class Generator:
 
     config: ModelConfig
     params: dict
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase | None  # None: a target with no text (token ids in, token ids out)
     eos_ids: tuple[int, ...]
     drafter: Drafter | None = None
     draft_params: Any = None
@@ -98,8 +102,8 @@ class Generator:
     mesh: jax.sharding.Mesh | None = None
     notes: tuple[str, ...] = ()  # what `load` / `with_drafter` chose for you, and why
     acceptance: Path | None = None  # the drafter's acceptance statistics, if any (`auto` chooses from them)
-    policy: TreePolicy | LocalTrees | None = None  # the tree at each batch size (`auto` here, a policy file)
-    programs: dict[tuple, Any] = dataclasses.field(default_factory=dict, repr=False)
+    policy: TreePlan | None = None  # which tree at each batch size, and why (None: one tree, or AR)
+    programs: dict[tuple, jax.stages.Compiled] = dataclasses.field(default_factory=dict, repr=False)
     variants: dict[Tree | None, Generator] = dataclasses.field(default_factory=dict, repr=False)  # `for_batch`'s
 
     @classmethod
@@ -129,7 +133,7 @@ class Generator:
                   attention=attention, mesh=mesh)
         return gen if attach is None else gen._attach(*attach, seed)
 
-    def with_drafter(self, source: str | Path | Drafter | DrafterSource, tree: str | Tree | TreeChoice = AUTO, *,
+    def with_drafter(self, source: str | Path | Drafter | DrafterSource, tree: str | Tree | TreePlan = AUTO, *,
                      settings: dict[str, Any] | None = None, draft_params: Any = None, seed: int = 0) -> Generator:
         """This target with a drafter (`drafter_source.read_source`): a draft-head directory, a method name (its
         heads shipped for this target, else untrained), `<method>:untrained`, a draft model's directory, or a
@@ -142,7 +146,7 @@ class Generator:
             source, self.model_dir, self.config, settings, draft_params)
         return self._attach(found, choose_tree(tree, found, self.config.vocab_size), seed)
 
-    def _attach(self, source: DrafterSource, choice: TreeChoice, seed: int) -> Generator:
+    def _attach(self, source: DrafterSource, plan: TreePlan, seed: int) -> Generator:
         drafter, draft_params = load_draft_params(source, Target(self.config, self.params), self.model_dir,
                                                   self.dtype, seed)
         if self.mesh is not None:
@@ -151,19 +155,19 @@ class Generator:
             draft_params = place_for_decoding(self.mesh, self.config, self.params, drafter, draft_params)[1]
         gen = dataclasses.replace(self, drafter=drafter, draft_params=draft_params, method=source.method,
                                   heads_dir=source.path, acceptance=source.acceptance)
-        return gen._with_choice(choice, (source.note,) if source.note else ())
+        return gen._with_plan(plan, (source.note,) if source.note else ())
 
-    def _with_choice(self, choice: TreeChoice, notes: tuple[str, ...]) -> Generator:
-        """This generator's drafter on `choice`, with `notes` and the choice's; `auto` with acceptance statistics is
-        chosen here, on this machine (`calibration.LocalTrees`: calibrated at batch 1 now, at other batch sizes on
-        first use)."""
-        gen = dataclasses.replace(self, tree=choice.tree, tree_name=choice.name, policy=choice.policy, programs={},
-                                  notes=(*notes, choice.note) if choice.note else notes, variants={})
-        if choice.acceptance is None:
+    def _with_plan(self, plan: TreePlan, notes: tuple[str, ...]) -> Generator:
+        """This generator's drafter on `plan`, with `notes` and the plan's; a plan chosen here (`auto` with
+        acceptance statistics) is priced by this machine's step costs (`calibration.calibrate`: at batch 1 now, at
+        other batch sizes on first use)."""
+        gen = dataclasses.replace(self, tree=plan.tree, tree_name=plan.name, policy=plan, programs={},
+                                  notes=(*notes, plan.note) if plan.note else notes, variants={})
+        if not plan.chooses_here:
             return gen
-        local = LocalTrees(choice.acceptance, gen)
-        return dataclasses.replace(gen, tree=local.at(1), tree_name=local.label(1), policy=local,
-                                   notes=(*gen.notes, local.describe(1)))
+        plan = plan.priced(lambda batch: calibrate(gen, plan.acceptance, batch))
+        return dataclasses.replace(gen, tree=plan.at(1), tree_name=plan.label(1), policy=plan,
+                                   notes=(*gen.notes, plan.describe(1)))
 
     @property
     def dtype(self) -> str:
@@ -184,7 +188,7 @@ class Generator:
         if self.drafter is None:
             raise GeneratorError("autoregressive decoding has no tree: load heads or a draft model")
         source = DrafterSource(self.method, self.drafter, self.heads_dir, acceptance=self.acceptance)
-        return self._with_choice(choose_tree(tree, source, self.config.vocab_size), ())
+        return self._with_plan(choose_tree(tree, source, self.config.vocab_size), ())
 
     def for_batch(self, batch: int) -> Generator:
         """This generator as it decodes `batch` rows: under a tree policy (`tree="auto"` chosen on this machine, or a
@@ -195,9 +199,7 @@ class Generator:
         if self.policy is None or ((tree := self.policy.at(batch)) == self.tree and tree is not None):
             return self
         if tree not in self.variants:
-            name = self.policy.label(batch) if isinstance(self.policy, LocalTrees) else \
-                f"{self.tree_name}: " + ("no speculation" if tree is None else f"{tree.num_nodes - 1} nodes") + \
-                f" at batch {batch}"
+            name = self.policy.label(batch)
             plain = self.autoregressive() if tree is None else dataclasses.replace(
                 self, tree=tree, notes=(), policy=None, programs={}, variants={})
             self.variants[tree] = dataclasses.replace(plain, tree_name=name)
@@ -250,21 +252,15 @@ class Generator:
                           acceptance or AcceptanceConfig(), self.eos_ids if stop_at_eos else (), self.pad_id,
                           self.attention)
 
-    def cache_size(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Slots of a cache for padded prompts of `prompt_len` tokens: the prompt, the new tokens and the scratch
-        slots a verify forward writes (the tree's nodes and the drafter's extras)."""
-        scratch = 0 if self.drafter is None or self.tree is None else scratch_slots(self.drafter, self.tree)
-        return prompt_len + max_new_tokens + scratch
-
     def _draft_params(self, spec: DecodeSpec) -> Any:
         return None if spec.drafter is None else self.draft_params
 
     def program(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, cache_size: int | None = None
-                ) -> tuple[Any, float]:
+                ) -> tuple[jax.stages.Compiled, float]:
         """(the compiled `decode` program for the shape of `tokens [B, T]`, this spec and cache size (default:
-        sized by `cache_size()`), seconds spent compiling it now: 0 when cached). Call it as `program(params,
+        `spec.cache_size(T)`), seconds spent compiling it now: 0 when cached). Call it as `program(params,
         draft_params or None, tokens, lengths, rng)` (`run`)."""
-        cache_size = cache_size or self.cache_size(tokens.shape[1], spec.max_new_tokens)
+        cache_size = cache_size or spec.cache_size(tokens.shape[1])
         key = (tokens.shape, spec, cache_size)
         if key in self.programs:
             return self.programs[key], 0.0
@@ -303,6 +299,17 @@ class Generator:
 
     # -- generation -------------------------------------------------------------------------------------------
 
+    def _request(self, prompts: Prompt | Sequence[Prompt], max_new_tokens: int, sampling: SamplingConfig,
+                 chat: bool, acceptance: AcceptanceConfig | None, stop_at_eos: bool
+                 ) -> tuple[Generator, DecodeSpec, np.ndarray, np.ndarray]:
+        """What one call decodes, as `generate` and `stream` alike prepare it: (the generator at this batch size,
+        the call's spec, the prompts right-padded into their bucket `[B, T]`, their lengths `[B]`)."""
+        ids = self._batch(prompts, chat)
+        gen = self.for_batch(len(ids))
+        spec = gen.spec(max_new_tokens, sampling, acceptance, stop_at_eos)
+        tokens, lengths = pad_prompts(ids, length=bucket(max(len(i) for i in ids)), pad_id=self.pad_id)
+        return gen, spec, tokens, lengths
+
     def generate(self, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False,
                  acceptance: AcceptanceConfig | None = None, stop_at_eos: bool = True,
@@ -310,51 +317,35 @@ class Generator:
         """Complete one prompt or a batch (text, chat messages or token ids; `chat` puts text through the chat
         template too): greedy at `temperature` 0, else sampled (lossless rejection sampling by default). Rows stop
         at a stop token (unless `stop_at_eos` is False) or after `max_new_tokens`. `cache_size` overrides the
-        cache's slots (default: the prompt bucket, the new tokens and the tree's scratch slots)."""
-        sampling = SamplingConfig(temperature, top_k, top_p)
-        ids = self._batch(prompts, chat)
-        gen = self.for_batch(len(ids))
-        spec = gen.spec(max_new_tokens, sampling, acceptance, stop_at_eos)
-        tokens, lengths = pad_prompts(ids, length=bucket(max(len(i) for i in ids)), pad_id=self.pad_id)
+        cache's slots (default: `DecodeSpec.cache_size` of the prompt bucket)."""
+        gen, spec, tokens, lengths = self._request(prompts, max_new_tokens, SamplingConfig(temperature, top_k, top_p),
+                                                   chat, acceptance, stop_at_eos)
         out, seconds, compile_s = gen.run(tokens, lengths, spec, seed, cache_size)
         generation = gen._generation(out, seconds, compile_s, spec.eos_ids)
-        if isinstance(self.policy, LocalTrees):  # which tree `auto` chose here at this batch size, and why
-            return dataclasses.replace(generation, tree=self.policy.describe(len(ids)))
+        if self.policy is not None:  # which tree the plan has at this batch size, and why
+            return dataclasses.replace(generation, tree=self.policy.describe(len(tokens)))
         return generation
 
     def _generation(self, out: GenerateOutput, seconds: float, compile_s: float, eos_ids: tuple[int, ...]
                     ) -> Generation:
         rows = range(out.tokens.shape[0])
         ids = [[int(t) for t in out.tokens[r, : int(out.num_tokens[r])]] for r in rows]
-        steps = [int((out.accept_lengths[r] > 0).sum()) for r in rows]
         return Generation(
             texts=[self.tokenizer.decode(i, skip_special_tokens=True) for i in ids], token_ids=ids,
-            tau=[(len(i) - 1) / s if s else 1.0 for i, s in zip(ids, steps, strict=True)],
-            stop_reasons=["eos" if i and i[-1] in eos_ids else "length" for i in ids],
+            tau=[float(t) for t in out.tau], stop_reasons=["eos" if i and i[-1] in eos_ids else "length" for i in ids],
             drafted=[[bool(d) for d in out.drafted[r, : len(ids[r])]] for r in rows], seconds=seconds,
             compile_seconds=compile_s, output=out, tree=self.tree_name)
 
     def stream(self, prompt: Prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, chat: bool = False, acceptance: AcceptanceConfig | None = None,
                steps_per_chunk: int = 4) -> Iterator[str]:
-        """Yield the completion of one prompt as text pieces, as decoding commits them: `steps_per_chunk` jitted
-        decode steps between pieces (the same steps and keys as `generate`, so the same tokens)."""
+        """Yield the completion of one prompt as text pieces, as decoding commits them: `generate`'s decode (the same
+        request, spec, cache, steps and keys, so the same tokens), run `steps_per_chunk` jitted steps at a time."""
         if steps_per_chunk < 1:
             raise GeneratorError(f"steps_per_chunk={steps_per_chunk}: must be >= 1")
-        if (gen := self.for_batch(1)) is not self:
-            yield from gen.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                top_k=top_k, top_p=top_p, seed=seed, chat=chat, acceptance=acceptance,
-                                                steps_per_chunk=steps_per_chunk)
-            return
-        spec = self.spec(max_new_tokens, SamplingConfig(temperature, top_k, top_p), acceptance)
-        ids = self.encode(prompt, chat)
-        tokens, lengths = pad_prompts([ids], length=bucket(len(ids)), pad_id=self.pad_id)
-        check_decode_inputs(spec, self.params, self._draft_params(spec), tokens, lengths)
-        with self.on_mesh():  # the drafter's decode layout, made once for every chunk
-            draft_params = None if self.drafter is None else jax.jit(self.drafter.decode_params)(
-                self.draft_params, Target(self.config, self.params))
-            state = start(self.params, draft_params, tokens, lengths, jax.random.key(seed), spec=spec,
-                          cache_size=self.cache_size(tokens.shape[1], max_new_tokens))
+        gen, spec, tokens, lengths = self._request([prompt], max_new_tokens, SamplingConfig(temperature, top_k, top_p),
+                                                   chat, acceptance, True)
+        draft_params, state = gen.start(tokens, lengths, spec, seed)
         shown = ""
         while True:
             n, done = int(state.num_tokens[0]), bool(state.done[0])
@@ -365,8 +356,21 @@ class Generator:
                 shown = text
             if done:
                 return
-            with self.on_mesh():
-                state = advance(self.params, draft_params, state, spec=spec, steps=steps_per_chunk)
+            with gen.on_mesh():
+                state = advance(gen.params, draft_params, state, spec=spec, steps=steps_per_chunk)
+
+    def start(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, rng: jax.Array | int = 0
+              ) -> tuple[Any, ARState | SpecState]:
+        """`run`'s decode up to its first token, to be `advance`d in chunks: (the drafter's params in its decode
+        layout, made once for every chunk; the state after the prefill), on `run`'s checks and cache
+        (`spec.cache_size(T)`)."""
+        check_decode_inputs(spec, self.params, self._draft_params(spec), tokens, lengths)
+        rng = jax.random.key(rng) if isinstance(rng, int) else rng
+        with self.on_mesh():
+            draft_params = None if spec.drafter is None else jax.jit(spec.drafter.decode_params)(
+                self.draft_params, Target(self.config, self.params))
+            return draft_params, start(self.params, draft_params, tokens, lengths, rng, spec=spec,
+                                       cache_size=spec.cache_size(tokens.shape[1]))
 
 
 def _kinds(items: Any) -> str:

@@ -84,9 +84,9 @@ def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
     )
 
 
-# The most rows `rows_product` multiplies with the weight as the left operand (a decode or verify step's): on XLA:CPU
-# it is 1.4-2x faster than the plain product from 4 to 32 rows and 5-10% slower from 64 on (a prefill's, a training
-# batch's, a batch-64 decode step's rows take the plain product).
+# The most rows `rows_product` multiplies with the weight as the left operand (a decode or verify step's); more rows
+# (a prefill's, a training batch's, a batch-64 decode step's) take the plain product. Where the two cross on XLA:CPU
+# is measured by `evals/benchmarks/query_rows.py` (docs/results, "A verify forward's cost at T rows").
 FEW_ROWS = 32
 
 

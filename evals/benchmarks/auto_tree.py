@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from amphista_jax.choice.acceptance import Acceptance
-from amphista_jax.choice.calibration import LocalTrees, StepCosts, calibrate, choose
+from amphista_jax.choice.calibration import StepCosts, calibrate, choose
+from amphista_jax.choice.plan import TreePlan
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.evals.datasets import DatasetConfig, load_prompts
 from amphista_jax.facade.drafter_source import read_source
@@ -77,13 +78,13 @@ def main() -> None:
                          "`amphista-jax calibrate --acceptance --heads <method>`, or leave them out (--methods)")
     data, _ = load_prompts(DatasetConfig("mt_bench", resolve_data("mt-bench"), limit=args.prompts, turns=1))
     prompts = [base.encode(p.turns[0], chat=True) for p in data]
-    local: dict[str, LocalTrees] = {}
+    local: dict[str, TreePlan] = {}
     gens: dict[str, Generator] = {}  # each on the tree auto picks at batch 1 (AR where it picks none)
     rows: dict[str, dict[str, Any]] = {}
     for method in args.methods:
         t0 = time.perf_counter()
         gen = base.with_drafter(method, "auto")
-        if not isinstance(gen.policy, LocalTrees):  # no candidate its settings can draft
+        if gen.policy is None or not gen.policy.chooses_here:  # no candidate its settings can draft
             raise SystemExit(f"{method}: `auto` fell back to its paper's tree ({'; '.join(gen.notes)})")
         local[method], gens[method] = (trees := gen.policy), gen.for_batch(1)
         costs = calibrate(gen, trees.acceptance, 1)

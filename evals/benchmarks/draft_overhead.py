@@ -48,7 +48,6 @@ from amphista_jax.engine.decode import (
     SpecState,
     ar_init,
     ar_step,
-    scratch_slots,
     spec_commit,
     spec_init,
     spec_propose,
@@ -87,7 +86,7 @@ def steady_state(params: dict, draft_params: Any, settings: DecodeSpec, batch: i
     lengths = jnp.full((batch,), committed, jnp.int32)
     init = jax.jit(spec_init, static_argnames=("cache_size", "spec"))
     state = init(params, draft_params, prompt, lengths, jax.random.key(0),
-                 cache_size=committed + MAX_NEW_TOKENS + scratch_slots(settings.drafter, settings.tree),
+                 cache_size=settings.cache_size(committed),
                  spec=settings)
     return jax.jit(functools.partial(spec_step, spec=settings))(params, draft_params, state)
 
@@ -156,7 +155,7 @@ def main() -> None:
                             params, draft_params, s, runs=args.runs) for d in cuts]
         parts = step_parts_ms(params, draft_params, settings, s, args.runs)
         rows.append({"method": method, "tree": tree, "nodes": spec.num_nodes,
-                     "queries": scratch_slots(drafter, spec), "batch": args.batch, **parts,
+                     "queries": settings.scratch, "batch": args.batch, **parts,
                      "ar_step_ms": ar_ms, "draft_over_ar": (parts["propose_ms"] + parts["commit_ms"]) / ar_ms,
                      "draft_over_target_bytes": nbytes(draft_params) / nbytes(params),
                      "propose_ms_by_depth": by_depth,

@@ -31,7 +31,8 @@ import numpy as np
 from tqdm import tqdm
 
 from amphista_jax.drafters.base import DraftContext, Drafter, Proposal
-from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
+from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.common import SIZES, median_seconds, model_config, random_target, write_report
 from amphista_jax.infra.errors import UserError
 from amphista_jax.infra.figures import pyplot, save_figure
@@ -79,8 +80,8 @@ def bench(model: str, config: ModelConfig, dtype: str, p_rights: list[float], tr
     n_params = sum(x.size for x in jax.tree.leaves(params))
     prompt = np.random.RandomState(0).randint(3, config.vocab_size, (1, prompt_len))
     tokens, lengths = pad_prompts(prompt.tolist())
-    cache = tokens.shape[1] + new_tokens + max(scratch_slots(OracleDrafter(1.0, config.vocab_size), spec)
-                                               for spec in trees.values())
+    cache = max(DecodeSpec(config, OracleDrafter(1.0, config.vocab_size), tree, new_tokens).cache_size(tokens.shape[1])
+                for tree in trees.values())  # one cache for AR and every tree
     ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), config=config,
                            max_new_tokens=new_tokens, cache_size=cache)
     ar_out, ar_compile = _first_call(ar)
@@ -95,9 +96,9 @@ def bench(model: str, config: ModelConfig, dtype: str, p_rights: list[float], tr
                                  max_new_tokens=new_tokens, cache_size=cache)
         out, compile_s = _first_call(spec)
         spec_s = median_seconds(lambda spec=spec: jax.block_until_ready(spec()), runs)
-        steps = int(np.asarray(out.accept_lengths > 0).sum())
+        steps = int(out.row_steps[0])
         rows.append(base | {"method": "oracle", "tree": name, "nodes": trees[name].num_nodes, "p_right": p_right,
-                            "tau": (int(out.num_tokens[0]) - 1) / steps, "tokens_per_s": new_tokens / spec_s,
+                            "tau": float(out.tau[0]), "tokens_per_s": new_tokens / spec_s,
                             "speedup": ar_s / spec_s, "step_over_ar_step": spec_s / steps / (ar_s / (new_tokens - 1)),
                             "same_as_ar": bool(np.array_equal(np.asarray(out.tokens), np.asarray(ar_out.tokens))),
                             "compile_s": compile_s})

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.engine import memory_plan as plan
-from amphista_jax.engine.decode import ar_init, ar_step, scratch_slots, spec_init, spec_step
+from amphista_jax.engine.decode import ar_init, ar_step, spec_init, spec_step
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.evals.methods import parse_settings
@@ -99,7 +99,7 @@ def spec_cost(config: ModelConfig, params: Any, drafter: Drafter, tree_name: str
                                                            Target(config, p)),
                            params)
     settings = DecodeSpec(config, drafter, tree, MAX_NEW_TOKENS)
-    cache_size = context + MAX_NEW_TOKENS + scratch_slots(drafter, tree)
+    cache_size = settings.cache_size(context)
     prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     state = jax.eval_shape(lambda p, d, t, n: spec_init(p, d, t, n, jax.random.key(0), cache_size, settings),

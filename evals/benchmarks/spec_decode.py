@@ -27,7 +27,8 @@ import numpy as np
 
 from amphista_jax.drafters import Medusa
 from amphista_jax.drafters.io import load_draft
-from amphista_jax.engine.decode import generate, pad_prompts, scratch_slots, speculative_generate
+from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
+from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from amphista_jax.facade.generator import Generator
 from amphista_jax.models.llama import new_cache, target_model
@@ -62,10 +63,10 @@ def end_to_end(base: Generator, drafters: list[tuple[str, object, object, str | 
         if tree is not None:  # None: `auto` chose no speculation here (that row is the AR row)
             specs[label, name] = tree
     drafter_of = {label: drafter for label, drafter, _, _ in drafters}
-    scratch = max(scratch_slots(drafter_of[label], tree) for (label, _), tree in specs.items())
+    decodes = [DecodeSpec(config, drafter_of[label], tree, new_tokens) for (label, _), tree in specs.items()]
     for prompt in PROMPTS:
         tokens, lengths = pad_prompts([encode_prompt(tok, prompt)], pad_id=config.pad_token_id or 0)
-        cache = tokens.shape[1] + new_tokens + scratch
+        cache = max(d.cache_size(tokens.shape[1]) for d in decodes)  # one cache for every method: only steps differ
         ar = functools.partial(generate, params, tokens, lengths, jax.random.key(0), config=config,
                                max_new_tokens=new_tokens, cache_size=cache)
         ar_out = ar()
