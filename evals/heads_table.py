@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from amphista_jax.drafters.io import read_draft_meta
+from amphista_jax.facade.drafter_source import read_source
 from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import load_config
 from amphista_jax.models.llama import param_shapes
@@ -68,7 +68,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for run in map(Path, sys.argv[1:]):
         summary = json.loads((run / "summary.json").read_text())
-        drafter = read_draft_meta(run / "heads").drafter
+        drafter = read_source(run / "heads", None, None).drafter
         shapes = jax.eval_shape(lambda p, d=drafter: d.init(jax.random.key(0), Target(config, p)),
                                 param_shapes(config)[0])
         n = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from amphista_jax.drafters import Amphista, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive
-from amphista_jax.drafters.base import head_metrics
 from amphista_jax.drafters.draft_vocab import most_frequent, to_draft, to_target, token_counts
 from amphista_jax.drafters.io import load_draft, save_draft
+from amphista_jax.drafters.losses import head_metrics
 from amphista_jax.engine.decode import generate, pad_prompts, spec_init, spec_propose
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.models.llama import init_params

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from amphista_jax.drafters import DRAFTERS
-from amphista_jax.drafters.base import head_losses, target_kl, topk_kl
+from amphista_jax.drafters.losses import head_losses, target_kl, topk_kl
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.models.target import Target
@@ -317,7 +317,7 @@ def test_with_a_label_store_the_step_computes_the_draft_vocabularys_logits_alone
 
 
 def test_head_losses_gradient_is_each_heads_own(target_batch):
-    """`head_losses` takes each head's logits out of `[B, T, K, V]` by one split (`base.unstack`, whose gradient is
+    """`head_losses` takes each head's logits out of `[B, T, K, V]` by one split (`losses.unstack`, whose gradient is
     one concatenation): its loss and gradient equal the sum of each head's own loss computed on `logits[:, :, k]`
     alone, with distinct weights per head, so a head taken in another order or slot would show."""
     _, _, batch, out = target_batch

@@ -87,7 +87,7 @@ def test_loss_trains_heads_toward_shifted_labels():
 
 def test_head_metrics_match_top_k_definition():
     """Top-1/top-5 by rank counting == membership in `lax.top_k` (masked positions ignored)."""
-    from amphista_jax.drafters.base import head_metrics
+    from amphista_jax.drafters.losses import head_metrics
 
     logits = jax.random.normal(jax.random.key(0), (3, 40, 50))
     labels = jax.random.randint(jax.random.key(1), (3, 40), 0, 50)

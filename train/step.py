@@ -56,7 +56,7 @@ def target_forward(model: Transformer, target_params: dict, batch: dict[str, jax
 
 
 def with_target_labels(batch: dict, target_out: Output | None, loss: LossConfig) -> dict:
-    """`batch` with the labels `loss` asks for, read by the drafters' losses (`drafters.base.batch_labels`,
+    """`batch` with the labels `loss` asks for, read by the drafters' losses (`drafters.losses.batch_labels`,
     `target_kl`, `head_losses`' `agree`). `greedy [B, T]`: the target's own greedy token for each position (its
     argmax one position before; the first position keeps the data's token, which no head learns), from the
     label store's top-1 (`label_ids`) or the target's logits, whenever either is there: what every head's

@@ -23,7 +23,7 @@ from amphista_jax.infra.compiled_programs import release_if_crowded
 from amphista_jax.infra.errors import UserError
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.trees.sampling import SamplingConfig
-from amphista_jax.trees.tree import Tree
+from amphista_jax.trees.tree import Tree, TreeError
 from amphista_jax.trees.verify import AcceptanceConfig
 
 if TYPE_CHECKING:
@@ -88,11 +88,15 @@ class StepClock:
     @classmethod
     def for_trees(cls, gens: Sequence[Decoder], prompt: Sequence[int], trees: Sequence[Tree],
                   max_new_tokens: int, runs: int, batch: int = 1) -> StepClock:
-        """A clock whose cache holds the scratch slots of any of `trees` under any of `gens`' drafters."""
+        """A clock whose cache holds the scratch slots of any of `trees` under any of `gens`' drafters that can
+        draft it."""
         tokens, lengths = pad_prompts([prompt] * batch, pad_id=gens[0].pad_id, multiple=64)
         specs = [DecodeSpec(gens[0].config, None, None, max_new_tokens)]  # AR's, and each drafter's on each tree
-        specs += [DecodeSpec(g.config, g.drafter, t, max_new_tokens)
-                  for g in gens if g.drafter is not None for t in trees]
+        for g, t in ((g, t) for g in gens if g.drafter is not None for t in trees):
+            try:
+                specs.append(DecodeSpec(g.config, g.drafter, t, max_new_tokens))
+            except TreeError:  # a tree its drafter cannot draft is never timed on this clock
+                continue
         return cls(tokens, lengths, max(s.cache_size(tokens.shape[1]) for s in specs), max_new_tokens, runs)
 
     def timed_runs(self, gen: Decoder, new_tokens: int) -> tuple[list[float], int]:

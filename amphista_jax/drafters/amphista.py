@@ -46,8 +46,6 @@ from amphista_jax.drafters.base import (
     Proposal,
     accepted_hidden,
     accepted_tokens,
-    check_loss_weights,
-    head_losses,
     head_projections,
     logical,
     project_heads,
@@ -56,6 +54,7 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
+from amphista_jax.drafters.losses import check_loss_weights, head_losses
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, decoder_stack, logical_dense, run_stack

@@ -71,10 +71,10 @@ from amphista_jax.drafters.base import (
     PrefillContext,
     Proposal,
     accepted_hidden,
-    head_metrics,
     logical,
     topk_proposal,
 )
+from amphista_jax.drafters.losses import head_metrics
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, target_model

@@ -44,16 +44,13 @@ from amphista_jax.drafters.base import (
     PrefillContext,
     Proposal,
     accepted_hidden,
-    batch_labels,
-    head_metrics,
     logical,
     sampled_proposal,
-    target_kl,
     topk_proposal,
-    unstack,
 )
 from amphista_jax.drafters.causal_layers import at_path, block_config
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
+from amphista_jax.drafters.losses import batch_labels, head_metrics, target_kl, unstack
 from amphista_jax.models.cache import KVCache, write
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import MLP, Output, RMSNorm, logical_dense

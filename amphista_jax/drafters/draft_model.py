@@ -45,11 +45,11 @@ from amphista_jax.drafters.base import (
     Proposal,
     accepted_hidden,
     accepted_tokens,
-    head_losses,
 )
 from amphista_jax.drafters.causal_layers import run_and_commit
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
+from amphista_jax.drafters.losses import head_losses
 from amphista_jax.infra import config_io
 from amphista_jax.infra.errors import UserError
 from amphista_jax.models.cache import KVCache

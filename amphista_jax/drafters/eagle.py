@@ -53,12 +53,11 @@ from amphista_jax.drafters.base import (
     Proposal,
     accepted_hidden,
     accepted_tokens,
-    check_loss_weights,
-    head_losses,
 )
 from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
+from amphista_jax.drafters.losses import check_loss_weights, head_losses
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, logical_dense, run_stack

@@ -42,18 +42,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from amphista_jax.drafters.base import (
-    DraftContext,
-    LogicalInit,
-    PrefillContext,
-    Proposal,
-    batch_labels,
-    head_metrics,
-    teacher_ce,
-)
+from amphista_jax.drafters.base import DraftContext, LogicalInit, PrefillContext, Proposal
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids
 from amphista_jax.drafters.eagle import Eagle
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
+from amphista_jax.drafters.losses import batch_labels, head_metrics, teacher_ce
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
 from amphista_jax.models.target import Target

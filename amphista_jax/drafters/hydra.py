@@ -45,15 +45,14 @@ from amphista_jax.drafters.base import (
     PrefillContext,
     Proposal,
     accepted_hidden,
-    check_loss_weights,
     draft_by_levels,
-    head_losses,
     head_projections,
     project_heads,
     split_heads,
 )
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field
+from amphista_jax.drafters.losses import check_loss_weights, head_losses
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, logical_dense, run_stack

@@ -22,7 +22,6 @@ from amphista_jax.drafters.base import (
     LogicalInit,
     Projection,
     Proposal,
-    head_losses,
     head_projections,
     logical,
     project_heads,
@@ -30,6 +29,7 @@ from amphista_jax.drafters.base import (
     topk_proposal,
 )
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
+from amphista_jax.drafters.losses import head_losses
 from amphista_jax.models.llama import Output
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import Tree

@@ -44,15 +44,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.drafters.base import (
-    DraftContext,
-    LogicalInit,
-    Proposal,
-    draft_by_levels,
-    head_losses,
-    logical,
-)
+from amphista_jax.drafters.base import DraftContext, LogicalInit, Proposal, draft_by_levels, logical
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
+from amphista_jax.drafters.losses import head_losses
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, logical_dense
 from amphista_jax.models.target import Target

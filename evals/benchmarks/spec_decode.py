@@ -83,7 +83,7 @@ def end_to_end(base: Generator, drafters: list[tuple[str, object, object, str | 
             seconds = median_seconds(spec, runs)
             tree = f"{name} ({specs[label, name].num_nodes - 1} nodes)" if name == "auto" else name
             rows.append({"prompt": prompt, "method": label, "tree": tree, "tokens_per_s": new_tokens / seconds,
-                         "tau": (new_tokens - 1) / int(out.steps), "speedup": ar_s / seconds,
+                         "tau": float(out.tau[0]), "speedup": ar_s / seconds,
                          "same_as_ar": bool((np.asarray(out.tokens) == np.asarray(ar_out.tokens)).all())})
     return rows
 
