@@ -1,7 +1,7 @@
 """amphista-jax: lossless speculative decoding with draft heads, in JAX/Flax.
 
-The Python API is `Generator` (`generator.py`): `Generator.load(model, heads, tree)` once, then
-`generate(prompts)` / `stream(prompt)`. Errors a caller can cause derive from `UserError` (`errors.py`).
+The Python API is `Generator` (`facade/generator.py`): `Generator.load(model, heads, tree)` once, then
+`generate(prompts)` / `stream(prompt)`. Errors a caller can cause derive from `UserError` (`infra/errors.py`).
 """
 
 from amphista_jax.facade.generator import Generation, Generator, GeneratorError

@@ -13,8 +13,9 @@
    expected tokens per second, `tau(k) / step(k)`, against autoregressive decoding measured the same way.
 4. **Per batch size.** Steps are priced at each batch size asked for (a verify forward of B x nodes tokens costs
    more, relative to an AR step of B tokens, as B grows), so the pick may shrink with the batch and, where no tree
-   is predicted to beat AR, be no speculation at all (`TreePolicy`, a policy file `--tree` takes). The
-   picked tree's speed-up is also measured by decoding B calibration prompts with it and with AR.
+   is predicted to beat AR by more than the rule's margin, be no speculation at all (`TreePolicy`, a policy file
+   `--tree` takes). The picked tree's speed-up is also measured by decoding B calibration prompts with it and
+   with AR.
 """
 
 from __future__ import annotations
@@ -347,7 +348,7 @@ def search(model_dir: str | Path, heads_dir: str | Path, prompts: Sequence[str],
         raise TreeSearchError(f"--depth {depth}: the {method} heads draft {drafter.max_depth} tokens deep at most")
     batch_sizes = sorted(set(batch_sizes))
     calib = efficient_tree(depth, min(ranks, drafter.rankable(ranks)))
-    probe = Generator.load(model_dir).with_drafter(source, calib)
+    probe = Generator.load(model_dir, source, calib)  # the tree checked against the drafter before weights load
     ids = [probe.encode(p) for p in prompts]
     with tqdm(total=len(ids), desc="acceptance statistics", unit="prompt") as bar:
         tries, hits = collect_rates(probe, ids, max_new_tokens, progress=bar.update)

@@ -160,7 +160,7 @@ def resolve_method(spec: str, default_tree: str, config: ModelConfig | None = No
         tree = choice.at(batch)
         if tree is None:  # a tree policy file: no tree beats AR at this batch size
             print(f"note: tree {tree_name or default_tree}: no speculation at batch {batch} (the tree search that "
-                  "wrote it predicted autoregressive decoding faster than every tree)", file=sys.stderr)
+                  "wrote it predicted no tree faster than autoregressive decoding by its margin)", file=sys.stderr)
             return Method(label or name + (f"@{tree_name}" if tree_name else ""), spec, name,
                           tree_name=f"{tree_name or default_tree}: none at batch {batch}")
         # a draft model samples its drafts at the run's temperature on static trees (`#temperature=0`: top-k)

@@ -4,7 +4,7 @@ library, and each wing imports only the wings below it (`WINGS`, drawn in docs/a
 Nodes are the modules of `amphista_jax` and `pallas_kernels`, with `train/` and `evals/` under the names they
 install as (`[tool.setuptools.package-dir]` in pyproject.toml). An edge is any `import` / `from ... import` of
 a first-party module, at module level or inside a function: a function-level import runs later, so it breaks
-no import at start-up, but it is still an arrow between layers, and a circle drawn with one (`trees.get_tree`
+no import at start-up, but it is still an arrow between layers, and a circle drawn with one (`trees.names.get_tree`
 importing the drafters, which import `trees`) is still a circle in the design. Importing `a.b.c` also runs
 `a/__init__.py` and `a/b/__init__.py`, so those packages are edges too, except the importer's own packages
 (already being imported when it runs, unless it names one of them itself: `from a import name` inside a.b).

@@ -156,7 +156,7 @@ def check_distill_args(model: str, prompts_file: str, out_file: str, batch_size:
 
 
 def length_buckets(lengths: list[int], prompt_len: int) -> list[int]:
-    """Each prompt's padded length: the Generator's length bucket (`generator.bucket`), capped at `prompt_len`."""
+    """Each prompt's padded length: the Generator's length bucket (`decode_spec.bucket`), capped at `prompt_len`."""
     return [min(prompt_len, bucket(n)) for n in lengths]
 
 

@@ -190,7 +190,7 @@ def batch_shapes(cfg: TrainConfig, hidden_size: int, captures: int = 0) -> dict[
 def plan_training(cfg: TrainConfig, job: TrainJob, target_dtype: Any, capacity: int | None = None,
                   where: str = "") -> MemoryPlan:
     """The memory plan of `job`'s train step, compiled from abstract shapes (the target's params in
-    `target_dtype`), with its FLOPs where XLA can count them (`plan.loop_free_flops`)."""
+    `target_dtype`), with its FLOPs where XLA can count them (`memory_plan.loop_free_flops`)."""
     params = abstract(param_shapes(job.config, target_dtype)[0], job.target_shardings)
     state = abstract(jax.eval_shape(job.new_state, Target(job.config, params)), job.state_shardings)
     batch = batch_shapes(cfg, job.config.hidden_size, len(job.drafter.captured_layers(job.config)))

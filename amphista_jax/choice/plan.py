@@ -87,8 +87,8 @@ def decide(batch: int, taus: Sequence[float], ar_step: float, steps: Sequence[fl
 @dataclasses.dataclass(frozen=True, eq=False)
 class TreePlan:
     """Which tree at each batch size, and why (see the module docstring). `tree` is the tree before any batch size is
-    asked for (a table's first; None under `auto`); `price` is set once the target has loaded
-    (`Generator.with_drafter`)."""
+    asked for (a table's first; None under `auto`); `price` is set once the target has loaded (`Generator`'s
+    `_with_plan`, under `load`, `with_drafter` and `with_tree`)."""
 
     name: str  # the tree as it was named: `auto`, `small-8`, a file
     tree: Tree | None = None

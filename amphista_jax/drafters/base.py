@@ -160,7 +160,7 @@ class Drafter(abc.ABC):
 
     @property
     def paper_tree(self) -> str:
-        """The name of the tree the method's paper drafts (`tree_names.get_tree`): used where no tree is named and
+        """The name of the tree the method's paper drafts (`trees.names.get_tree`): used where no tree is named and
         no acceptance statistics let `--tree auto` choose (and `amphista-jax plan`); always one of `auto`'s
         candidates."""
         return PAPER_TREE
@@ -235,7 +235,7 @@ class Drafter(abc.ABC):
 
     def num_extras(self, tree: Tree) -> int:
         """How many extra queries (`Proposal.extras`) every proposal on `tree` adds to the verify forward; callers
-        size the cache with it (`decode.scratch_slots`)."""
+        size the cache with it (`DecodeSpec.scratch`)."""
         return 0
 
     def prefill_extras(self, params: Any, target: Target, prompt: jax.Array, lengths: jax.Array) -> Extras | None:

@@ -39,7 +39,7 @@ prefix C of length L and the prompt keys P (`mask_groups`; the test checks this 
 
 After acceptance, `commit` keeps the logits of the group attached to the last accepted node (the one whose
 own logits gave the bonus token): mask i's top-k fill depth i of the next static tree (`topk_proposal`, as
-Medusa's heads do; the paper's tree, where only top-1 candidates have children, is `trees.efficient_tree`:
+Medusa's heads do; the paper's tree, where only top-1 candidates have children, is `trees.tree.efficient_tree`:
 `--tree efficient-3x5`). Drafts are deterministic top-k (`q = None`), so greedy and lossless rejection sampling
 both apply. The prefill runs the prompt's own mask group (`prefill_extras`) so the first step already has
 drafts.

@@ -53,7 +53,7 @@ def _ids(draft_vocab: DraftVocab) -> jax.Array:
 
 
 def target_ids(draft_vocab: DraftVocab) -> jax.Array | None:
-    """`[V_d]` the target id of each draft index (`tree_growth`'s `root_ids`); None for the whole vocabulary."""
+    """`[V_d]` the target id of each draft index (`trees.growth`'s `root_ids`); None for the whole vocabulary."""
     return _ids(draft_vocab) if draft_vocab else None
 
 

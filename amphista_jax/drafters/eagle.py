@@ -20,7 +20,7 @@ step, `PrefixKV`) and themselves.
 
 Trees:
 - a static `TreeSpec` (EAGLE): every node gets the top-k rank the tree gives it among its parent's drafts;
-- a `TreeBudget` (EAGLE-2, `tree_growth.dynamic_tree`, built by `tree_growth.grow_dynamic_tree`): the root's top-k
+- a `TreeBudget` (EAGLE-2, `trees.growth.dynamic_tree`, built by `trees.growth.grow_dynamic_tree`): the root's top-k
   children by draft log-probability form the first frontier; at each further depth the whole frontier runs
   through the layer in one call, each member proposes its top-k children scored by cumulative
   log-probability, and the global top-k of those become the next frontier, down to `budget.depth`; all

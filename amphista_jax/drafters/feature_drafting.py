@@ -118,7 +118,7 @@ class FeatureDrafting:
         return Proposal(tokens, batched(tree_arrays(spec), b), q)
 
     def dynamic(self, budget: TreeBudget) -> Proposal:
-        """EAGLE-2 (`tree_growth.grow_dynamic_tree`): each frontier runs through the layer in one call, its
+        """EAGLE-2 (`trees.growth.grow_dynamic_tree`): each frontier runs through the layer in one call, its
         keys/values kept as this step's scratch at the slots the builder assigns."""
         base, b = self.ctx.state["base"], self.ctx.root.shape[0]
         scratch = _empty_scratch(self.ctx.state["caches"][0], b, (budget.depth - 1) * budget.max_children)
@@ -128,7 +128,7 @@ class FeatureDrafting:
 
     def expansion(self, tokens: jax.Array, parent_features: jax.Array, level: Expansion, sees: jax.Array,
                   scratch: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, tuple]:
-        """`tree_growth.Expand`: a frontier through the layer; its children are its top-k drafts."""
+        """`trees.growth.Expand`: a frontier through the layer; its children are its top-k drafts."""
         features, kv, _ = self.expand(tokens, parent_features, level.depth, sees, scratch)
         end = level.offset + level.width
         scratch = tuple(x.at[:, :, level.offset: end].set(y) for x, y in zip(scratch, kv, strict=True))

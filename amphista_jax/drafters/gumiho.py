@@ -10,7 +10,7 @@ Decoding", section 3.3, appendix C).
   zero-initialised; head i's output is the predicted feature of depth `2 + i`, read by the target's frozen
   `lm_head`. The heads see only the serial pair, so their drafts at one depth do not depend on the tokens
   drafted at another.
-- Tree (`tree_growth.draft_dynamic_tree`, per row on device): EAGLE-2's serial part (the root's `top_k` children;
+- Tree (`trees.growth.draft_dynamic_tree`, per row on device): EAGLE-2's serial part (the root's `top_k` children;
   the depth-1 frontier through the stack in one call; the global `top_k` of its children form the depth-2
   frontier), then for each depth-2 frontier node its own heads (paired with its own depth-1 parent: the
   reference pairs frontier rows by position instead), expanded as a beam of width `s = budget.max_children`:
@@ -18,7 +18,7 @@ Decoding", section 3.3, appendix C).
   and the best `s` continue. The best nodes of everything drafted are kept, as in EAGLE-2.
 - Full Tree Attention (`full_tree_attention`): the published form lengthens short candidate paths with tokens
   of longer paths and reuses those tokens' logits and keys/values, computed under other ancestors, so it can
-  commit a token the target would not. Here `tree_growth.extend_short_paths` adds the borrowed tokens as new nodes
+  commit a token the target would not. Here `trees.growth.extend_short_paths` adds the borrowed tokens as new nodes
   below the short path (verified under the right context, in the same forward); `fta_nodes` of the budget's
   nodes are set aside for them.
 

@@ -5,7 +5,8 @@ method's untrained heads, a draft model's directory, or a `Drafter` in hand) int
 drafter with its settings, and where its params are, read without loading any params. `choose_tree` makes the
 `TreePlan` of the trees it drafts (a name, a file, `auto`, a tree policy searched per batch size), checked against
 the drafter and the target's vocabulary. `load_draft_params` then reads or initialises the params against the loaded
-target. `Generator.load` and `Generator.with_drafter` are the only callers; every front-end goes through them.
+target. `Generator.load` and `Generator.with_drafter` attach what they read; the CLI, tree search and evaluation read
+a source through `read_source` too, and attach it through them.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 `Generator` is the only way in: the CLI, the demo, tree search, evaluation and the benchmarks build theirs with
 `load` and `with_drafter` and never assemble one by hand. It owns what every front-end needs:
 tokenisation with the chat template for messages, stop ids, right-padding into prompt-length buckets (so calls of
-other lengths reuse the compiled program of their bucket), cache sizing with the drafter's scratch slots, the
+other lengths reuse the compiled program of their bucket), caches of the size each call's `DecodeSpec` asks for, the
 tree checked against the drafter and the target before anything compiles, ahead-of-time compiled programs cached
 per shape, and placement on a mesh. Errors a caller can cause are typed (`GeneratorError` and the project's other
 `UserError`s) with one-line messages that name the fix.
@@ -89,7 +89,7 @@ class Generator:
 
     config: ModelConfig
     params: dict
-    tokenizer: PreTrainedTokenizerBase | None  # None: a target with no text (token ids in, token ids out)
+    tokenizer: PreTrainedTokenizerBase | None  # None: no text (only `run`, on token ids, works without it)
     eos_ids: tuple[int, ...]
     drafter: Drafter | None = None
     draft_params: Any = None
@@ -102,17 +102,18 @@ class Generator:
     mesh: jax.sharding.Mesh | None = None
     notes: tuple[str, ...] = ()  # what `load` / `with_drafter` chose for you, and why
     acceptance: Path | None = None  # the drafter's acceptance statistics, if any (`auto` chooses from them)
-    policy: TreePlan | None = None  # which tree at each batch size, and why (None: one tree, or AR)
+    policy: TreePlan | None = None  # which tree at each batch size, and why (None: AR, or a `for_batch` variant)
     programs: dict[tuple, jax.stages.Compiled] = dataclasses.field(default_factory=dict, repr=False)
     variants: dict[Tree | None, Generator] = dataclasses.field(default_factory=dict, repr=False)  # `for_batch`'s
 
     @classmethod
-    def load(cls, model: str | Path | None = None, heads: str | Path | Drafter | None = None,
+    def load(cls, model: str | Path | None = None, heads: str | Path | Drafter | DrafterSource | None = None,
              tree: str | Tree = AUTO, *, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None,
              attention: str = "xla", draft_model: str | Path | None = None, seed: int = 0) -> Generator:
         """Load the target `model` (a Hugging Face directory, a fetched name such as `smollm2`, or None for the
         embedded default) in the decode layout, then attach `heads` or `draft_model` as `with_drafter` does (None:
-        autoregressive). The drafter and its tree are read and checked before any weights load."""
+        autoregressive; a `DrafterSource`: a source read already). The drafter and its tree are read and checked
+        before any weights load."""
         from amphista_jax.engine.sharding import param_shardings
         from amphista_jax.models.hf import load_config, load_params
         from amphista_jax.models.tokenizer import load_tokenizer, stop_token_ids
@@ -124,7 +125,7 @@ class Generator:
         source = heads if draft_model is None else Path(draft_model)
         attach = None
         if source is not None:
-            found = read_source(source, model_dir, config)
+            found = source if isinstance(source, DrafterSource) else read_source(source, model_dir, config)
             attach = found, choose_tree(tree, found, config.vocab_size)
         tokenizer = load_tokenizer(model_dir)
         shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
@@ -322,7 +323,7 @@ class Generator:
                                                    chat, acceptance, stop_at_eos)
         out, seconds, compile_s = gen.run(tokens, lengths, spec, seed, cache_size)
         generation = gen._generation(out, seconds, compile_s, spec.eos_ids)
-        if self.policy is not None:  # which tree the plan has at this batch size, and why
+        if self.policy is not None and self.policy.chooses_here:  # why `auto` chose this tree here at this batch size
             return dataclasses.replace(generation, tree=self.policy.describe(len(tokens)))
         return generation
 
@@ -343,8 +344,8 @@ class Generator:
         request, spec, cache, steps and keys, so the same tokens), run `steps_per_chunk` jitted steps at a time."""
         if steps_per_chunk < 1:
             raise GeneratorError(f"steps_per_chunk={steps_per_chunk}: must be >= 1")
-        gen, spec, tokens, lengths = self._request([prompt], max_new_tokens, SamplingConfig(temperature, top_k, top_p),
-                                                   chat, acceptance, True)
+        gen, spec, tokens, lengths = self._request([self.encode(prompt, chat)], max_new_tokens,
+                                                   SamplingConfig(temperature, top_k, top_p), chat, acceptance, True)
         draft_params, state = gen.start(tokens, lengths, spec, seed)
         shown = ""
         while True:

@@ -86,7 +86,7 @@ def is_policy_file(name_or_path: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class TreePolicy:
     """The tree tree search picked at each batch size it measured; None where no tree was predicted to beat
-    autoregressive decoding (no speculation)."""
+    autoregressive decoding by more than the tree plan's margin (no speculation)."""
 
     by_batch: tuple[tuple[int, TreeSpec | None], ...]  # ascending batch sizes
 

@@ -21,7 +21,7 @@ built on device each step from parent pointers (`arrays_from_parents`). Every no
 (`parent[n] < n` for real nodes `n > 0`), which is how a tree grown depth by depth is numbered anyway.
 
 This module is the tree data and its statistics; growing a tree on device (EAGLE-2's frontier, Gumiho's short
-paths) is `tree_growth`, and tree names, presets and `auto` are `tree_names`.
+paths) is `trees.growth`, and tree names, presets and `auto` are `trees.names`.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def main() -> None:
                          "`amphista-jax calibrate --acceptance --heads <method>`, or leave them out (--methods)")
     data, _ = load_prompts(DatasetConfig("mt_bench", resolve_data("mt-bench"), limit=args.prompts, turns=1))
     prompts = [base.encode(p.turns[0], chat=True) for p in data]
-    local: dict[str, TreePlan] = {}
+    local: dict[str, tuple[Generator, TreePlan]] = {}  # each method's generator under `auto`, and its plan
     gens: dict[str, Generator] = {}  # each on the tree auto picks at batch 1 (AR where it picks none)
     rows: dict[str, dict[str, Any]] = {}
     for method in args.methods:
@@ -86,7 +86,7 @@ def main() -> None:
         gen = base.with_drafter(method, "auto")
         if gen.policy is None or not gen.policy.chooses_here:  # no candidate its settings can draft
             raise SystemExit(f"{method}: `auto` fell back to its paper's tree ({'; '.join(gen.notes)})")
-        local[method], gens[method] = (trees := gen.policy), gen.for_batch(1)
+        local[method], gens[method] = (gen, trees := gen.policy), gen.for_batch(1)
         costs = calibrate(gen, trees.acceptance, 1)
         elsewhere = costs_elsewhere(gen.heads_dir, trees.acceptance)
         other = choose(trees.acceptance, elsewhere) if elsewhere is not None else None
@@ -99,14 +99,14 @@ def main() -> None:
                         "predicted_there": None if other is None else other.speedups[other.best]}
     ar = base.autoregressive()
     first = decode_all(ar, prompts, args.max_new_tokens)
-    for method, trees in local.items():
+    for method, (auto, trees) in local.items():
         run = decode_all(gens[method], prompts, args.max_new_tokens)
         rows[method] |= {"seconds": run.seconds, "tokens": run.tokens, "identical": run.ids == first.ids,
                          "tau": run.tau}
         if args.candidates:
             measured = {}
             for c in trees.acceptance.candidates:
-                m = decode_all(trees.gen.with_tree(c.tree), prompts, args.max_new_tokens)
+                m = decode_all(auto.with_tree(c.tree), prompts, args.max_new_tokens)
                 measured[c.name] = {"tokens_per_s": m.tokens_per_s, "tau": m.tau, "identical": m.ids == first.ids}
             rows[method]["candidates_measured"] = measured
     last = decode_all(ar, prompts, args.max_new_tokens)

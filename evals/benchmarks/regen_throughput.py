@@ -42,7 +42,7 @@ from amphista_jax.trees.sampling import SamplingConfig
 
 
 def bucket_prompts(model: str, count: int, length: int) -> list[Answering]:
-    """The first `count` ShareGPT first turns whose chat-templated ids pad to `length` (`generator.bucket`)."""
+    """The first `count` ShareGPT first turns whose chat-templated ids pad to `length` (`decode_spec.bucket`)."""
     tok = load_tokenizer(model)
     prompts, _ = read_prompts(resolve_data("sharegpt"))
     picked = []
