@@ -260,13 +260,14 @@ def _run_batch(s: _Session, gen: Generator, batch: list[tuple[int, Prompt]], com
         if compile_s:  # the first run of a new program warms it up: not timed
             compile_log.write({"process": jax.process_index(), "shape": list(tokens.shape), "compile_s": compile_s})
             out, seconds, _ = gen.run(tokens, lengths, spec, rng)
+        steps = out.row_steps
         for row, (i, _) in enumerate(rows):
             n = int(out.num_tokens[row])
             new = [int(x) for x in out.tokens[row, :n]]
             accept = [int(a) for a in out.accept_lengths[row] if a > 0]
             turns[i].append({"prompt_tokens": int(lengths[row]), "tokens": new,
                              "text": s.tok.decode(new, skip_special_tokens=True), "new_tokens": n,
-                             "steps": int(out.row_steps[row]), "accept_lengths": accept,
+                             "steps": int(steps[row]), "accept_lengths": accept,
                              "drafted": int(out.drafted[row].sum()),
                              "wall_s": seconds / len(rows)})
             if out.node_tries is not None:

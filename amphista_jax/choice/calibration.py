@@ -8,10 +8,10 @@ two processes' timings is not a speed-up), and caches the costs under `AMPHISTA_
 (`machine.Machine.key`: the CPU model and vector extensions or the accelerator, cores, memory and the library's
 version), so later loads reuse them. A damaged cache is said in one line and measured again.
 
-`choose` is the pure part, the tree plan's rule (`plan.decide`) on these costs: the candidate with the most predicted
-tokens per second (tau x AR step / step), kept only if its predicted speed-up beats autoregressive decoding by more
-than the calibration's noise (the largest spread of any program's timed runs) and at least `MIN_MARGIN`; otherwise
-no speculation.
+`plan.choose` is the pure part, the tree plan's rule (`plan.decide`) on these costs: the candidate with the most
+predicted tokens per second (tau x AR step / step), kept only if its predicted speed-up beats autoregressive decoding
+by more than the calibration's noise (the largest spread of any program's timed runs) and at least `MIN_MARGIN`;
+otherwise no speculation.
 
 What is timed is a `Decoder`: the facade's `Generator` as this module uses it (`step_clock.Decoder`).
 
@@ -32,10 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from amphista_jax.choice.acceptance import Acceptance, is_chat_target
-from amphista_jax.choice.plan import MIN_MARGIN, Decision, StepCosts, decide
+from amphista_jax.choice.plan import MIN_MARGIN, StepCosts, choose
 from amphista_jax.choice.step_clock import Decoder, StepClock
-from amphista_jax.engine.decode import pad_prompts
-from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.infra.compiled_programs import release_if_crowded
 from amphista_jax.infra.errors import UserError
 from amphista_jax.infra.machine import Machine, this_machine
@@ -49,14 +47,6 @@ CALIBRATION_SCRATCH = 256  # cache slots every calibration program keeps beyond 
 
 class CalibrationError(UserError, ValueError):
     """A calibration that cannot be made or read."""
-
-
-def choose(acceptance: Acceptance, costs: StepCosts, min_margin: float = MIN_MARGIN) -> Decision:
-    """The tree plan's rule (`plan.decide`) on `acceptance`'s candidates and these step costs: the candidate predicted
-    fastest, if it beats AR by more than the margin (the larger of the calibration's noise and `min_margin`); else no
-    speculation."""
-    return decide(costs.batch, [c.tau for c in acceptance.candidates], costs.ar_ms, costs.step_ms, costs.noise,
-                  min_margin)
 
 
 def worth_timing(acceptance: Acceptance, ar_ms: float, last_ms: float, best: float, margin: float) -> bool:
@@ -87,11 +77,8 @@ def calibration_clock(gen: Decoder, acceptance: Acceptance, batch: int) -> StepC
     slots beyond the prompt and the new tokens, or the largest candidate's scratch if more), so only the step
     differs between the programs timed."""
     prompt = gen.encode(CALIBRATION_PROMPT, chat=is_chat_target(gen.model_dir, gen.tokenizer))
-    tokens, lengths = pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
-    specs = [DecodeSpec(gen.config, gen.drafter, c.tree, CALIBRATION_TOKENS) for c in acceptance.candidates]
-    floor = DecodeSpec(gen.config, None, None, CALIBRATION_TOKENS).cache_size(tokens.shape[1]) + CALIBRATION_SCRATCH
-    return StepClock(tokens, lengths, max(floor, *(s.cache_size(tokens.shape[1]) for s in specs)),
-                     CALIBRATION_TOKENS, CALIBRATION_RUNS)
+    return StepClock.for_trees([gen], prompt, [c.tree for c in acceptance.candidates], CALIBRATION_TOKENS,
+                               CALIBRATION_RUNS, batch, reserve=CALIBRATION_SCRATCH)
 
 
 def measure_ar(gen: Decoder, clock: StepClock) -> ARCosts:

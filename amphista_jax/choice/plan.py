@@ -84,6 +84,12 @@ def decide(batch: int, taus: Sequence[float], ar_step: float, steps: Sequence[fl
         else decision
 
 
+def choose(acceptance: Acceptance, costs: StepCosts, min_margin: float = MIN_MARGIN) -> Decision:
+    """`decide` on `acceptance`'s candidates and a calibration's step costs (their noise in the margin)."""
+    return decide(costs.batch, [c.tau for c in acceptance.candidates], costs.ar_ms, costs.step_ms, costs.noise,
+                  min_margin)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TreePlan:
     """Which tree at each batch size, and why (see the module docstring). `tree` is the tree before any batch size is
@@ -116,9 +122,7 @@ class TreePlan:
         if self.acceptance is None or self.price is None:
             raise PlanError(f"tree {self.name} is not chosen on this machine: it has no step costs to decide from")
         if batch not in self.decisions:
-            costs = self.price(batch)
-            self.decisions[batch] = decide(costs.batch, [c.tau for c in self.acceptance.candidates], costs.ar_ms,
-                                           costs.step_ms, costs.noise)
+            self.decisions[batch] = choose(self.acceptance, self.price(batch))
         return self.decisions[batch]
 
     def at(self, batch: int) -> Tree | None:
@@ -140,8 +144,5 @@ class TreePlan:
         return self.name
 
     def describe(self, batch: int) -> str:
-        """Why the tree at `batch` rows is the one: `auto`'s reason (predicted speed-up against the margin); the name
-        where it is the plan's own tree; else the label."""
-        if self.chooses_here:
-            return self.decision(batch).describe(self.acceptance)
-        return self.name if self.at(batch) == self.tree else self.label(batch)
+        """Why `auto` chose the tree at `batch` rows here: its predicted speed-up against the margin."""
+        return self.decision(batch).describe(self.acceptance)

@@ -87,17 +87,18 @@ class StepClock:
 
     @classmethod
     def for_trees(cls, gens: Sequence[Decoder], prompt: Sequence[int], trees: Sequence[Tree],
-                  max_new_tokens: int, runs: int, batch: int = 1) -> StepClock:
-        """A clock whose cache holds the scratch slots of any of `trees` under any of `gens`' drafters that can
-        draft it."""
+                  max_new_tokens: int, runs: int, batch: int = 1, reserve: int = 0) -> StepClock:
+        """A clock of `batch` copies of `prompt` whose cache holds the scratch slots of any of `trees` under any of
+        `gens`' drafters that can draft it, and at least `reserve` slots beyond the prompt and the new tokens."""
         tokens, lengths = pad_prompts([prompt] * batch, pad_id=gens[0].pad_id, multiple=64)
-        specs = [DecodeSpec(gens[0].config, None, None, max_new_tokens)]  # AR's, and each drafter's on each tree
+        prompt_len = tokens.shape[1]
+        sizes = [DecodeSpec(gens[0].config, None, None, max_new_tokens).cache_size(prompt_len) + reserve]
         for g, t in ((g, t) for g in gens if g.drafter is not None for t in trees):
             try:
-                specs.append(DecodeSpec(g.config, g.drafter, t, max_new_tokens))
+                sizes.append(DecodeSpec(g.config, g.drafter, t, max_new_tokens).cache_size(prompt_len))
             except TreeError:  # a tree its drafter cannot draft is never timed on this clock
                 continue
-        return cls(tokens, lengths, max(s.cache_size(tokens.shape[1]) for s in specs), max_new_tokens, runs)
+        return cls(tokens, lengths, max(sizes), max_new_tokens, runs)
 
     def timed_runs(self, gen: Decoder, new_tokens: int) -> tuple[list[float], int]:
         """(seconds of each of `runs` timed runs, decode steps) of `gen` writing `new_tokens` tokens, after a compile

@@ -166,7 +166,8 @@ class Generator:
                                   notes=(*notes, plan.note) if plan.note else notes, variants={})
         if not plan.chooses_here:
             return gen
-        plan = plan.priced(lambda batch: calibrate(gen, plan.acceptance, batch))
+        stats = plan.acceptance
+        plan = plan.priced(lambda batch: calibrate(gen, stats, batch))
         return dataclasses.replace(gen, tree=plan.at(1), tree_name=plan.label(1), policy=plan,
                                    notes=(*gen.notes, plan.describe(1)))
 
@@ -300,12 +301,12 @@ class Generator:
 
     # -- generation -------------------------------------------------------------------------------------------
 
-    def _request(self, prompts: Prompt | Sequence[Prompt], max_new_tokens: int, sampling: SamplingConfig,
-                 chat: bool, acceptance: AcceptanceConfig | None, stop_at_eos: bool
+    def _request(self, ids: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+                 acceptance: AcceptanceConfig | None, stop_at_eos: bool
                  ) -> tuple[Generator, DecodeSpec, np.ndarray, np.ndarray]:
-        """What one call decodes, as `generate` and `stream` alike prepare it: (the generator at this batch size,
-        the call's spec, the prompts right-padded into their bucket `[B, T]`, their lengths `[B]`)."""
-        ids = self._batch(prompts, chat)
+        """What one call decodes, as `generate` and `stream` alike prepare it from the prompts' ids: (the generator
+        at this batch size, the call's spec, the prompts right-padded into their bucket `[B, T]`, their lengths
+        `[B]`)."""
         gen = self.for_batch(len(ids))
         spec = gen.spec(max_new_tokens, sampling, acceptance, stop_at_eos)
         tokens, lengths = pad_prompts(ids, length=bucket(max(len(i) for i in ids)), pad_id=self.pad_id)
@@ -319,8 +320,8 @@ class Generator:
         template too): greedy at `temperature` 0, else sampled (lossless rejection sampling by default). Rows stop
         at a stop token (unless `stop_at_eos` is False) or after `max_new_tokens`. `cache_size` overrides the
         cache's slots (default: `DecodeSpec.cache_size` of the prompt bucket)."""
-        gen, spec, tokens, lengths = self._request(prompts, max_new_tokens, SamplingConfig(temperature, top_k, top_p),
-                                                   chat, acceptance, stop_at_eos)
+        gen, spec, tokens, lengths = self._request(self._batch(prompts, chat), max_new_tokens,
+                                                   SamplingConfig(temperature, top_k, top_p), acceptance, stop_at_eos)
         out, seconds, compile_s = gen.run(tokens, lengths, spec, seed, cache_size)
         generation = gen._generation(out, seconds, compile_s, spec.eos_ids)
         if self.policy is not None and self.policy.chooses_here:  # why `auto` chose this tree here at this batch size
@@ -345,7 +346,7 @@ class Generator:
         if steps_per_chunk < 1:
             raise GeneratorError(f"steps_per_chunk={steps_per_chunk}: must be >= 1")
         gen, spec, tokens, lengths = self._request([self.encode(prompt, chat)], max_new_tokens,
-                                                   SamplingConfig(temperature, top_k, top_p), chat, acceptance, True)
+                                                   SamplingConfig(temperature, top_k, top_p), acceptance, True)
         draft_params, state = gen.start(tokens, lengths, spec, seed)
         shown = ""
         while True:
