@@ -147,12 +147,10 @@ class TrainConfig:
         if unknown := set(self.method_settings) - known - {DRAFT_VOCAB_SIZE}:
             raise ValueError(f"method_settings {sorted(unknown)} are not {self.method} settings; "
                              f"known: {', '.join(sorted(known | {DRAFT_VOCAB_SIZE}))}")
-        if self.data.length_groups and self.method == "bita" and self.method_settings.get("train_groups"):
-            raise ValueError("BiTA's method_settings.train_groups cut points depend on the batch's length, which "
-                             "data.length_groups cuts short: set one of them to 0")
         if DRAFT_VOCAB_SIZE in self.method_settings:
             self._check_draft_vocab_size("draft_vocab" in known)
         drafter = self.drafter()  # the method validates its own values
+        drafter.check_batches(bool(self.data.length_groups))
         if self.loss.labels == "target" and drafter.loss_runs_target:
             raise ValueError(f"method {self.method} runs the target inside its loss: it trains on loss.labels data")
         if self.loss.labels == "target" and self.loss.kind == "ce" and not drafter.reads_labels:

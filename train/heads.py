@@ -84,11 +84,19 @@ def run_identity(cfg: TrainConfig, model_dir: str) -> dict[str, Any]:
             "data": example_source(cfg.data).identity()}
 
 
-def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    """What `preflight` found, and the run consumes: the target's directory and config, and this run's identity."""
+
+    model_dir: str
+    target_config: ModelConfig
+    identity: dict[str, Any]
+
+
+def preflight(cfg: TrainConfig) -> Preflight:
     """Everything that can be checked before loading the target and tokenising data, so that a bad setting fails
     in the first seconds: the target, the data files, the mesh, the method on this target, `part_lrs`, that
-    `out_dir` is writable with room for the checkpoints, and that it holds no other run. Returns (model dir,
-    this run's identity)."""
+    `out_dir` is writable with room for the checkpoints, and that it holds no other run (`check_out_dir`)."""
     model_dir = resolve_model(cfg.model)
     target_config = load_config(model_dir)
     if not any(Path(model_dir).glob("*.safetensors")):
@@ -124,16 +132,22 @@ def preflight(cfg: TrainConfig) -> tuple[str, dict[str, Any]]:
     head_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(heads))
     # checkpoints of params + Adam's two moments (one more while the oldest is replaced), and the saved heads
     check_writable_dir(cfg.out_dir, "out_dir", head_bytes * (3 * (cfg.loop.keep_checkpoints + 1) + 1))
+    found = Preflight(model_dir, target_config, run_identity(cfg, model_dir))
+    check_out_dir(cfg, found.identity)
+    return found
+
+
+def check_out_dir(cfg: TrainConfig, identity: dict[str, Any]) -> None:
+    """`out_dir` holds nothing, or this same run (`identity`) to resume: checked by `preflight`, and again under
+    the directory's lock, where another run may have written meanwhile."""
     out = Path(cfg.out_dir)
     taken = [n for n in OUTPUTS if (out / n).exists() and (n != "checkpoints" or saved_steps(out / n))]
     if taken and read_identity(out) is None:
         raise OutputExistsError(f"out_dir {out} already holds {', '.join(taken)} but no {RUN_FILE} (a run of an older "
                                 "amphista-jax, or not a train run): its settings cannot be checked against these, "
                                 "so it is left as it is; use a new out_dir")
-    identity = run_identity(cfg, model_dir)
     if taken:  # a run.json with nothing trained is from a start that failed early: this start replaces it
         check_same_run(out, identity)
-    return model_dir, identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,19 +234,20 @@ def train_heads(cfg: TrainConfig, store_only: bool = False) -> dict[str, Any]:
     if store_only and not (cfg.data.cache_target_hidden and cfg.data.hidden_store):
         raise TrainConfigError("--store-only fills data.hidden_store: set data.cache_target_hidden=true and "
                                "data.hidden_store=DIR")
-    preflight(cfg)  # every bad setting fails here, before anything is written
+    found = preflight(cfg)  # every bad setting fails here, before anything is written
     if store_only:
-        return _store(cfg, *preflight(cfg))
+        return _store(cfg, found)
     with output_lock(cfg.out_dir, "train") if jax.process_index() == 0 else contextlib.nullcontext():
-        return _train(cfg, *preflight(cfg))  # checked again under the lock: another run may have written meanwhile
+        check_out_dir(cfg, found.identity)
+        return _train(cfg, found)
 
 
-def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
+def _prepare(cfg: TrainConfig, found: Preflight
              ) -> tuple[TrainJob, dict, ModelConfig, list[dict], list[dict], np.ndarray]:
     """The job (checked to fit), the target's params and config, the (train, held-out) examples, with the target's
     states attached from `data.hidden_store` (computed into it where missing) under `data.cache_target_hidden`, and
     the train examples' `trained_lengths`."""
-    target_config = load_config(model_dir)
+    model_dir, target_config = found.model_dir, found.target_config
     tok = load_tokenizer(model_dir)
     train_examples, heldout = example_source(cfg.data).split(tok)
     lengths = trained_lengths(train_examples)  # before the states ride along
@@ -249,7 +264,7 @@ def _prepare(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]
                                "data.max_len, or use more devices (mesh)")
     target_params, target_config = load_params(model_dir, dtype=cfg.dtype, shardings=job.target_shardings)
     if cfg.data.cache_target_hidden:
-        store, target = cfg.data.hidden_store, identity["target"]
+        store, target = cfg.data.hidden_store, found.identity["target"]
         captures = job.drafter.captured_layers(target_config)
         top_k = cfg.label_store_top_k
         train_examples, heldout = (
@@ -268,9 +283,9 @@ def train_dataset(examples: Sequence[dict[str, np.ndarray]], lengths: np.ndarray
     return example_dataset(examples, data_cfg.batch_size, data_cfg.seed, rows)
 
 
-def _store(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[str, Any]:
+def _store(cfg: TrainConfig, found: Preflight) -> dict[str, Any]:
     """`train_heads(store_only=True)`: the store filled, its files and sizes printed and returned."""
-    _, _, _, train_examples, heldout, _ = _prepare(cfg, model_dir, identity)
+    _, _, _, train_examples, heldout, _ = _prepare(cfg, found)
     store = Path(cfg.data.hidden_store)
     files = {p.name: p.stat().st_size for p in sorted(store.glob("*.npy"))}
     print(f"{store}: {len(train_examples)} train / {len(heldout)} held-out examples of {cfg.data.max_len} tokens; "
@@ -279,13 +294,14 @@ def _store(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[s
             "files": files}
 
 
-def _train(cfg: TrainConfig, model_dir: str, identity: dict[str, Any]) -> dict[str, Any]:
+def _train(cfg: TrainConfig, found: Preflight) -> dict[str, Any]:
     if (summary := _finished(cfg)) is not None:
         print(f"{cfg.out_dir} is already trained ({summary['steps']} steps with these settings, target and data): "
               f"its heads are in {Path(cfg.out_dir) / 'heads'}; nothing was changed (use a new out_dir to train "
               "again)")
         return summary
-    job, target_params, target_config, train_examples, heldout, lengths = _prepare(cfg, model_dir, identity)
+    model_dir, identity = found.model_dir, found.identity
+    job, target_params, target_config, train_examples, heldout, lengths = _prepare(cfg, found)
     drafter, train_step, eval_step = job.drafter, job.train_step, job.eval_step
     init_state = functools.partial(job.new_state, Target(target_config, target_params))  # made in place on shards
 

@@ -7,8 +7,9 @@ A drafter is a frozen (hashable) dataclass of its static settings subclassing `D
 model, `target.Target(config, params)` (its config is static under `jax.jit`). Required: `init` (or, through
 `LogicalInit`, `init_boxed`), `propose`, `loss`. Defaulted: `init_state` / `prefill` / `commit` (no state of
 its own), `num_extras` (0) and `prefill_extras` (none), `decode_params` (identity), `loss_runs_target` (False),
-`lm_setting` (none) and `reads_labels` (the loss has an LM term), `trainable` (True), `paper_tree`, `max_depth`
-(any depth), `tree_kinds` (static trees), `rankable` (the target's vocabulary) and `sampling_at` (itself).
+`lm_setting` (none) and `reads_labels` (the loss has an LM term), `check_batches` (any batch), `trainable` (True),
+`paper_tree`, `max_depth` (any depth), `tree_kinds` (static trees), `rankable` (the target's vocabulary) and
+`sampling_at` (itself).
 `check_tree` reads `tree_kinds`, `max_depth` and `rankable` to refuse a tree before anything compiles.
 """
 
@@ -157,6 +158,11 @@ class Drafter(abc.ABC):
         distribution through its teacher term alone (EAGLE's, EAGLE-3's and Hydra++'s by default): `labels:
         target, kind: kl` describes that term; `kind: ce` would ask for what it cannot learn (refused)."""
         return getattr(self, self.lm_setting) > 0 if self.lm_setting else True
+
+    def check_batches(self, length_grouped: bool) -> None:
+        """Raise ValueError where these settings cannot train on `length_grouped` batches (each cut at its longest
+        row, `data.length_groups`): by default they all can."""
+        del length_grouped
 
     @property
     def paper_tree(self) -> str:

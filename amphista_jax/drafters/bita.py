@@ -128,6 +128,11 @@ class BiTA(LogicalInit):
         if not 0.0 <= self.prompt_dropout < 1.0:
             raise ValueError(f"BiTA {self.prompt_dropout=} must be in [0, 1)")
 
+    def check_batches(self, length_grouped: bool) -> None:
+        if length_grouped and self.train_groups:
+            raise ValueError("BiTA's method_settings.train_groups cut points depend on the batch's length, which "
+                             "data.length_groups cuts short: set one of them to 0")
+
     @property
     def paper_tree(self) -> str:
         """The paper's efficient tree: top-5 at each depth up to M (section 4.1)."""
