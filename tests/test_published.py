@@ -25,7 +25,7 @@ from amphista_jax.infra.errors import BAD_INPUT_EXIT
 from amphista_jax.models.hf import load_params
 from amphista_jax.models.llama import Output
 from amphista_jax.models.target import Target
-from amphista_jax.models.torch_files import TensorFileError, read_safetensors, read_torch_file
+from amphista_jax.models.torch_files import TensorFileError, read_safetensors, read_torch_file, write_torch_file
 from tests.helpers import default_cases
 
 
@@ -49,6 +49,23 @@ def test_torch_and_safetensors_files_read_without_torch(tmp_path):
     st = read_safetensors(tmp_path / "w.safetensors")
     for name in state:
         np.testing.assert_array_equal(np.asarray(st[name], np.float64), np.asarray(got[name], np.float64))
+
+
+def test_torch_files_written_without_torch_load_in_torch(tmp_path):
+    """`write_torch_file` writes what `torch.load(weights_only=True)` reads back exactly, every dtype and shape."""
+    state = {"w.weight": np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32),
+             "bf16": np.asarray([1.5, -2.25], ml_dtypes.bfloat16), "d2t": np.asarray([0, -1, 2**40], np.int64),
+             "t2d": np.asarray([True, False]), "empty": np.zeros((0, 3), np.float16), "scalar": np.float32(2.0)}
+    write_torch_file(tmp_path / "w.pt", state)
+    loaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert list(loaded) == list(state)
+    for name, want in state.items():
+        got = loaded[name]
+        assert tuple(got.shape) == np.shape(want) and got.is_contiguous()
+        np.testing.assert_array_equal(got.float().numpy() if got.dtype == torch.bfloat16 else got.numpy(),
+                                      np.asarray(want, np.float32) if name == "bf16" else want)
+    assert {k: v.dtype for k, v in read_torch_file(tmp_path / "w.pt").items()} == {
+        k: np.asarray(v).dtype for k, v in state.items()}
 
 
 def test_a_torch_file_cannot_run_code(tmp_path):

@@ -29,6 +29,11 @@ def block_config(target: ModelConfig, num_layers: int) -> ModelConfig:
     return dataclasses.replace(target, num_layers=num_layers, sliding_windows=(0,) * num_layers)
 
 
+def with_rope_base(target: ModelConfig, rope_theta: float) -> ModelConfig:
+    """The target's config with a draft layer's own RoPE base `rope_theta` (0: the target's own)."""
+    return dataclasses.replace(target, rope_theta=rope_theta) if rope_theta else target
+
+
 def layer_caches(target: ModelConfig, count: int, batch: int, cache_size: int) -> tuple[KVCache, ...]:
     """`count` empty one-layer caches of the target's KV shape."""
     one = KVCache.zeros(1, batch, cache_size, target.num_kv_heads, target.head_dim)

@@ -54,7 +54,7 @@ from amphista_jax.drafters.base import (
     accepted_hidden,
     accepted_tokens,
 )
-from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit
+from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_and_commit, with_rope_base
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.drafters.losses import check_loss_weights, head_losses
@@ -77,6 +77,9 @@ class Eagle(LogicalInit):
     cls_weight: float = 0.1  # CE of lm_head(predicted feature) against the target's distribution
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
     input_norm: bool = True  # False: the released heads' form, attention reads the layer's input unnormalised
+    # the draft layers' RoPE base; 0: the target's. Released heads keep their own config's (the reference's rule:
+    # 10000 where it names none, whatever the target's is)
+    rope_theta: float = 0.0
 
     def __post_init__(self) -> None:
         normalise_field(self)
@@ -87,6 +90,8 @@ class Eagle(LogicalInit):
                              f"{self.num_layers}")
         if self.feature_noise < 0:
             raise ValueError(f"{self.feature_noise=} must be >= 0 (0 = no noise)")
+        if not self.rope_theta >= 0:
+            raise ValueError(f"{self.rope_theta=} must be > 0, or 0 for the target's RoPE base")
         check_loss_weights(reg_weight=self.reg_weight, cls_weight=self.cls_weight)
 
     @property
@@ -94,7 +99,7 @@ class Eagle(LogicalInit):
         return False  # the feature regression and the CE to the target's distribution
 
     def _net(self, target: ModelConfig) -> _EagleNet:
-        return _EagleNet(target, self.num_layers, self.input_norm)
+        return _EagleNet(with_rope_base(target, self.rope_theta), self.num_layers, self.input_norm)
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d = target.config.hidden_size

@@ -45,7 +45,7 @@ from amphista_jax.drafters.base import (
     accepted_tokens,
     logical,
 )
-from amphista_jax.drafters.causal_layers import at_path, block_config, run_and_commit
+from amphista_jax.drafters.causal_layers import at_path, block_config, run_and_commit, with_rope_base
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.drafters.losses import check_loss_weights, head_losses
@@ -78,6 +78,7 @@ class Eagle3(LogicalInit):
     lm_weight: float = 0.0  # CE against the labels `loss` chooses (the data's tokens by default)
     teacher_weight: float = 1.0  # CE against the target's softmax (the reference's only term)
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py, the reference's d2t)
+    rope_theta: float = 0.0  # the draft layer's RoPE base; 0: the target's (released heads: their config's)
 
     def __post_init__(self) -> None:
         normalise_field(self)
@@ -89,6 +90,8 @@ class Eagle3(LogicalInit):
             raise ValueError(f"{self.ttt_steps=} must be >= 1 (1 = no unrolling: plain teacher forcing)")
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"{self.step_decay=} must be in (0, 1]")
+        if not self.rope_theta >= 0:
+            raise ValueError(f"{self.rope_theta=} must be > 0, or 0 for the target's RoPE base")
         check_loss_weights(lm_weight=self.lm_weight, teacher_weight=self.teacher_weight)
 
     def captured_layers(self, config: ModelConfig) -> tuple[int, ...]:
@@ -98,7 +101,7 @@ class Eagle3(LogicalInit):
         return layers
 
     def _net(self, target: ModelConfig) -> _Eagle3Net:
-        return _Eagle3Net(target)
+        return _Eagle3Net(with_rope_base(target, self.rope_theta))
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         c = target.config

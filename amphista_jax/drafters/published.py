@@ -12,7 +12,8 @@ drafters' params (`amphista-jax convert --heads-from FORMAT DIR --model TARGET -
 with `num_hidden_layers: 1`) beside `pytorch_model.bin` or `model.safetensors`: `fc.weight [D, 2D]` (+ `fc.bias`)
 over `[E(token) ; feature]`, then `layers.0.{self_attn,mlp}.*` and `layers.0.post_attention_layernorm.weight` (the
 first layer has no input norm: our `Eagle(input_norm=False)`); the target's own `lm_head` gives the logits.
-`embed_tokens.weight`, a copy of the target's, is ignored.
+`embed_tokens.weight`, a copy of the target's, is ignored. The draft layer's RoPE base is its config's, 10000 where it
+names none (`draft_rope_theta`), whatever the target's.
 
 `eagle3` (SafeAILab/EAGLE `eagle/model/cnets.py`, SpecForge): `config.json` (`draft_vocab_size`) beside the same
 files: `fc.weight [D, 3D]` (no bias), `midlayer.{self_attn,mlp}.*` (q/k/v read `2D`), `midlayer.input_layernorm`
@@ -116,6 +117,14 @@ def _read(src: str | Path, files: tuple[str, ...], layout: str, target: Target) 
     return src, _Tensors(src, tensors, target, layout), config
 
 
+def draft_rope_theta(config: dict) -> float:
+    """The RoPE base of a released draft layer: its own config's (`rope_theta`, or transformers 5's
+    `rope_parameters.rope_theta`), 10000 where it names none, as the reference's draft layer reads it (never the
+    target's)."""
+    rope = config.get("rope_parameters") or {}
+    return float(rope.get("rope_theta", config.get("rope_theta")) or 10000.0)
+
+
 def _fitted(drafter: Drafter, params: dict, target: Target) -> tuple[Drafter, dict]:
     if not params_fit(drafter, params, target):
         raise PublishedHeadsError(f"the converted {drafter.name} params do not match the drafter's own layout")
@@ -178,7 +187,7 @@ def read_eagle(src: str | Path, target: Target) -> tuple[Eagle, dict]:
     fc = {"kernel": jnp.asarray(t.get("fc.weight", (d, 2 * d)).T),
           "bias": jnp.asarray(t.get("fc.bias", (d,)) if "fc.bias" in t.tensors else np.zeros(d, np.float32))}
     stacked = {"layer": {k: _stack(v) for k, v in layer.items()}}
-    return _fitted(Eagle(input_norm=False), {"fc": fc} | stacked, target)
+    return _fitted(Eagle(input_norm=False, rope_theta=draft_rope_theta(config)), {"fc": fc} | stacked, target)
 
 
 def _stack(tree: dict) -> dict:
@@ -214,10 +223,10 @@ def read_eagle3(src: str | Path, target: Target) -> tuple[Eagle3, dict]:
               "norm": {"scale": jnp.asarray(t.get("norm.weight", (d,)))},
               "lm_head": jnp.asarray(t.get("lm_head.weight", (len(ids), d))[order].T)}
     vocab = () if len(ids) == c.vocab_size else tuple(int(i) for i in ids[order])  # (): the whole vocabulary
-    return _fitted(Eagle3(draft_vocab=vocab), params, target)
+    return _fitted(Eagle3(draft_vocab=vocab, rope_theta=draft_rope_theta(config)), params, target)
 
 
-_DFLASH_SHAPES = {  # our name: (the reference's, its torch shape from the target's config)
+DFLASH_TENSORS = {  # our name: (the reference's, its torch shape from the target's config)
     "q_proj": ("self_attn.q_proj", lambda c: (c.num_heads * c.head_dim, c.hidden_size)),
     "k_proj": ("self_attn.k_proj", lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size)),
     "v_proj": ("self_attn.v_proj", lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size)),
@@ -268,7 +277,7 @@ def read_dflash(src: str | Path, target: Target) -> tuple[DFlash, dict]:
                     "mask_embedding": target.embed(jnp.asarray(drafter.mask_token_id))}
     for i in range(drafter.num_layers):
         layer: dict = {}
-        for ours, (theirs, shape) in _DFLASH_SHAPES.items():
+        for ours, (theirs, shape) in DFLASH_TENSORS.items():
             value = t.get(f"layers.{i}.{theirs}.weight", shape(c))
             node = layer
             *parents, leaf = ours.split("/")

@@ -1,5 +1,5 @@
 """Tensors from PyTorch's own files (`torch.save`: `pytorch_model.bin`, `medusa_lm_head.pt`) and from safetensors,
-as numpy arrays, without torch.
+as numpy arrays, and state dicts written in `torch.save`'s format (`write_torch_file`), all without torch.
 
 A `torch.save` file (PyTorch >= 1.6) is a zip: `<name>/data.pkl` pickles the state dict, each tensor as
 `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)` whose storage is a persistent id
@@ -80,6 +80,55 @@ def read_torch_file(path: str | Path) -> dict[str, np.ndarray]:
     if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
         raise TensorFileError(f"{path} does not hold a flat state dict of tensors")
     return dict(state)
+
+
+def _op_str(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw  # BINUNICODE
+
+
+def _op_int(n: int) -> bytes:
+    if 0 <= n < 2**31:
+        return b"J" + n.to_bytes(4, "little", signed=True)  # BININT
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw  # LONG1
+
+
+def _op_tuple(items: list[bytes]) -> bytes:
+    return b"(" + b"".join(items) + b"t"  # MARK ... TUPLE
+
+
+def _op_global(module: str, name: str) -> bytes:
+    return b"c" + f"{module}\n{name}\n".encode()
+
+
+def _tensor_pickle(key: str, storage: str, x: np.ndarray) -> bytes:
+    """`torch._utils._rebuild_tensor_v2(storage key, 0, shape, contiguous strides, False, OrderedDict())`."""
+    strides = [int(np.prod(x.shape[i + 1:], dtype=np.int64)) for i in range(x.ndim)]
+    pid = _op_tuple([_op_str("storage"), _op_global("torch", storage), _op_str(key), _op_str("cpu"), _op_int(x.size)])
+    args = [pid + b"Q", _op_int(0), _op_tuple([_op_int(n) for n in x.shape]), _op_tuple([_op_int(n) for n in strides]),
+            b"\x89", _op_global("collections", "OrderedDict") + b")R"]  # NEWFALSE; OrderedDict()
+    return _op_global("torch._utils", "_rebuild_tensor_v2") + _op_tuple(args) + b"R"
+
+
+def write_torch_file(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
+    """`tensors` as `torch.save` writes a state dict (zip format, pickle protocol 2, each tensor's bytes in
+    `archive/data/<i>`), loadable by `torch.load(weights_only=True)` and `read_torch_file`."""
+    storages = {np.dtype(v): k for k, v in STORAGE_DTYPES.items()}
+    entries, items = {}, []
+    for i, (name, value) in enumerate(tensors.items()):
+        x = np.array(value, order="C")  # 0-d stays 0-d (np.ascontiguousarray makes it 1-d)
+        if x.dtype not in storages:
+            raise TensorFileError(f"{name}: dtype {x.dtype} has no torch storage")
+        entries[f"archive/data/{i}"] = x.astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
+        items.append(_op_str(name) + _tensor_pickle(str(i), storages[x.dtype], x))
+    data = b"\x80\x02}(" + b"".join(items) + b"u."  # PROTO 2, EMPTY_DICT, MARK ... SETITEMS, STOP
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", data)
+        archive.writestr("archive/byteorder", "little")
+        for name, raw in entries.items():
+            archive.writestr(name, raw)
+        archive.writestr("archive/version", "3\n")
 
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
