@@ -233,7 +233,8 @@ def _convert(args: argparse.Namespace) -> int:
     from amphista_jax.convert import convert
 
     print(convert(args.out, model=args.model, heads=args.heads, gguf=args.gguf, dtype=args.dtype,
-                  max_shard_mb=args.max_shard_mb, heads_from=tuple(args.heads_from) if args.heads_from else None))
+                  max_shard_mb=args.max_shard_mb, heads_from=tuple(args.heads_from) if args.heads_from else None,
+                  heads_to=args.heads_to))
     return 0
 
 

@@ -164,6 +164,10 @@ def read_medusa(src: str | Path, target: Target) -> tuple[Medusa, dict]:
         _check(name, tuple(tensors[name].shape), shape, target)
         return np.asarray(tensors[name], np.float32)
 
+    expected = {f"{i}.{j}.linear.{p}" for i in range(k) for j in range(n) for p in ("weight", "bias")}
+    if extra := sorted(set(tensors) - expected - {f"{i}.{n}.weight" for i in range(k)}):
+        raise PublishedHeadsError(f"{src} holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}: not Medusa's "
+                                  f"released layout of {k} heads with {n} ResBlocks (the reference would ignore them)")
     w = [[get(f"{i}.{j}.linear.weight", (d, d)).T for j in range(n)] for i in range(k)]
     b = [[get(f"{i}.{j}.linear.bias", (d,)) for j in range(n)] for i in range(k)]
     lm_head = [get(f"{i}.{n}.weight", (v, d)).T for i in range(k)]
