@@ -164,12 +164,14 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     c.add_argument("--heads-from", nargs=2, metavar=("FORMAT", "DIR"), default=None,
                    help="convert heads released in another project's layout for --model: medusa (FasterDecoding's "
                    "medusa_lm_head.safetensors / .pt), eagle (SafeAILab's EAGLE-1/2 heads), eagle3 (SafeAILab's or "
-                   "SpecForge's EAGLE-3 heads), dflash (z-lab's or SpecForge's DFlash drafters); pytorch_model.bin / "
+                   "SpecForge's or speculators' EAGLE-3 heads), dflash (z-lab's, SpecForge's or speculators' DFlash "
+                   "drafters); pytorch_model.bin / "
                    ".pt files are read without torch")
     c.add_argument("--heads-to", default=None, metavar="FORMAT",
                    help="with --heads: write them in a reference project's layout for --model: medusa (medusa-llm), "
-                   "eagle (eagle-llm, EAGLE-1/2), eagle3 (SafeAILab's EAGLE-3), dflash (z-lab's); what a layout "
-                   "cannot hold exactly is refused in one line; written without torch")
+                   "eagle (eagle-llm, EAGLE-1/2), eagle3 (SafeAILab's EAGLE-3), eagle3-speculators (vLLM's), dflash "
+                   "(z-lab's), dflash-speculators; what a layout cannot hold exactly is refused in one line; written "
+                   "without torch")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     c.add_argument("--max-shard-mb", type=int, default=0, help="0 = one file")

@@ -35,6 +35,18 @@ def target():
     return Target(config, params)
 
 
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """(a 9-layer random target of the embedded one's shape, its directory): speculators refuses a feature layer named
+    twice, and EAGLE-3's reference layers 2, L // 2, L - 3 are distinct from 9 layers on, not at the embedded 6."""
+    c = dataclasses.replace(load_params(default_model_dir(), dtype="float32")[1], num_layers=9,
+                            sliding_windows=(0,) * 9)
+    model_dir = tmp_path_factory.mktemp("deep")
+    save_params(init_params(c, jax.random.key(3)), c, model_dir, dtype="float32")
+    params, c = load_params(model_dir, dtype="float32")
+    return Target(c, params), model_dir
+
+
 def _random_heads(drafter, target, keep=()):
     """`drafter`'s params, every floating leaf but `keep` moved off its init (zeros, copies of the target's)."""
     params = drafter.init(jax.random.key(0), target)
@@ -222,20 +234,82 @@ def test_dflash_drafters_saved_by_its_code_import_with_its_logits(tmp_path, caps
                                _dflash_logits(model.eval(), target, IDS, captured, 5, 4, 9), **TOL)
 
 
-# --- EAGLE-3 (SafeAILab's layout, read by speculators 0.9.0's converter and draft model) ----------------------------
-def test_eagle3_heads_exported_convert_and_load_in_speculators_with_our_logits(tmp_path, capsys, target):
+# --- EAGLE-3 (SafeAILab's layout, read by speculators 0.9.0's converter and draft model; speculators' own) -----------
+def _speculators_eagle3_logits(model, captured, ids):
+    """speculators' step-0 draft logits `[T - 1, V_d]` (caught at its lm_head: its forward returns token ids):
+    position t reads (token t + 1, features t)."""
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: logits.append(output.detach()))
+    with torch.no_grad():
+        model(hidden_states=torch.as_tensor(captured[:, :-1]), input_ids=torch.as_tensor(ids[None, 1:]),
+              document_ids=torch.zeros(1, len(ids) - 1, dtype=torch.long), ttt_steps=1)
+    hook.remove()
+    return logits[0].numpy()[0]
+
+
+@pytest.mark.parametrize("vocab", [1000, 0], ids=["draft-vocab", "whole-vocab"])
+def test_eagle3_heads_exported_in_speculators_layout_load_with_our_logits(tmp_path, capsys, deep, vocab):
+    """Ours -> `--heads-to eagle3-speculators` -> speculators' `Eagle3DraftModel.from_pretrained`, the target as
+    verifier: equal logits; and back with `--heads-from eagle3`, the same drafter and params."""
+    deep, model_dir = deep
+    c = deep.config
+    ids = tuple(sorted(np.random.default_rng(6).choice(c.vocab_size, vocab, replace=False).tolist())) if vocab else ()
+    drafter = Eagle3(draft_vocab=ids, feature_layers=(1, 4, 8))
+    params = _random_heads(drafter, deep)
+    out = _export(tmp_path, "eagle3-speculators", drafter, params, deep, capsys, model_dir)
+    model = reference_code.eagle3_from_pretrained(out)
+    assert model.config.eagle_aux_hidden_state_layer_ids == [1, 4, 8]
+    captured = np.random.default_rng(4).standard_normal((1, len(IDS), 3 * c.hidden_size)).astype(np.float32)
+    ours = np.asarray(drafter.draft_logits(params, deep, jnp.asarray(IDS)[None], jnp.asarray(captured)))
+    np.testing.assert_allclose(ours[0, :-1, 0], _speculators_eagle3_logits(model, captured, IDS), **TOL)
+    back = tmp_path / "back"
+    assert main(["convert", "--heads-from", "eagle3", str(out), "--model", str(model_dir), "--out", str(back),
+                 "--dtype", "float32"]) == 0, capsys.readouterr().err
+    _, again, again_params = load_draft(back, c, deep.params)
+    assert again == dataclasses.replace(drafter, rope_theta=c.rope_theta)  # the base named where it was implied
+    jax.tree.map(np.testing.assert_array_equal, again_params, params)
+
+
+def test_speculators_dflash_exported_and_its_own_imported_give_its_logits(tmp_path, capsys, target):
+    """Ours -> `--heads-to dflash-speculators` -> speculators' `DFlashDraftModel` (its modules run as vLLM runs them:
+    the block after the context, slots 1 .. B - 1 through its lm_head) equals ours; speculators' own saved
+    checkpoint read back by `--heads-from dflash` gives the same drafter."""
+    spec = reference_code.speculators()
+    drafter = DFlash(num_layers=2, block_size=4, mask_token_id=7)
+    params = _random_heads(drafter, target, keep=("mask_embedding",))
+    out = _export(tmp_path, "dflash-speculators", drafter, params, target, capsys)
+    model = spec.DFlashDraftModel.from_pretrained(out, attn_implementation="eager").eval()
+    width = len(drafter.layer_ids(target.config)) * target.config.hidden_size
+    captured = np.random.default_rng(4).standard_normal((1, len(IDS), width)).astype(np.float32)
+    anchor, block = 6, torch.as_tensor([[int(IDS[6]), 7, 7, 7]])
+    with torch.no_grad():
+        x = model.embed_tokens(block)
+        context = model.hidden_norm(model.fc(torch.as_tensor(captured[:, :anchor])))
+        positions = torch.arange(anchor + 4)[None]
+        rotary = model.rotary_emb(x, positions)
+        for layer in model.layers:
+            x = layer(hidden_states=x, target_hidden=context, attention_mask=None, position_ids=positions,
+                      position_embeddings=rotary)
+        theirs = model.lm_head(model.norm(x)).numpy()[0, 1:]
+    np.testing.assert_allclose(_ours_dflash(drafter, params, target, IDS, captured, anchor), theirs, **TOL)
+    model.save_pretrained(tmp_path / "saved")  # speculators' own save of what it loaded
+    back = tmp_path / "back"
+    assert main(["convert", "--heads-from", "dflash", str(tmp_path / "saved"), "--model", str(default_model_dir()),
+                 "--out", str(back), "--dtype", "float32"]) == 0, capsys.readouterr().err
+    _, again, again_params = load_draft(back, target.config, target.params)
+    assert (again.block_size, again.mask_token_id, again.layer_ids(target.config)) == (
+        4, 7, drafter.layer_ids(target.config))
+    np.testing.assert_allclose(_ours_dflash(again, again_params, target, IDS, captured, anchor), theirs, **TOL)
+
+def test_eagle3_heads_exported_convert_and_load_in_speculators_with_our_logits(tmp_path, capsys, deep):
     """Ours -> SafeAILab's layout -> speculators' own `Eagle3Converter` (the path released EAGLE-3 heads take into
     vLLM) -> its `Eagle3DraftModel` with our target as verifier: step 0's draft logits at every position equal ours,
     over a draft vocabulary (`d2t` / `t2d`)."""
     reference_code.speculators()
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 
-    # speculators refuses repeated feature layers: its default 2, L // 2, L - 3 are distinct at 9 layers, not 6
-    c = dataclasses.replace(target.config, num_layers=9, sliding_windows=(0,) * 9)
-    model_dir = tmp_path / "target"
-    save_params(init_params(c, jax.random.key(3)), c, model_dir, dtype="float32")
-    params_t, c = load_params(model_dir, dtype="float32")
-    deep = Target(c, params_t)
+    deep, model_dir = deep
+    c = deep.config
     vocab = tuple(sorted(np.random.default_rng(6).choice(c.vocab_size, 1000, replace=False).tolist()))
     drafter = Eagle3(draft_vocab=vocab)
     params = _random_heads(drafter, deep)
@@ -243,14 +317,9 @@ def test_eagle3_heads_exported_convert_and_load_in_speculators_with_our_logits(t
     Eagle3Converter().convert(out, tmp_path / "speculators", base_model=str(model_dir), validate=False)
     model = reference_code.eagle3_from_pretrained(tmp_path / "speculators")
     captured = np.random.default_rng(4).standard_normal((1, len(IDS), 3 * c.hidden_size)).astype(np.float32)
-    logits = []
-    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: logits.append(output.detach()))
-    with torch.no_grad():  # position t reads (token t + 1, features t)
-        model(hidden_states=torch.as_tensor(captured[:, :-1]), input_ids=torch.as_tensor(IDS[None, 1:]),
-              document_ids=torch.zeros(1, len(IDS) - 1, dtype=torch.long), ttt_steps=1)
-    hook.remove()
+    logits = _speculators_eagle3_logits(model, captured, IDS)
     ours = np.asarray(drafter.draft_logits(params, deep, jnp.asarray(IDS)[None], jnp.asarray(captured)))
-    np.testing.assert_allclose(ours[0, :-1, 0], logits[0].numpy()[0], **TOL)
+    np.testing.assert_allclose(ours[0, :-1, 0], logits, **TOL)
 
 
 # --- refusals ---------------------------------------------------------------------------------------------------
@@ -260,6 +329,7 @@ def test_eagle3_heads_exported_convert_and_load_in_speculators_with_our_logits(t
     ("eagle", Eagle(), "input_norm=True"),
     ("eagle", Eagle(input_norm=False, rope_theta=100000.0), "RoPE base 100000"),
     ("eagle3", Eagle3(feature_layers=(0, 1, 2)), "fuse target layers [0, 1, 2]"),
+    ("eagle3-speculators", Eagle3(), "named twice"),
     ("dflash", DFlash(num_layers=1, block_size=4), "MASK embedding"),
 ])
 def test_what_a_layout_cannot_hold_is_refused_in_one_line(tmp_path, capsys, target, fmt, drafter, needle):

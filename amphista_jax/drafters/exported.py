@@ -12,6 +12,10 @@ with bias, `layers.0` without an input norm) and the Llama `config.json` of its 
 offsets and the `t2d` mask) and its `config.json` (`draft_vocab_size`, the layer's RoPE base).
 `dflash` (z-lab): `model.safetensors` (`fc`, `hidden_norm`, `norm`, `layers.{i}` Qwen3 layers) and a Qwen3
 `config.json` with `num_target_layers` and `dflash_config` (`block_size`, `mask_token_id`, `target_layer_ids`).
+`eagle3-speculators` and `dflash-speculators` (vLLM's speculators): `model.safetensors` (EAGLE-3's layer as
+`layers.0`; DFlash's body as z-lab's) with the target's embedding (and DFlash's lm_head), which speculators would
+otherwise fill from the verifier, and its `config.json` (`speculators_model_type`, the fused layers as the ids of the
+layers whose inputs they are, the layer config, the verifier: the target's directory).
 
 What a layout cannot express is refused in one line naming the difference, before anything is written; nothing is
 written approximately.
@@ -40,6 +44,7 @@ from amphista_jax.models.target import Target
 from amphista_jax.models.torch_files import write_torch_file
 
 EAGLE_ROPE_THETA = 10000.0  # eagle-llm's draft layer runs this base whatever its config says
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout is written (`tests/reference-packages.txt`)
 
 
 Layout = tuple[str, dict[str, np.ndarray], dict]  # (the tensors' file name, its tensors, config.json)
@@ -139,41 +144,86 @@ def eagle_layout(drafter: Drafter, params: dict, target: Target, model: str) -> 
                                                        base_model_name_or_path=model)
 
 
+def _eagle3_tensors(drafter: Drafter, params: dict, target: Target, fmt: str, prefix: str) -> dict[str, np.ndarray]:
+    """EAGLE-3's draft tensors with its layer under `prefix` (SafeAILab: `midlayer`; speculators: `layers.0`)."""
+    if not isinstance(drafter, Eagle3):
+        raise _refuse(fmt, drafter, "are not EAGLE-3 heads")
+    layer = params["midlayer_0"]
+    tensors = {"fc.weight": _array(params["fc"]["kernel"]).T,
+               f"{prefix}.hidden_norm.weight": _array(layer["hidden_norm"]["scale"]),
+               "norm.weight": _array(params["norm"]["scale"]), "lm_head.weight": _array(params["lm_head"]).T}
+    tensors |= _layer_tensors(layer, prefix)
+    return _checked(tensors, params, sum(v.size for v in tensors.values()))
+
+
+def _vocab_maps(drafter: Drafter, vocab_size: int) -> dict[str, np.ndarray]:
+    """`d2t` (draft index -> target id offsets) and `t2d` (the target ids drafted) of the draft vocabulary."""
+    ids = np.asarray(drafter.draft_vocab or range(vocab_size), np.int64)
+    t2d = np.zeros(vocab_size, bool)
+    t2d[ids] = True
+    return {"d2t": ids - np.arange(len(ids)), "t2d": t2d}
+
+
 def eagle3_layout(drafter: Drafter, params: dict, target: Target, model: str) -> Layout:
     c = target.config
-    if not isinstance(drafter, Eagle3):
-        raise _refuse("eagle3", drafter, "are not EAGLE-3 heads")
+    tensors = _eagle3_tensors(drafter, params, target, "eagle3", "midlayer")
     if (layers := drafter.captured_layers(c)) != reference_layers(c.num_layers):
         raise _refuse("eagle3", drafter, f"fuse target layers {list(layers)}; SafeAILab's EAGLE-3 engine fuses "
                       f"{list(reference_layers(c.num_layers))} (2, L // 2, L - 3), which its layout does not name")
-    layer = params["midlayer_0"]
-    ids = np.asarray(drafter.draft_vocab or range(c.vocab_size), np.int64)  # draft index -> target id
-    t2d = np.zeros(c.vocab_size, bool)
-    t2d[ids] = True
-    tensors = {"fc.weight": _array(params["fc"]["kernel"]).T,
-               "midlayer.hidden_norm.weight": _array(layer["hidden_norm"]["scale"]),
-               "norm.weight": _array(params["norm"]["scale"]), "lm_head.weight": _array(params["lm_head"]).T}
-    tensors |= _layer_tensors(layer, "midlayer")
-    _checked(tensors, params, sum(v.size for v in tensors.values()))
-    tensors |= {"d2t": ids - np.arange(len(ids)), "t2d": t2d}
-    return "pytorch_model.bin", tensors, _llama_config(c, num_hidden_layers=1, draft_vocab_size=len(ids),
-                                                       rope_theta=drafter.rope_theta or c.rope_theta,
-                                                       base_model_name_or_path=model)
+    maps = _vocab_maps(drafter, c.vocab_size)
+    return "pytorch_model.bin", tensors | maps, _llama_config(c, num_hidden_layers=1, draft_vocab_size=len(maps["d2t"]),
+                                                              rope_theta=drafter.rope_theta or c.rope_theta,
+                                                              base_model_name_or_path=model)
 
 
-def dflash_layout(drafter: Drafter, params: dict, target: Target, model: str) -> Layout:
+def _speculators_config(algorithm: str, tokens: int, model: str, layer_config: dict, **fields: object) -> dict:
+    """A speculators checkpoint's config.json: the draft's own fields, its layer config, the greedy proposal of
+    `tokens` tokens and the verifier (the target directory)."""
+    return {"architectures": [f"{'Eagle3' if algorithm == 'eagle3' else 'DFlash'}DraftModel"],
+            "speculators_model_type": algorithm, "speculators_version": SPECULATORS_VERSION, "target_hidden_size": None,
+            "transformer_layer_config": layer_config, "tie_word_embeddings": False, **fields,
+            "speculators_config": {
+                "algorithm": algorithm, "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
+                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                "verifier": {"name_or_path": model, "architectures": ["LlamaForCausalLM"]}}}
+
+
+def _layer_config(c: ModelConfig, model_type: str, layers: int, rope_theta: float) -> dict:
+    config = _llama_config(c, num_hidden_layers=layers, attention_bias=False, mlp_bias=False,
+                           rope_parameters={"rope_theta": rope_theta, "rope_type": "default"})
+    return {k: v for k, v in config.items() if k != "architectures"} | {"model_type": model_type}
+
+
+def eagle3_speculators_layout(drafter: Drafter, params: dict, target: Target, model: str) -> Layout:
     c = target.config
-    if not isinstance(drafter, DFlash):
-        raise _refuse("dflash", drafter, "are not DFlash heads")
-    if not drafter.qk_norm:
-        raise _refuse("dflash", drafter, "have no query/key norms (qk_norm=false); z-lab's Qwen3 layers have them")
+    tensors = _eagle3_tensors(drafter, params, target, "eagle3-speculators", "layers.0")
+    if len(set(layers := drafter.captured_layers(c))) != len(layers):
+        raise _refuse("eagle3-speculators", drafter, f"fuse target layers {list(layers)}; speculators refuses a "
+                      "layer named twice")
+    tensors["embed_tokens.weight"] = _array(target.embed(np.arange(c.vocab_size)))  # else refilled from the target
     if drafter.draft_vocab:
-        raise _refuse("dflash", drafter, f"draft over {len(drafter.draft_vocab)} tokens; z-lab's drafts over the "
-                      "whole vocabulary")
+        tensors |= _vocab_maps(drafter, c.vocab_size)
+    return "model.safetensors", tensors, _speculators_config(
+        "eagle3", 3, model, _layer_config(c, "llama", 1, drafter.rope_theta or c.rope_theta),
+        draft_vocab_size=len(drafter.draft_vocab or range(c.vocab_size)), eagle_aux_hidden_state_layer_ids=list(layers),
+        norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False, embed_requires_grad=False)
+
+
+def _dflash_tensors(drafter: Drafter, params: dict, target: Target, fmt: str) -> dict[str, np.ndarray]:
+    """DFlash's draft body (`fc`, `hidden_norm`, `norm`, `layers.{i}` Qwen3 layers): z-lab's names, speculators'
+    too."""
+    if not isinstance(drafter, DFlash):
+        raise _refuse(fmt, drafter, "are not DFlash heads")
+    if not drafter.qk_norm:
+        raise _refuse(fmt, drafter, "have no query/key norms (qk_norm=false); the reference's Qwen3 layers have them")
+    if drafter.draft_vocab:
+        raise _refuse(fmt, drafter, f"draft over {len(drafter.draft_vocab)} tokens; the layout's DFlash drafts over "
+                      "the whole vocabulary")
     mask = _array(params["mask_embedding"])
     if drafter.mask_token_id < 0 or not np.array_equal(mask, _array(target.embed(drafter.mask_token_id))):
-        raise _refuse("dflash", drafter, "learned their own MASK embedding; z-lab's layout embeds MASK as the "
-                      "target's token mask_token_id")
+        raise _refuse(fmt, drafter, "learned their own MASK embedding; the layout embeds MASK as the target's token "
+                      "mask_token_id")
     tensors = {"fc.weight": _array(params["fc"]["kernel"]).T,
                "hidden_norm.weight": _array(params["hidden_norm"]["scale"]),
                "norm.weight": _array(params["norm"]["scale"])}
@@ -185,21 +235,39 @@ def dflash_layout(drafter: Drafter, params: dict, target: Target, model: str) ->
                 node = node[key]
             value = _array(node.get("kernel", node.get("scale")))
             tensors[f"layers.{i}.{theirs}.weight"] = value.T if value.ndim == 2 else value
-    _checked(tensors, params, sum(v.size for v in tensors.values()) + mask.size)
-    return "model.safetensors", tensors, {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": drafter.num_layers,
-        "num_target_layers": c.num_layers, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
-        "max_position_embeddings": c.max_positions, "hidden_act": "silu", "attention_bias": False,
-        "rope_theta": c.rope_theta, "tie_word_embeddings": False, "block_size": drafter.block_size,
-        "layer_types": ["full_attention"] * drafter.num_layers, "base_model_name_or_path": model,
+    return _checked(tensors, params, sum(v.size for v in tensors.values()) + mask.size)
+
+
+def dflash_layout(drafter: Drafter, params: dict, target: Target, model: str) -> Layout:
+    c = target.config
+    tensors = _dflash_tensors(drafter, params, target, "dflash")
+    config = _layer_config(c, "qwen3", drafter.num_layers, c.rope_theta) | {
+        "architectures": ["DFlashDraftModel"], "num_target_layers": c.num_layers, "rope_theta": c.rope_theta,
+        "block_size": drafter.block_size, "layer_types": ["full_attention"] * drafter.num_layers,
+        "base_model_name_or_path": model,
         "dflash_config": {"block_size": drafter.block_size, "mask_token_id": drafter.mask_token_id,
                           "target_layer_ids": list(drafter.layer_ids(c))}}
+    return "model.safetensors", tensors, config
+
+
+def dflash_speculators_layout(drafter: Drafter, params: dict, target: Target, model: str) -> Layout:
+    c = target.config
+    tensors = _dflash_tensors(drafter, params, target, "dflash-speculators")
+    tensors |= {"embed_tokens.weight": _array(target.embed(np.arange(c.vocab_size))),  # else refilled from the
+                "lm_head.weight": _array(target.lm_head()).T}  # target where still unset
+    layer_config = _layer_config(c, "qwen3", drafter.num_layers, c.rope_theta) | {
+        "layer_types": ["full_attention"] * drafter.num_layers}
+    return "model.safetensors", tensors, _speculators_config(
+        "dflash", drafter.block_size - 1, model, layer_config, draft_vocab_size=c.vocab_size,
+        block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
+        aux_hidden_state_layer_ids=list(drafter.captured_layers(c)),  # speculators' id: the layer's input
+        sample_from_anchor=False, sliding_window_non_causal=False)
 
 
 LAYOUTS: dict[str, Callable[[Drafter, dict, Target, str], Layout]] = {
-    "medusa": medusa_layout, "eagle": eagle_layout, "eagle3": eagle3_layout, "dflash": dflash_layout}
+    "medusa": medusa_layout, "eagle": eagle_layout, "eagle3": eagle3_layout,
+    "eagle3-speculators": eagle3_speculators_layout, "dflash": dflash_layout,
+    "dflash-speculators": dflash_speculators_layout}
 
 
 def export_heads(fmt: str, drafter: Drafter, params: dict, target: Target, out: Path, model: str,

@@ -15,13 +15,15 @@ first layer has no input norm: our `Eagle(input_norm=False)`); the target's own 
 `embed_tokens.weight`, a copy of the target's, is ignored. The draft layer's RoPE base is its config's, 10000 where it
 names none (`draft_rope_theta`), whatever the target's.
 
-`eagle3` (SafeAILab/EAGLE `eagle/model/cnets.py`, SpecForge): `config.json` (`draft_vocab_size`) beside the same
-files: `fc.weight [D, 3D]` (no bias), `midlayer.{self_attn,mlp}.*` (q/k/v read `2D`), `midlayer.input_layernorm`
-(on the embedding), `midlayer.hidden_norm`, `midlayer.post_attention_layernorm`, `norm.weight`, `lm_head.weight
-[V_d, D]`, and `d2t [V_d]` (draft index i is target token `i + d2t[i]`; `t2d`, its inverse mask, is checked
-against it): our `Eagle3` with `draft_vocab = i + d2t[i]` and the reference's feature layers.
+`eagle3` (SafeAILab/EAGLE `eagle/model/cnets.py`, SpecForge; speculators' layout too, `read_eagle3`): `config.json`
+(`draft_vocab_size`) beside the same files: `fc.weight [D, 3D]` (no bias), `midlayer.{self_attn,mlp}.*` (q/k/v read
+`2D`), `midlayer.input_layernorm` (on the embedding), `midlayer.hidden_norm`, `midlayer.post_attention_layernorm`,
+`norm.weight`, `lm_head.weight [V_d, D]`, and `d2t [V_d]` (draft index i is target token `i + d2t[i]`; `t2d`, its
+inverse mask, is checked against it): our `Eagle3` with `draft_vocab = i + d2t[i]` and the reference's feature
+layers.
 
-`dflash` (z-lab/dflash, SpecForge): `config.json` and `model.safetensors` of a DFlash drafter (`read_dflash`).
+`dflash` (z-lab/dflash, SpecForge, speculators): `config.json` and `model.safetensors` of a DFlash drafter
+(`read_dflash`).
 
 Every checkpoint is checked against the target (hidden size, vocabulary) before anything is written, one line
 each.
@@ -199,13 +201,25 @@ def _stack(tree: dict) -> dict:
     return {k: _stack(v) if isinstance(v, dict) else v[None] for k, v in tree.items()}
 
 
+SPECULATORS_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")  # forms ours has not
+
+
 def read_eagle3(src: str | Path, target: Target) -> tuple[Eagle3, dict]:
-    """(the drafter, its params) of released EAGLE-3 heads (SafeAILab, SpecForge) in `src`, checked against
-    `target`."""
+    """(the drafter, its params) of released EAGLE-3 heads in `src`, checked against `target`: SafeAILab's and
+    SpecForge's layout (`midlayer.*`, the reference's fused layers) or speculators' (`speculators_model_type:
+    eagle3`: `layers.0.*`, the fused layers named by `eagle_aux_hidden_state_layer_ids`, no `d2t` over the whole
+    vocabulary)."""
     src, t, config = _read(src, EAGLE_FILES, "eagle3", target)
     c = target.config
     d = c.hidden_size
-    d2t = np.asarray(t.tensors["d2t"] if "d2t" in t.tensors else t.get("d2t")).astype(np.int64)
+    speculators = config.get("speculators_model_type") == "eagle3"
+    if speculators and (flags := [f for f in SPECULATORS_FLAGS if config.get(f)]):
+        raise PublishedHeadsError(f"{src / 'config.json'} sets {', '.join(flags)}: a form of EAGLE-3's layer this "
+                                  "library does not implement")
+    if speculators and "d2t" not in t.tensors:
+        d2t = np.zeros(int(config.get("draft_vocab_size", c.vocab_size)), np.int64)  # the whole vocabulary
+    else:
+        d2t = np.asarray(t.tensors["d2t"] if "d2t" in t.tensors else t.get("d2t")).astype(np.int64)
     ids = np.arange(len(d2t)) + d2t  # draft index -> target id
     if "draft_vocab_size" in config and int(config["draft_vocab_size"]) != len(ids):
         raise PublishedHeadsError(f"{src}: d2t has {len(ids)} entries but config.json's draft_vocab_size is "
@@ -220,14 +234,22 @@ def read_eagle3(src: str | Path, target: Target) -> tuple[Eagle3, dict]:
                                       f"of a {c.vocab_size}-token vocabulary: these heads were trained for another "
                                       "vocabulary; pass that model as --model")
     order = np.argsort(ids)  # our draft vocabulary is sorted; the released one normally is already
-    layer = t.layer("midlayer", 2 * d)
-    _require(layer, _LAYER_CORE + (("input_norm", "scale"),), src, "midlayer", "eagle3")
-    layer["hidden_norm"] = {"scale": jnp.asarray(t.get("midlayer.hidden_norm.weight", (d,)))}
+    prefix = "layers.0" if speculators else "midlayer"
+    layer = t.layer(prefix, 2 * d)
+    _require(layer, _LAYER_CORE + (("input_norm", "scale"),), src, prefix, "eagle3")
+    layer["hidden_norm"] = {"scale": jnp.asarray(t.get(f"{prefix}.hidden_norm.weight", (d,)))}
     params = {"fc": {"kernel": jnp.asarray(t.get("fc.weight", (d, 3 * d)).T)}, "midlayer_0": layer,
               "norm": {"scale": jnp.asarray(t.get("norm.weight", (d,)))},
               "lm_head": jnp.asarray(t.get("lm_head.weight", (len(ids), d))[order].T)}
     vocab = () if len(ids) == c.vocab_size else tuple(int(i) for i in ids[order])  # (): the whole vocabulary
-    return _fitted(Eagle3(draft_vocab=vocab, rope_theta=draft_rope_theta(config)), params, target)
+    layers = tuple(config.get("eagle_aux_hidden_state_layer_ids") or ()) if speculators else ()
+    rope = draft_rope_theta(config["transformer_layer_config"] if speculators else config)
+    try:
+        drafter = Eagle3(draft_vocab=vocab, rope_theta=rope, feature_layers=layers)
+        drafter.captured_layers(c)
+    except ValueError as e:
+        raise PublishedHeadsError(f"{src / 'config.json'}: {e}") from None
+    return _fitted(drafter, params, target)
 
 
 DFLASH_TENSORS = {  # our name: (the reference's, its torch shape from the target's config)
@@ -245,6 +267,21 @@ DFLASH_TENSORS = {  # our name: (the reference's, its torch shape from the targe
 }
 
 
+def _zlab_config(config: dict, vocab_size: int, src: Path) -> dict:
+    """A DFlash drafter's config.json in z-lab's form: speculators' (`speculators_model_type: dflash`, its layers'
+    config under `transformer_layer_config`, the fused layers as the ids of the layers whose inputs they are) moved
+    into it; z-lab's as it is."""
+    if config.get("speculators_model_type") != "dflash":
+        return config
+    if int(config.get("draft_vocab_size", vocab_size)) != vocab_size:
+        raise PublishedHeadsError(f"{src / 'config.json'} drafts over {config['draft_vocab_size']} of the target's "
+                                  f"{vocab_size} tokens: a DFlash draft vocabulary is not read here")
+    return config["transformer_layer_config"] | {
+        "block_size": config["block_size"], "dflash_config": {
+            "mask_token_id": config.get("mask_token_id", -1),
+            "target_layer_ids": [i - 1 for i in config.get("aux_hidden_state_layer_ids") or ()]}}
+
+
 def read_dflash(src: str | Path, target: Target) -> tuple[DFlash, dict]:
     """(the drafter, its params) of released DFlash drafters (z-lab, SpecForge) in `src`, checked against `target`:
     `config.json` (`block_size`, `num_hidden_layers`, `dflash_config.target_layer_ids` and `mask_token_id`, the
@@ -253,6 +290,7 @@ def read_dflash(src: str | Path, target: Target) -> tuple[DFlash, dict]:
     layer norms, `mlp.{gate,up,down}_proj`; no biases). MASK's embedding is the target's row `mask_token_id`."""
     src, t, config = _read(src, EAGLE_FILES, "dflash", target)
     c = target.config
+    config = _zlab_config(config, c.vocab_size, src)
     dflash = config.get("dflash_config") or {}
     if "block_size" not in config or "num_hidden_layers" not in config:
         raise PublishedHeadsError(f"{src / 'config.json'} has no block_size or num_hidden_layers: not a DFlash "
@@ -260,6 +298,8 @@ def read_dflash(src: str | Path, target: Target) -> tuple[DFlash, dict]:
     for key, ours in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
                       ("head_dim", c.head_dim), ("intermediate_size", c.intermediate_size),
                       ("rope_theta", c.rope_theta)):
+        if key == "rope_theta":
+            config = config | {key: draft_rope_theta(config)}
         if key in config and config[key] is not None and float(config[key]) != float(ours):
             raise PublishedHeadsError(f"{src / 'config.json'} has {key} {config[key]} but the target's layers have "
                                       f"{ours}: the drafter's layers must be the target's shape; pass its target as "
