@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from amphista_jax.drafters.exported import LAYOUTS, ExportError
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
@@ -136,7 +137,7 @@ def main() -> None:
         side(prompts[0], args.max_new_tokens)
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     names = list(sides)
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(tqdm(prompts, desc="peers, interleaved", unit="prompt")):
         for name in names[i % len(names):] + names[: i % len(names)]:
             runs[name].append(sides[name](ids, args.max_new_tokens))
     greedy = [r["ids"] for r in runs["ours AR"]]
