@@ -14,8 +14,10 @@ instruction reads its operands and writes its output (a nested loop's body count
 that a fused operand used only through slices counts the bytes taken, a scatter or dynamic-update-slice (or a fusion
 whose root is one) works in place and counts 2 x the update, and parameters, tuples and bitcasts count nothing.
 Components come from each instruction's JAX name stack. Cache copies: the instructions of a step that write at
-least one layer's K or V (a cache-shaped output, or an in-place update that size). Writes decode_profile.json and
-decode_profile.md to `--out`.
+least one layer's K or V (a cache-shaped output, or an in-place update that size). Weight copies (`weight_moves`):
+the instructions of a step that move at least one layer's share of a weight into a buffer of its own (the stacked
+layout's per-layer slices; the split layout, decoding's, has none: `tests/test_decode_weight_traffic.py`). Writes
+decode_profile.json and decode_profile.md to `--out`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import re
 import jax
 import jax.numpy as jnp
 
+from amphista_jax.drafters.base import Drafter
 from amphista_jax.engine.decode import advance, start
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.ar_decode import memory_bandwidth
@@ -37,6 +40,8 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import LAYOUTS, load_config
 from amphista_jax.models.llama import param_shapes
+from amphista_jax.models.target import Target
+from amphista_jax.trees.tree import Tree
 
 NEW_TOKENS = 64  # the state's token buffer [B, 64]; the prompt fills the rest of the cache
 FORCED = (8, 256)  # the teacher-forced forward's tokens [B, T]
@@ -183,15 +188,48 @@ def profile(hlo: Hlo, kv: tuple[int, ...], layers: int, step: bool) -> dict:
             "cache_copies": copies[0], "cache_copy_bytes": copies[1]}
 
 
-def decode_program(config: ModelConfig, params: dict, batch: int, cache_size: int) -> Hlo:
-    """`advance`'s compiled program (AR, greedy) on the state `start` leaves after a `[B, cache_size - NEW_TOKENS]`
-    prompt."""
-    spec = DecodeSpec(config, None, None, NEW_TOKENS, eos_ids=config.eos_token_ids, pad_id=config.pad_token_id or 0)
-    prompt = jax.ShapeDtypeStruct((batch, cache_size - NEW_TOKENS), jnp.int32)
+def decode_program(config: ModelConfig, params: dict, batch: int, cache_size: int, drafter: Drafter | None = None,
+                   tree: Tree | None = None) -> Hlo:
+    """`advance`'s compiled program (greedy; AR without a `drafter`) on the state `start` leaves after the longest
+    prompt `cache_size` holds beside `NEW_TOKENS` (and a tree's scratch); the drafter's params are its `init`'s shapes
+    on this target."""
+    spec = DecodeSpec(config, drafter, tree, NEW_TOKENS, eos_ids=config.eos_token_ids, pad_id=config.pad_token_id or 0)
+    draft = None if drafter is None else jax.eval_shape(
+        lambda p: drafter.decode_params(drafter.init(jax.random.key(0), Target(config, p)), Target(config, p)), params)
+    prompt = jax.ShapeDtypeStruct((batch, cache_size - spec.cache_size(0)), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    state = jax.eval_shape(functools.partial(start, spec=spec, cache_size=cache_size), params, None, prompt, lengths,
+    state = jax.eval_shape(functools.partial(start, spec=spec, cache_size=cache_size), params, draft, prompt, lengths,
                            jax.random.key(0))
-    return Hlo(advance.lower(params, None, state, spec=spec, steps=NEW_TOKENS).compile().as_text())
+    return Hlo(advance.lower(params, draft, state, spec=spec, steps=NEW_TOKENS).compile().as_text())
+
+
+MOVES = {"parameter", "constant", "bitcast", "copy", "slice", "dynamic-slice", "transpose", "reshape"}
+
+
+def weight_moves(hlo: Hlo, layers: int) -> list[tuple[str, str, int]]:
+    """(weight, op, bytes written) of each instruction in one iteration of the entry's decode loop that writes a
+    weight's values elsewhere (a copy, slice, dynamic-slice or transpose, or a fusion of only such moves) at least one
+    layer's share of that weight in size: per-step weight traffic beyond the products' own read of it."""
+    sizes = {ins.scope: nbytes(ins.dims) for ins in hlo.comps[hlo.entry].values() if ins.op == "parameter"}
+    found = []
+
+    def walk(comp: str) -> None:
+        for ins in hlo.comps[comp].values():
+            if ins.op in ("while", "call", "conditional"):
+                for inner in set(re.findall(r"%([\w.\-]+)", ins.attrs)) & hlo.comps.keys():
+                    walk(inner)
+                continue
+            moves = ({i.op for i in hlo.comps[ins.called()].values()} <= MOVES if ins.op == "fusion"
+                     else ins.op in MOVES - {"parameter", "constant", "bitcast", "reshape"})
+            if not moves:
+                continue
+            for weight in {hlo.weight(comp, o) for o in ins.operands} & sizes.keys():
+                if weight.startswith("params/") and nbytes(ins.dims) * layers >= sizes[weight]:
+                    found.append((weight, hlo.root_op(ins), nbytes(ins.dims)))
+
+    loop = next(i for i in hlo.comps[hlo.entry].values() if i.op == "while" and "known_trip_count" not in i.attrs)
+    walk(loop.called("body"))
+    return found
 
 
 def forced_program(config: ModelConfig, params: dict) -> Hlo:
@@ -227,8 +265,11 @@ def main() -> None:
         params, _ = param_shapes(config, split=layout == "split")  # hf.load_params(layout=layout)'s tree, fp32
         for batch in args.batches:
             kv = (batch, args.cache_size, config.num_kv_heads, config.head_dim)
-            rows.append({"program": f"decode, {layout}, batch {batch}", "layout": layout, "tokens": batch} | profile(
-                decode_program(config, params, batch, args.cache_size), kv, config.num_layers, step=True))
+            hlo = decode_program(config, params, batch, args.cache_size)
+            moved = weight_moves(hlo, config.num_layers)
+            rows.append({"program": f"decode, {layout}, batch {batch}", "layout": layout, "tokens": batch,
+                         "weight_moves": len(moved), "weight_move_bytes": sum(b for *_, b in moved)}
+                        | profile(hlo, kv, config.num_layers, step=True))
         rows.append({"program": f"teacher-forced, {layout}, {list(FORCED)}", "layout": layout,
                      "tokens": math.prod(FORCED)}
                     | profile(forced_program(config, params), (), config.num_layers, step=False))
@@ -238,11 +279,12 @@ def main() -> None:
              "program (bytes: the byte model of the module's docstring); predicted tokens/s = tokens per step x "
              f"bandwidth / bytes per step, at {bandwidth / 1e9:.1f} GB/s (fp32 matrix-vector product over 512 MiB, "
              "measured in this run).", "",
-             "| program | GFLOP/step | GB/step | flop/B | MB/token | cache copies/step (GB) | predicted tok/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| program | GFLOP/step | GB/step | flop/B | MB/token | cache copies/step (GB) | weight copies/step (GB) "
+             "| predicted tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['program']} | {r['flops'] / 1e9:.2f} | {r['bytes'] / 1e9:.3f} | {r['flops'] / r['bytes']:.2f} | "
               f"{r['bytes'] / r['tokens'] / 1e6:.2f} | {r['cache_copies']} ({r['cache_copy_bytes'] / 1e9:.3f}) | "
-              f"{r['predicted_tokens_per_s']:.0f} |" for r in rows]
+              + (f"{r['weight_moves']} ({r['weight_move_bytes'] / 1e9:.3f})" if "weight_moves" in r else "-")
+              + f" | {r['predicted_tokens_per_s']:.0f} |" for r in rows]
     data = {"model": model_dir, "cache_size": args.cache_size, "new_tokens": NEW_TOKENS,
             "bandwidth_bytes_per_s": bandwidth, "rows": rows}
     write_report(args.out, "decode_profile", data, "\n\n".join(["\n".join(lines)] + [component_table(r) for r in rows]))
