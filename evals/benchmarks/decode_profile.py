@@ -207,17 +207,19 @@ MOVES = {"parameter", "constant", "bitcast", "copy", "slice", "dynamic-slice", "
 
 
 def weight_moves(hlo: Hlo, layers: int) -> list[tuple[str, str, int]]:
-    """(weight, op, bytes written) of each instruction in one iteration of the entry's decode loop that writes a
-    weight's values elsewhere (a copy, slice, dynamic-slice or transpose, or a fusion of only such moves) at least one
-    layer's share of that weight in size: per-step weight traffic beyond the products' own read of it."""
+    """(weight, op, bytes written per step) of each instruction in one iteration of the entry's decode loop that
+    writes a weight's values elsewhere (a copy, slice, dynamic-slice or transpose, or a fusion of only such moves), at
+    least one layer's share of that weight in size: per-step weight traffic beyond the products' own read of it. A
+    nested loop's instructions count its trip count times."""
     sizes = {ins.scope: nbytes(ins.dims) for ins in hlo.comps[hlo.entry].values() if ins.op == "parameter"}
     found = []
 
-    def walk(comp: str) -> None:
+    def walk(comp: str, times: int) -> None:
         for ins in hlo.comps[comp].values():
             if ins.op in ("while", "call", "conditional"):
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
                 for inner in set(re.findall(r"%([\w.\-]+)", ins.attrs)) & hlo.comps.keys():
-                    walk(inner)
+                    walk(inner, times * (int(trip.group(1)) if trip else 1))
                 continue
             moves = ({i.op for i in hlo.comps[ins.called()].values()} <= MOVES if ins.op == "fusion"
                      else ins.op in MOVES - {"parameter", "constant", "bitcast", "reshape"})
@@ -225,10 +227,10 @@ def weight_moves(hlo: Hlo, layers: int) -> list[tuple[str, str, int]]:
                 continue
             for weight in {hlo.weight(comp, o) for o in ins.operands} & sizes.keys():
                 if weight.startswith("params/") and nbytes(ins.dims) * layers >= sizes[weight]:
-                    found.append((weight, hlo.root_op(ins), nbytes(ins.dims)))
+                    found.append((weight, hlo.root_op(ins), times * nbytes(ins.dims)))
 
     loop = next(i for i in hlo.comps[hlo.entry].values() if i.op == "while" and "known_trip_count" not in i.attrs)
-    walk(loop.called("body"))
+    walk(loop.called("body"), 1)
     return found
 
 
