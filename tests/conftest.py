@@ -16,6 +16,9 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 # The tests' default model is the embedded one (fast, nothing to fetch); users' is the real target
 # (`fetch.default_model`), which tests/test_demo.py checks with this variable removed.
 os.environ["AMPHISTA_MODEL"] = "tiny"
+# The library keeps compiled programs under AMPHISTA_HOME (`infra.compile_cache`); tests keep their own (below), and
+# their CLI subprocesses none, so no test reads a program another run compiled.
+os.environ["AMPHISTA_COMPILE_CACHE"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -46,12 +46,13 @@ from amphista_jax.engine.sharding import (
     train_state_shardings,
 )
 from amphista_jax.infra.accelerators import GIB
+from amphista_jax.infra.compile_cache import enable_compile_cache
 from amphista_jax.infra.errors import OutputExistsError, check_writable_dir
 from amphista_jax.infra.figures import pyplot, save_figure
 from amphista_jax.infra.identity import target_identity
 from amphista_jax.infra.output_lock import output_lock, write_atomic
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.fetch import resolve_model
+from amphista_jax.models.fetch import amphista_home, resolve_model
 from amphista_jax.models.hf import load_config, load_params, param_dtype
 from amphista_jax.models.llama import Transformer, param_shapes
 from amphista_jax.models.target import Target
@@ -231,6 +232,7 @@ def train_heads(cfg: TrainConfig, store_only: bool = False) -> dict[str, Any]:
     states, its captured layers and, with `loss.labels: target`, its top-k labels, for the train and held-out
     examples) and stop: the store's one command, reused by every later run over the same data and target."""
     maybe_initialize_distributed()
+    enable_compile_cache(amphista_home())
     if store_only and not (cfg.data.cache_target_hidden and cfg.data.hidden_store):
         raise TrainConfigError("--store-only fills data.hidden_store: set data.cache_target_hidden=true and "
                                "data.hidden_store=DIR")

@@ -39,9 +39,10 @@ from amphista_jax.engine.decode import ARState, GenerateOutput, SpecState, advan
 from amphista_jax.engine.decode_spec import GREEDY, DecodeSpec, bucket
 from amphista_jax.engine.prompt_checks import check_decode_inputs
 from amphista_jax.facade.drafter_source import DrafterSource, choose_tree, load_draft_params, read_source
+from amphista_jax.infra.compile_cache import enable_compile_cache
 from amphista_jax.infra.errors import GeneratorError
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.fetch import resolve_model
+from amphista_jax.models.fetch import amphista_home, resolve_model
 from amphista_jax.models.target import Target
 from amphista_jax.trees.names import AUTO
 from amphista_jax.trees.sampling import SamplingConfig
@@ -120,6 +121,7 @@ class Generator:
 
         model_dir = resolve_model(None if model is None else str(model))
         config = load_config(model_dir)
+        enable_compile_cache(amphista_home())
         if heads is not None and draft_model is not None:
             raise GeneratorError("give heads or draft_model, not both: a draft model drafts on its own")
         source = heads if draft_model is None else Path(draft_model)
