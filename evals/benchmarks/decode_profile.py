@@ -26,6 +26,7 @@ import collections
 import functools
 import math
 import re
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,26 @@ class Hlo(HloModule):
 
     def root_op(self, ins: Instr) -> str:
         return self.roots[ins.called()].op if ins.op == "fusion" else ins.op
+
+    def instructions(self, step: bool) -> Iterator[tuple[str, Instr, int]]:
+        """(computation, instruction, times it runs) of one iteration of the entry's decode loop (`step`: its `while`
+        of no known trip count; body and condition) or of the whole program, through nested loops (their trip count
+        times), calls and both branches of a conditional; the control instructions themselves left out."""
+        def walk(comp: str, times: int) -> Iterator[tuple[str, Instr, int]]:
+            for ins in self.comps[comp].values():
+                if ins.op not in ("while", "call", "conditional"):
+                    yield comp, ins, times
+                    continue
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+                for inner in set(re.findall(r"%([\w.\-]+)", ins.attrs)) & self.comps.keys():
+                    yield from walk(inner, times * (int(trip.group(1)) if trip else 1))
+
+        if not step:
+            yield from walk(self.entry, 1)
+            return
+        loop = next(i for i in self.comps[self.entry].values() if i.op == "while" and "known_trip_count" not in i.attrs)
+        yield from walk(loop.called("body"), 1)
+        yield from walk(loop.called("condition"), 1)
 
     def weight(self, comp: str, name: str, index: int | None = None) -> str:
         """The path of the entry parameter that value `name` (its element `index`, for a tuple) comes from, through
@@ -155,34 +176,22 @@ def profile(hlo: Hlo, kv: tuple[int, ...], layers: int, step: bool) -> dict:
     parts: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # component -> [flops, bytes]
     copies = [0, 0]  # [instructions, bytes written]
 
-    def walk(comp: str, times: int) -> None:
-        for ins in hlo.comps[comp].values():
-            if ins.op in ("while", "call", "conditional"):
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
-                for inner in set(re.findall(r"%([\w.\-]+)", ins.attrs)) & hlo.comps.keys():
-                    walk(inner, times * (int(trip.group(1)) if trip else 1))
-                continue
-            root_op, update = hlo.root_op(ins), hlo.update(comp, ins)
-            scope = ins.scope
-            if not scope and root_op == "dot":  # a product with a weight (its right operand), else attention's
-                reads = [hlo.comps[comp][o] for o in reversed(ins.operands)]
-                scope = next(filter(None, (hlo.weight(comp, o.name) for o in reads)), "") or (
-                    "/attn/dot_general" if any(cache_like(d) for o in reads for _, d in o.dims) else "")
-            out_cache = any(cache_like(d) for _, d in ins.dims)
-            part = parts[component(scope, ins, root_op, out_cache, out_cache and ins.dims[0][1][:1] == (layers,))]
-            part[0] += times * hlo.flops(comp, ins)
-            part[1] += times * hlo.traffic(comp, ins)
-            written = update.dims if update else [] if ins.op in FREE or root_op == "dot" else ins.dims
-            if any(cache_like(s) for _, s in written):
-                copies[0] += times
-                copies[1] += times * nbytes(written)
+    for comp, ins, times in hlo.instructions(step):
+        root_op, update = hlo.root_op(ins), hlo.update(comp, ins)
+        scope = ins.scope
+        if not scope and root_op == "dot":  # a product with a weight (its right operand), else attention's
+            reads = [hlo.comps[comp][o] for o in reversed(ins.operands)]
+            scope = next(filter(None, (hlo.weight(comp, o.name) for o in reads)), "") or (
+                "/attn/dot_general" if any(cache_like(d) for o in reads for _, d in o.dims) else "")
+        out_cache = any(cache_like(d) for _, d in ins.dims)
+        part = parts[component(scope, ins, root_op, out_cache, out_cache and ins.dims[0][1][:1] == (layers,))]
+        part[0] += times * hlo.flops(comp, ins)
+        part[1] += times * hlo.traffic(comp, ins)
+        written = update.dims if update else [] if ins.op in FREE or root_op == "dot" else ins.dims
+        if any(cache_like(s) for _, s in written):
+            copies[0] += times
+            copies[1] += times * nbytes(written)
 
-    if step:
-        loop = next(i for i in hlo.comps[hlo.entry].values() if i.op == "while" and "known_trip_count" not in i.attrs)
-        walk(loop.called("body"), 1)
-        walk(loop.called("condition"), 1)
-    else:
-        walk(hlo.entry, 1)
     return {"components": {k: {"flops": f, "bytes": b} for k, (f, b) in parts.items()},
             "flops": sum(f for f, _ in parts.values()), "bytes": sum(b for _, b in parts.values()),
             "cache_copies": copies[0], "cache_copy_bytes": copies[1]}
@@ -214,23 +223,14 @@ def weight_moves(hlo: Hlo, layers: int) -> list[tuple[str, str, int]]:
     sizes = {ins.scope: nbytes(ins.dims) for ins in hlo.comps[hlo.entry].values() if ins.op == "parameter"}
     found = []
 
-    def walk(comp: str, times: int) -> None:
-        for ins in hlo.comps[comp].values():
-            if ins.op in ("while", "call", "conditional"):
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
-                for inner in set(re.findall(r"%([\w.\-]+)", ins.attrs)) & hlo.comps.keys():
-                    walk(inner, times * (int(trip.group(1)) if trip else 1))
-                continue
-            moves = ({i.op for i in hlo.comps[ins.called()].values()} <= MOVES if ins.op == "fusion"
-                     else ins.op in MOVES - {"parameter", "constant", "bitcast", "reshape"})
-            if not moves:
-                continue
-            for weight in {hlo.weight(comp, o) for o in ins.operands} & sizes.keys():
-                if weight.startswith("params/") and nbytes(ins.dims) * layers >= sizes[weight]:
-                    found.append((weight, hlo.root_op(ins), times * nbytes(ins.dims)))
-
-    loop = next(i for i in hlo.comps[hlo.entry].values() if i.op == "while" and "known_trip_count" not in i.attrs)
-    walk(loop.called("body"), 1)
+    for comp, ins, times in hlo.instructions(step=True):
+        moves = ({i.op for i in hlo.comps[ins.called()].values()} <= MOVES if ins.op == "fusion"
+                 else ins.op in MOVES - {"parameter", "constant", "bitcast", "reshape"})
+        if not moves:
+            continue
+        for weight in {hlo.weight(comp, o) for o in ins.operands} & sizes.keys():
+            if weight.startswith("params/") and nbytes(ins.dims) * layers >= sizes[weight]:
+                found.append((weight, hlo.root_op(ins), times * nbytes(ins.dims)))
     return found
 
 
