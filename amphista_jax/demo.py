@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -114,6 +115,7 @@ class DemoResult:
     loops: bool  # the completion ends in a repeating loop (`ends_in_loop`)
     speculation_off: str | None = None  # `auto` chose no speculation on this machine, and why (the drafter then
     # decodes on its best candidate, for the comparison)
+    waited: str = ""  # what the user waited for, in seconds (`waited_line`)
 
     @property
     def ar_tokens_per_s(self) -> float:
@@ -139,9 +141,12 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
     directory, or a method with nothing to train by name: `Generator.load`'s `heads`)."""
     if runs < 1:
         raise UsageError(f"runs={runs}: must be >= 1 (max_new_tokens is checked by the decode spec)")
+    t0 = time.perf_counter()
     loaded = Generator.load(model_dir, heads, tree)
     print_notes(loaded)
-    spec, off = loaded.for_batch(1), None
+    t1 = time.perf_counter()
+    spec, off = loaded.for_batch(1), None  # `auto` calibrates here on first use (cached per machine)
+    t2 = time.perf_counter()
     if spec.drafter is None and (local := loaded.policy).chooses_here:  # `auto` chose no speculation here
         off, best = local.describe(1), local.acceptance.candidates[local.decision(1).best]
         spec = dataclasses.replace(loaded.with_tree(best.tree),
@@ -150,9 +155,15 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
         off, spec = f"{loaded.tree_name}: no speculation at batch 1", loaded
     ar = spec.autoregressive()
     kw = dict(max_new_tokens=max_new_tokens, chat=chat)
+    cached = cache_entries()
     ar_out, spec_out = ar.generate(prompt, **kw), spec.generate(prompt, **kw)  # compile and warm up
+    compiled = cache_entries()
     ar_s = float(np.median([ar.generate(prompt, **kw).seconds for _ in range(runs)]))
     spec_s = float(np.median([spec.generate(prompt, **kw).seconds for _ in range(runs)]))
+    compile_s = ar_out.compile_seconds + spec_out.compile_seconds
+    decode_s = time.perf_counter() - t2 - compile_s
+    waited = waited_line(t1 - t0, t2 - t1, compile_s, None if cached is None else len(compiled - cached), decode_s,
+                         runs)
     new = spec_out.token_ids[0]
     shown = f"{prompt}\n\n" if chat else prompt  # a chat answer starts on its own line
     tree_used = f"{spec.tree_name} ({spec.tree.num_nodes - 1} draft nodes, depth {spec.tree.depth})"
@@ -160,7 +171,23 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
                       colour_drafts(spec.tokenizer, new, spec_out.drafted[0]), len(new),
                       int(spec_out.output.row_steps[0]), spec_out.tau[0], int(ar_out.output.row_steps[0]), ar_s,
                       spec_s, len(ar_out.token_ids[0]), new == ar_out.token_ids[0],
-                      ends_in_loop(np.asarray(new)), off)
+                      ends_in_loop(np.asarray(new)), off, waited)
+
+
+def cache_entries() -> set[str] | None:
+    """The files of the persistent compilation cache this process writes to (`infra.compile_cache`); None: none."""
+    folder = jax.config.jax_compilation_cache_dir
+    return {p.name for p in Path(folder).glob("*")} if folder and Path(folder).is_dir() else None
+
+
+def waited_line(load_s: float, calibration_s: float, compile_s: float, new_programs: int | None, decode_s: float,
+                runs: int) -> str:
+    """One line of what a demo waited for: loading, `auto`'s calibration (or its cached costs), compiling (and
+    whether the programs came from the compilation cache: `new_programs` it wrote, None without one) and decoding."""
+    cache = ("no compilation cache" if new_programs is None else "traced; XLA's compile read from the cache"
+             if not new_programs else f"{new_programs} program(s) compiled and cached")
+    return (f"waited: load {load_s:.1f} s, calibration {calibration_s:.1f} s, compile {compile_s:.1f} s ({cache}), "
+            f"decode {decode_s:.1f} s (AR and speculative, {1 + runs} runs each)")
 
 
 def format_result(r: DemoResult) -> str:
@@ -169,6 +196,7 @@ def format_result(r: DemoResult) -> str:
         r.prompt + r.text, "",
         f"target: {r.target}; drafter: {r.method}; tree: {r.tree}",
         f"machine: {this_machine().describe()}",
+        *([r.waited] if r.waited else []),
         f"green tokens were drafted by {r.method} and accepted by the target.",
         "| decoding | tokens/s | target forwards | tau | speed-up |", "|---|---|---|---|---|",
         f"| autoregressive | {r.ar_tokens_per_s:.1f} | {r.ar_forwards} | 1.00 | 1.00x |",
