@@ -42,10 +42,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from amphista_jax.demo import cache_entries, waited_line
+    from amphista_jax.demo import waited_line
     from amphista_jax.engine.decode_spec import bucket, check_decode_settings
     from amphista_jax.engine.prompt_checks import check_fits
     from amphista_jax.facade.generator import Generator, print_notes
+    from amphista_jax.infra.compile_cache import cache_entries
     from amphista_jax.models.tokenizer import colour_drafts
     from amphista_jax.trees.sampling import SamplingConfig
     from amphista_jax.trees.verify import AcceptanceConfig

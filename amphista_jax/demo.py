@@ -25,6 +25,7 @@ import numpy as np
 from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, shipped_heads, shipped_heads_dir
 from amphista_jax.choice.acceptance import is_chat_target
 from amphista_jax.facade.generator import Generator, print_notes
+from amphista_jax.infra.compile_cache import cache_entries
 from amphista_jax.infra.errors import UsageError
 from amphista_jax.infra.machine import this_machine
 from amphista_jax.models.fetch import EMBEDDED, FetchError, default_model, resolve_model, shipped_target
@@ -171,12 +172,6 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
                       int(spec_out.output.row_steps[0]), spec_out.tau[0], int(ar_out.output.row_steps[0]), ar_s,
                       spec_s, len(ar_out.token_ids[0]), new == ar_out.token_ids[0],
                       ends_in_loop(np.asarray(new)), off, waited)
-
-
-def cache_entries() -> set[str] | None:
-    """The files of the persistent compilation cache this process writes to (`infra.compile_cache`); None: none."""
-    folder = jax.config.jax_compilation_cache_dir
-    return {p.name for p in Path(folder).glob("*")} if folder and Path(folder).is_dir() else None
 
 
 def waited_line(load_s: float, compile_s: float, new_programs: int | None, decode_s: float, decoded: str) -> str:

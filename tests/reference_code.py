@@ -18,7 +18,9 @@ is applied. None of them changes what a model computes:
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
@@ -28,8 +30,16 @@ import pytest
 INSTALL = "pip install --no-deps --require-hashes -r tests/reference-packages.txt"
 
 
+def _installed(package: str) -> None:
+    """Skip the test, naming the install command, where `package` is not installed (the README's test command
+    installs it)."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"the reference package {package} is not installed: {INSTALL}")
+
+
 def _need(module: str) -> types.ModuleType:
-    return pytest.importorskip(module, reason=f"the reference package is not installed: {INSTALL}")
+    _installed(module.split(".")[0])
+    return importlib.import_module(module)
 
 
 class _NoTokenizer:
@@ -86,10 +96,7 @@ def speculators() -> types.ModuleType:
     os.environ["HF_HUB_OFFLINE"] = "1"
     _need("transformers")
     if "speculators" not in sys.modules:
-        import importlib.util
-
-        if importlib.util.find_spec("speculators") is None:
-            pytest.skip(f"the reference package is not installed: {INSTALL}")
+        _installed("speculators")  # without importing it: its imports need the modules below first
         names = {"openai": ("AsyncOpenAI", "OpenAI", "AsyncClient", "Client"),  # fix 3
                  "datasets": ("Dataset",), "hs_connectors": ("FileTransfer", "HiddenStatesTransfer",
                                                              "HiddenStatesBackend")}

@@ -107,8 +107,8 @@ def medusa_layout(drafter: Drafter, params: dict, target: Target, model: str) ->
     if n > 1 and not all(np.array_equal(w[:, j], w[:, 0]) and np.array_equal(b[:, j], b[:, 0]) for j in range(n)):
         raise _refuse("medusa", drafter, f"have {n} distinct ResBlocks per head; medusa-llm builds a head's "
                       "ResBlocks as one module repeated (`[ResBlock] * L`), so it would load one of them for all")
-    lm_head = (_array(params["lm_head"]) if not drafter.shared_lm_head
-               else np.broadcast_to(_array(target.lm_head()), (k,) + target.lm_head().shape))  # [K, D, V]
+    shared = _array(target.lm_head()) if drafter.shared_lm_head else None  # [D, V]: each head's copy
+    lm_head = _array(params["lm_head"]) if shared is None else np.broadcast_to(shared, (k,) + shared.shape)
     tensors = {}
     for i in range(k):
         for j in range(n):

@@ -276,8 +276,8 @@ def _zlab_config(config: dict, vocab_size: int, src: Path) -> dict:
     if int(config.get("draft_vocab_size", vocab_size)) != vocab_size:
         raise PublishedHeadsError(f"{src / 'config.json'} drafts over {config['draft_vocab_size']} of the target's "
                                   f"{vocab_size} tokens: a DFlash draft vocabulary is not read here")
-    return config["transformer_layer_config"] | {
-        "block_size": config["block_size"], "dflash_config": {
+    return config.get("transformer_layer_config", {}) | {k: config[k] for k in ("block_size",) if k in config} | {
+        "dflash_config": {
             "mask_token_id": config.get("mask_token_id", -1),
             "target_layer_ids": [i - 1 for i in config.get("aux_hidden_state_layer_ids") or ()]}}
 
@@ -295,11 +295,10 @@ def read_dflash(src: str | Path, target: Target) -> tuple[DFlash, dict]:
     if "block_size" not in config or "num_hidden_layers" not in config:
         raise PublishedHeadsError(f"{src / 'config.json'} has no block_size or num_hidden_layers: not a DFlash "
                                   "drafter's config")
+    config = config | {"rope_theta": draft_rope_theta(config)}  # its own, or transformers 5's rope_parameters
     for key, ours in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
                       ("head_dim", c.head_dim), ("intermediate_size", c.intermediate_size),
                       ("rope_theta", c.rope_theta)):
-        if key == "rope_theta":
-            config = config | {key: draft_rope_theta(config)}
         if key in config and config[key] is not None and float(config[key]) != float(ours):
             raise PublishedHeadsError(f"{src / 'config.json'} has {key} {config[key]} but the target's layers have "
                                       f"{ours}: the drafter's layers must be the target's shape; pass its target as "

@@ -59,6 +59,12 @@ def enable_compile_cache(home: Path) -> Path | None:
     return path
 
 
+def cache_entries() -> set[str] | None:
+    """The files of the persistent compilation cache this process writes to (whoever set it); None: none."""
+    folder = jax.config.jax_compilation_cache_dir
+    return {p.name for p in Path(folder).glob("*")} if folder and Path(folder).is_dir() else None
+
+
 def _note_unreadable_entries(path: Path) -> None:
     """JAX's warning per cache entry it cannot read or write becomes one `note:` line for the process."""
     show = warnings.showwarning

@@ -91,15 +91,17 @@ class OurSide:
         return {"ids": out.token_ids[0], "seconds": time.perf_counter() - t0 - out.compile_seconds, "tau": out.tau[0]}
 
 
-def best_threads(side: TorchSide, ids: list[int], max_new_tokens: int, choices: list[int]) -> dict[int, float]:
-    """tokens/s of `side` on `ids` at each `set_num_threads` choice (the last one set is the fastest)."""
+def best_threads(side: TorchSide, ids: list[int], max_new_tokens: int, choices: list[int]
+                 ) -> tuple[int, dict[int, float]]:
+    """(the fastest `set_num_threads` choice, left set; tokens/s of `side` on `ids` at each choice)."""
     rates = {}
     for n in choices:
         side.torch.set_num_threads(n)
         run = side(ids, max_new_tokens)
         rates[n] = len(run["ids"]) / run["seconds"]
-    side.torch.set_num_threads(max(rates, key=rates.get))
-    return rates
+    best = max(rates, key=rates.get)
+    side.torch.set_num_threads(best)
+    return best, rates
 
 
 def versions() -> dict[str, str | None]:
@@ -132,7 +134,7 @@ def main() -> None:
                              "ours prompt lookup (chain-10)": OurSide(ar.with_drafter("prompt_lookup", "chain-10"))}
     for method in args.methods:
         sides[f"ours {method} (auto)"] = OurSide(ar.with_drafter(method, "auto").for_batch(1))
-    threads = best_threads(sides["transformers greedy"], prompts[0], args.max_new_tokens, args.threads)
+    best, threads = best_threads(sides["transformers greedy"], prompts[0], args.max_new_tokens, args.threads)
     for side in sides.values():  # warm-up: compiles ours
         side(prompts[0], args.max_new_tokens)
     runs: dict[str, list[dict]] = {name: [] for name in sides}
@@ -151,7 +153,7 @@ def main() -> None:
     ar_rate = next(r["tokens_per_s"] for r in rows if r["side"] == "ours AR")
     found = versions()
     lines = [f"Peers on {Path(model_dir).name} (fp32): {len(prompts)} MT-Bench first turns, batch 1, greedy, "
-             f"{args.max_new_tokens} new tokens at most, interleaved; torch at {torch_threads(threads)} (measured: "
+             f"{args.max_new_tokens} new tokens at most, interleaved; torch at {best} thread(s) (measured: "
              + ", ".join(f"{n}: {r:.1f} tokens/s" for n, r in threads.items()) + "), XLA at its default. "
              f"Versions: {', '.join(f'{k} {v}' for k, v in found.items() if v)}.",
              f"`python -m amphista_jax.evals.benchmarks.peers --prompts {len(prompts)} --max-new-tokens "
@@ -166,10 +168,6 @@ def main() -> None:
     write_report(args.out, "peers", {"rows": rows, "export_matrix": matrix, "threads": threads, "versions": found,
                                      "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                                      "model": model_dir}, "\n".join(lines))
-
-
-def torch_threads(rates: dict[int, float]) -> str:
-    return f"{max(rates, key=rates.get)} thread(s)"
 
 
 if __name__ == "__main__":
