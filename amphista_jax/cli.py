@@ -241,7 +241,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     print(convert(args.out, model=args.model, heads=args.heads, gguf=args.gguf, dtype=args.dtype,
                   max_shard_mb=args.max_shard_mb, heads_from=tuple(args.heads_from) if args.heads_from else None,
-                  heads_to=args.heads_to))
+                  heads_to=args.heads_to, whole_vocab=args.whole_vocab))
     return 0
 
 

@@ -172,6 +172,10 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
                    "eagle (eagle-llm, EAGLE-1/2), eagle3 (SafeAILab's EAGLE-3), eagle3-speculators (vLLM's), dflash "
                    "(z-lab's), dflash-speculators; what a layout cannot hold exactly is refused in one line; written "
                    "without torch")
+    c.add_argument("--whole-vocab", action="store_true",
+                   help="with --heads-to: write heads whose draft vocabulary only selects columns of the target's "
+                   "frozen lm_head (Medusa's shared_lm_head, EAGLE, DFlash) drafting over the whole vocabulary, the "
+                   "layouts' form (the same parameters)")
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
     c.add_argument("--max-shard-mb", type=int, default=0, help="0 = one file")

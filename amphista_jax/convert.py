@@ -22,11 +22,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def convert(out: str, model: str, heads: str | None = None, gguf: str | None = None, dtype: str = "bfloat16",
-            max_shard_mb: int = 0, heads_from: tuple[str, str] | None = None, heads_to: str | None = None) -> str:
+            max_shard_mb: int = 0, heads_from: tuple[str, str] | None = None, heads_to: str | None = None,
+            whole_vocab: bool = False) -> str:
     """Convert `gguf`, else `heads` (draft heads on the target `model`; with `heads_to`, into that reference
-    layout), else `heads_from` ((format, directory) of released heads for `model`), else `model` into `out` (files
-    of at most `max_shard_mb` MB; 0: one file) in `dtype` ("checkpoint": as stored; fp32 for `heads_to`). Returns
-    what was saved, in a line."""
+    layout, over the whole vocabulary where `whole_vocab`), else `heads_from` ((format, directory) of released heads
+    for `model`), else `model` into `out` (files of at most `max_shard_mb` MB; 0: one file) in `dtype` ("checkpoint":
+    as stored, or fp32 for `heads_to`). Returns what was saved, in a line."""
     from amphista_jax.drafters.exported import LAYOUTS
     from amphista_jax.drafters.published import READERS
 
@@ -36,6 +37,8 @@ def convert(out: str, model: str, heads: str | None = None, gguf: str | None = N
         raise UsageError(f"--heads-to {heads_to}: unknown layout; known: {', '.join(LAYOUTS)}")
     if heads_to and not heads:
         raise UsageError("--heads-to writes draft heads: name them with --heads DIR (and their target with --model)")
+    if whole_vocab and not heads_to:
+        raise UsageError("--whole-vocab widens heads written with --heads-to FORMAT: name the layout")
     if sum(x is not None for x in (gguf, heads, heads_from)) > 1:
         raise UsageError("give one of --gguf (a model), --heads (our heads) and --heads-from (released heads)")
     source, out_dir = gguf or heads or (heads_from[1] if heads_from else model), Path(out)
@@ -54,11 +57,12 @@ def convert(out: str, model: str, heads: str | None = None, gguf: str | None = N
             load_config(model).num_params * jnp.dtype(DTYPES.get(dtype, jnp.float32)).itemsize)
     check_writable_dir(out_dir, "--out", need)
     with staged_output(out_dir, "convert") as staging:  # a killed or failed convert leaves no partial --out
-        return f"{_write(staging, model, heads, gguf, dtype, max_shard_mb, heads_from, heads_to)} to {out_dir}"
+        saved = _write(staging, model, heads, gguf, dtype, max_shard_mb, heads_from, heads_to, whole_vocab)
+        return f"{saved} to {out_dir}"
 
 
 def _write(out: Path, model: str, heads: str | None, gguf: str | None, dtype: str, max_shard_mb: int,
-           heads_from: tuple[str, str] | None, heads_to: str | None) -> str:
+           heads_from: tuple[str, str] | None, heads_to: str | None, whole_vocab: bool) -> str:
     """`convert`'s work into the new directory `out`; returns what was saved (without where)."""
     if gguf:
         from amphista_jax.models.gguf import convert_gguf
@@ -66,7 +70,7 @@ def _write(out: Path, model: str, heads: str | None, gguf: str | None, dtype: st
         return f"saved {convert_gguf(gguf, out).num_params:,} parameters (fp32) and the tokenizer"
     params, config = load_params(model, dtype="float32" if heads or heads_from else dtype)
     if heads and heads_to:
-        return _export_heads(heads, heads_to, out, model, params, config, dtype)
+        return _export_heads(heads, heads_to, out, model, params, config, dtype, whole_vocab)
     if heads:
         return _convert_heads(heads, out, params, config, dtype)
     if heads_from:
@@ -93,7 +97,7 @@ def _convert_heads(heads: str, out: Path, target_params: dict, config: ModelConf
 
 
 def _export_heads(heads: str, fmt: str, out: Path, model: str, target_params: dict, config: ModelConfig,
-                  dtype: str) -> str:
+                  dtype: str, whole_vocab: bool) -> str:
     from amphista_jax.drafters.exported import export_heads
     from amphista_jax.drafters.io import load_draft
     from amphista_jax.models.target import Target
@@ -101,9 +105,9 @@ def _export_heads(heads: str, fmt: str, out: Path, model: str, target_params: di
     method, drafter, draft_params = load_draft(heads, config, target_params)
     cast = DTYPES[dtype] if dtype not in ("checkpoint", "float32") else None
     name = export_heads(fmt, drafter, draft_params, Target(config, target_params), out, str(Path(model).absolute()),
-                        cast)
+                        cast, whole_vocab)
     return (f"wrote the {method} heads of {heads} in {fmt}'s layout ({name}, config.json; "
-            f"{'fp32' if cast is None else dtype})")
+            f"{'fp32' if cast is None else dtype}{'; the whole vocabulary' if whole_vocab else ''})")
 
 
 def _convert_published(fmt: str, src: str, out: Path, target_params: dict, config: ModelConfig, dtype: str) -> str:

@@ -57,11 +57,11 @@ def _random_heads(drafter, target, keep=()):
     return jax.tree_util.tree_unflatten(tree, moved)
 
 
-def _export(tmp_path, fmt, drafter, params, target, capsys, model=None):
+def _export(tmp_path, fmt, drafter, params, target, capsys, model=None, extra=()):
     heads, out = tmp_path / "heads", tmp_path / fmt
     save_draft(heads, drafter.name, drafter, params, target.config, target_params=target.params)
     assert main(["convert", "--heads", str(heads), "--heads-to", fmt, "--model", str(model or default_model_dir()),
-                 "--out", str(out), "--dtype", "float32"]) == 0, capsys.readouterr().err
+                 "--out", str(out), "--dtype", "float32", *extra]) == 0, capsys.readouterr().err
     assert f"in {fmt}'s layout" in capsys.readouterr().out
     return out
 
@@ -80,6 +80,7 @@ def _torch_target():
 
 
 IDS = np.random.default_rng(5).integers(0, 256, 12)
+DRAFT_VOCAB = tuple(range(0, 512, 3))  # a draft vocabulary: columns of the target's lm_head
 
 
 # --- Medusa (medusa-llm 0.1) ---------------------------------------------------------------------------------------
@@ -97,6 +98,23 @@ def test_medusa_heads_exported_load_in_medusa_llm_with_our_logits(tmp_path, caps
     theirs = model(input_ids=torch.as_tensor(IDS)[None]).detach().numpy()[:, 0]  # [K, T, V]
     ours = np.asarray(drafter.head_logits(params, target, jnp.asarray(_hidden(target, IDS))))[0]  # [T, K, V]
     np.testing.assert_allclose(ours.transpose(1, 0, 2), theirs, **TOL)
+
+
+def test_medusa_heads_with_a_draft_vocabulary_widened_load_in_medusa_llm_with_our_logits(tmp_path, capsys, target):
+    """`--whole-vocab`: heads that read the target's shared lm_head at draft-vocabulary columns are written drafting
+    over every column; medusa-llm's logits equal ours widened, and at the draft columns the heads' own."""
+    mm = reference_code.medusa_model()
+    drafter = Medusa(num_heads=2, num_layers=1, shared_lm_head=True, draft_vocab=DRAFT_VOCAB)
+    params = _random_heads(drafter, target)
+    out = _export(tmp_path, "medusa", drafter, params, target, capsys, extra=("--whole-vocab",))
+    model = mm.MedusaModel(_torch_target(), 2, 1, str(out))
+    model.medusa_head.load_state_dict(torch.load(out / "medusa_lm_head.pt"), strict=True)
+    theirs = model(input_ids=torch.as_tensor(IDS)[None]).detach().numpy()[:, 0].transpose(1, 0, 2)  # [T, K, V]
+    hidden = jnp.asarray(_hidden(target, IDS))
+    widened = dataclasses.replace(drafter, draft_vocab=())
+    np.testing.assert_allclose(np.asarray(widened.head_logits(params, target, hidden))[0], theirs, **TOL)
+    np.testing.assert_allclose(np.asarray(drafter.head_logits(params, target, hidden))[0],
+                               theirs[..., list(DRAFT_VOCAB)], **TOL)
 
 
 def test_medusa_llm_heads_saved_by_its_code_import_with_its_logits(tmp_path, capsys, target):
@@ -204,6 +222,24 @@ def test_dflash_heads_exported_load_in_dflash_with_our_logits(tmp_path, capsys, 
     for anchor in (1, 7):
         np.testing.assert_allclose(_ours_dflash(drafter, params, target, IDS, captured, anchor),
                                    _dflash_logits(model, target, IDS, captured, anchor, 4, 7), **TOL)
+
+
+def test_dflash_with_its_mask_the_targets_token_widened_loads_in_dflash_with_our_logits(tmp_path, capsys, target):
+    """`learned_mask=False` (MASK is the target's token, no parameter: the reference's form) and a draft vocabulary
+    read at every column with `--whole-vocab`: z-lab's logits equal ours."""
+    dm = reference_code.dflash_model()
+    drafter = DFlash(num_layers=1, block_size=4, mask_token_id=7, learned_mask=False, draft_vocab=DRAFT_VOCAB)
+    params = _random_heads(drafter, target)
+    assert "mask_embedding" not in params
+    out = _export(tmp_path, "dflash", drafter, params, target, capsys, extra=("--whole-vocab",))
+    model = dm.DFlashDraftModel.from_pretrained(out, attn_implementation="eager", dtype=torch.float32).eval()
+    width = len(drafter.layer_ids(target.config)) * target.config.hidden_size
+    captured = np.random.default_rng(6).standard_normal((1, len(IDS), width)).astype(np.float32)
+    widened = dataclasses.replace(drafter, draft_vocab=())
+    np.testing.assert_allclose(_ours_dflash(widened, params, target, IDS, captured, 5),
+                               _dflash_logits(model, target, IDS, captured, 5, 4, 7), **TOL)
+    with pytest.raises(ValueError, match="mask_token_id >= 0"):
+        DFlash(learned_mask=False)
 
 
 def test_dflash_drafters_saved_by_its_code_import_with_its_logits(tmp_path, capsys, target):
@@ -331,11 +367,17 @@ def test_eagle3_heads_exported_convert_and_load_in_speculators_with_our_logits(t
     ("eagle3", Eagle3(feature_layers=(0, 1, 2)), "fuse target layers [0, 1, 2]"),
     ("eagle3-speculators", Eagle3(), "named twice"),
     ("dflash", DFlash(num_layers=1, block_size=4), "MASK embedding"),
+    ("eagle", Eagle(input_norm=False, rope_theta=10000.0, draft_vocab=DRAFT_VOCAB), "(--whole-vocab reads"),
+    ("medusa", Medusa(num_heads=2, draft_vocab=DRAFT_VOCAB), "score 171 draft tokens; Medusa's heads score the whole "
+     "vocabulary; nothing"),  # its own lm_head over the draft vocabulary: --whole-vocab cannot help, so not named
+    ("medusa --whole-vocab", Medusa(num_heads=2, draft_vocab=DRAFT_VOCAB), "weights of their own, so --whole-vocab"),
+    ("eagle3 --whole-vocab", Eagle3(feature_layers=(0, 2, 3), draft_vocab=DRAFT_VOCAB), "cannot widen them"),
 ])
 def test_what_a_layout_cannot_hold_is_refused_in_one_line(tmp_path, capsys, target, fmt, drafter, needle):
     heads, out, model = tmp_path / "heads", tmp_path / "out", default_model_dir()
     save_draft(heads, drafter.name, drafter, _random_heads(drafter, target), target.config, target_params=target.params)
-    code = main(["convert", "--heads", str(heads), "--heads-to", fmt, "--model", str(model), "--out", str(out)])
+    code = main(["convert", "--heads", str(heads), "--heads-to", *fmt.split(), "--model", str(model), "--out",
+                 str(out)])
     err = capsys.readouterr().err
     assert code == BAD_INPUT_EXIT and needle in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
@@ -350,6 +392,7 @@ def test_export_bad_arguments_are_one_line(tmp_path, capsys, target):
     model = str(default_model_dir())
     for argv, needle in ((["--heads", str(heads), "--heads-to", "vllm"], "unknown layout"),
                          (["--heads-to", "medusa"], "name them with --heads"),
+                         (["--heads", str(heads), "--whole-vocab"], "name the layout"),
                          (["--heads", str(heads), "--heads-to", "medusa", "--out", str(tmp_path / "taken")],
                           "already exists")):
         argv = argv if "--out" in argv else argv + ["--out", str(tmp_path / "new")]

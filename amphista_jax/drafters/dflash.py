@@ -15,7 +15,8 @@ context skips `input_layernorm`). Those context keys/values are the drafter's ca
 every slot seeing every other (no causal mask); the root is the target's last token, whose features come with
 the next verify. `norm` and the target's frozen `lm_head` (its `draft_vocab` columns) turn slot k's output into
 the distribution of the token at depth k: one forward drafts every depth. MASK is a learned embedding, initialised
-from the target's embedding of `mask_token_id` (the reference's unused slot; -1: the mean embedding).
+from the target's embedding of `mask_token_id` (-1: the mean embedding); with `learned_mask=False` it is that
+embedding itself, untrained and not a parameter (the reference's form: an unused token of the target's vocabulary).
 
 Trees: chains (`chain-k`) and any static tree of per-depth top-k (Medusa's, BiTA's efficient trees, searched trees)
 up to depth B - 1; at `temperature > 0` (`sampling_at`) every node is drawn from its depth's distribution and passed
@@ -78,6 +79,7 @@ class DFlash(LogicalInit):
     num_layers: int = 5  # draft decoder layers
     target_layer_ids: tuple[int, ...] = ()  # target layers whose outputs are fused; () = reference_layer_ids
     mask_token_id: int = -1  # the target token whose embedding initialises MASK; -1 = the mean embedding
+    learned_mask: bool = True  # False: MASK is the target's embedding of mask_token_id, not trained (the reference's)
     qk_norm: bool = True  # RMSNorm on each query and key head (the reference's Qwen3 layers)
     loss_gamma: float = 7.0  # slot k's loss weight exp(-(k - 1) / gamma); the reference's 7 for B = 16
     num_anchors: int = 16  # training blocks per sequence
@@ -97,6 +99,8 @@ class DFlash(LogicalInit):
             raise ValueError(f"loss_gamma={self.loss_gamma} must be > 0 (the reference's 7 for block_size 16)")
         if not self.temperature >= 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = top-k drafts)")
+        if not self.learned_mask and self.mask_token_id < 0:
+            raise ValueError("learned_mask=false needs mask_token_id >= 0: the target token that is MASK")
 
     @property
     def max_depth(self) -> int:
@@ -133,6 +137,8 @@ class DFlash(LogicalInit):
         x = jnp.zeros((1, self.block_size, c.hidden_size))
         params = self._net(c).init(rng, x, jnp.zeros((1, self.block_size), jnp.int32),
                                    jnp.zeros((1, 1, len(ids) * c.hidden_size)))["params"]
+        if not self.learned_mask:
+            return params
         mask = (target.embed(jnp.arange(c.vocab_size)).mean(0) if self.mask_token_id < 0
                 else target.embed(jnp.asarray(self.mask_token_id)))
         return params | {"mask_embedding": logical(jnp.copy(mask), "embed")}
@@ -164,8 +170,9 @@ class DFlash(LogicalInit):
 
     def block_inputs(self, params: dict, target: Target, roots: jax.Array) -> jax.Array:
         """`[..., B, D]` the blocks `[root, MASK x (B - 1)]` of `roots [...]`."""
-        mask = jnp.broadcast_to(params["mask_embedding"], roots.shape + (self.block_size - 1,) + params[
-            "mask_embedding"].shape)
+        mask = (params["mask_embedding"] if self.learned_mask
+                else target.embed(jnp.asarray(self.mask_token_id)))  # [D]
+        mask = jnp.broadcast_to(mask, roots.shape + (self.block_size - 1,) + mask.shape)
         return jnp.concatenate([target.embed(roots)[..., None, :], mask], axis=-2)
 
     def decode_params(self, params: dict, target: Target) -> dict:

@@ -18,11 +18,14 @@ otherwise fill from the verifier, and its `config.json` (`speculators_model_type
 layers whose inputs they are, the layer config, the verifier: the target's directory).
 
 What a layout cannot express is refused in one line naming the difference, before anything is written; nothing is
-written approximately.
+written approximately. A draft vocabulary that only selects columns of the target's frozen lm_head (Medusa with
+`shared_lm_head`, EAGLE, DFlash) is no parameter of the heads: `whole_vocab` (`convert --whole-vocab`) drops it, so
+the same parameters draft over every column, the layouts' form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +51,9 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout is written
 
 
 Layout = tuple[str, dict[str, np.ndarray], dict]  # (the tensors' file name, its tensors, config.json)
+
+
+_WIDEN = " (--whole-vocab reads the target's lm_head at every column)"
 
 
 class ExportError(UserError, ValueError):
@@ -96,12 +102,26 @@ def _checked(tensors: dict[str, np.ndarray], params: dict, covered: int) -> dict
     return tensors
 
 
+def whole_vocab(fmt: str, drafter: Drafter) -> Drafter:
+    """`drafter` drafting over the whole vocabulary, its parameters unchanged: where its draft vocabulary only selects
+    columns of the target's frozen lm_head. Heads with a projection of their own over the draft vocabulary (EAGLE-3's
+    `lm_head`, Medusa's per-head lm_head) are refused in one line."""
+    if not drafter.draft_vocab:
+        return drafter
+    selects = (isinstance(drafter, Medusa) and drafter.shared_lm_head
+               or isinstance(drafter, Eagle) and drafter.name == "eagle" or isinstance(drafter, DFlash))
+    if not selects:
+        raise _refuse(fmt, drafter, f"project onto their {len(drafter.draft_vocab)} draft tokens with weights of "
+                      "their own, so --whole-vocab cannot widen them")
+    return dataclasses.replace(drafter, draft_vocab=())
+
+
 def medusa_layout(drafter: Drafter, params: dict, target: Target, model: str) -> Layout:
     if not isinstance(drafter, Medusa):
         raise _refuse("medusa", drafter, "are not Medusa heads (the layout holds only Medusa's ResBlock heads)")
     if drafter.draft_vocab:
         raise _refuse("medusa", drafter, f"score {len(drafter.draft_vocab)} draft tokens; Medusa's heads score the "
-                      "whole vocabulary")
+                      f"whole vocabulary{_WIDEN if drafter.shared_lm_head else ''}")
     k, n = drafter.num_heads, drafter.num_layers
     w, b = _array(params["w"]), _array(params["b"])
     if n > 1 and not all(np.array_equal(w[:, j], w[:, 0]) and np.array_equal(b[:, j], b[:, 0]) for j in range(n)):
@@ -128,7 +148,7 @@ def eagle_layout(drafter: Drafter, params: dict, target: Target, model: str) -> 
                       f"{drafter.input_norm}; EAGLE's layout holds one layer without an input norm")
     if drafter.draft_vocab:
         raise _refuse("eagle", drafter, f"draft over {len(drafter.draft_vocab)} tokens; EAGLE-1/2 drafts over the "
-                      "whole vocabulary")
+                      f"whole vocabulary{_WIDEN}")
     if (theta := drafter.rope_theta or c.rope_theta) != EAGLE_ROPE_THETA:
         raise _refuse("eagle", drafter, f"run their draft layer at RoPE base {theta:g}; eagle-llm runs it at "
                       f"{EAGLE_ROPE_THETA:g} whatever its config says")
@@ -219,9 +239,10 @@ def _dflash_tensors(drafter: Drafter, params: dict, target: Target, fmt: str) ->
         raise _refuse(fmt, drafter, "have no query/key norms (qk_norm=false); the reference's Qwen3 layers have them")
     if drafter.draft_vocab:
         raise _refuse(fmt, drafter, f"draft over {len(drafter.draft_vocab)} tokens; the layout's DFlash drafts over "
-                      "the whole vocabulary")
-    mask = _array(params["mask_embedding"])
-    if drafter.mask_token_id < 0 or not np.array_equal(mask, _array(target.embed(drafter.mask_token_id))):
+                      f"the whole vocabulary{_WIDEN}")
+    mask = _array(params["mask_embedding"]) if drafter.learned_mask else np.zeros(0)
+    if drafter.learned_mask and (drafter.mask_token_id < 0 or not np.array_equal(
+            mask, _array(target.embed(drafter.mask_token_id)))):
         raise _refuse(fmt, drafter, "learned their own MASK embedding; the layout embeds MASK as the target's token "
                       "mask_token_id")
     tensors = {"fc.weight": _array(params["fc"]["kernel"]).T,
@@ -271,10 +292,11 @@ LAYOUTS: dict[str, Callable[[Drafter, dict, Target, str], Layout]] = {
 
 
 def export_heads(fmt: str, drafter: Drafter, params: dict, target: Target, out: Path, model: str,
-                 dtype: np.dtype | None = None) -> str:
+                 dtype: np.dtype | None = None, widen: bool = False) -> str:
     """Write `drafter`'s heads (`params`, for `target` in directory `model`) into `out` in layout `fmt`, floating
-    tensors in `dtype` (None: fp32). Returns the file of tensors written."""
-    name, tensors, config = LAYOUTS[fmt](drafter, params, target, model)
+    tensors in `dtype` (None: fp32); `widen`: over the whole vocabulary (`whole_vocab`). Returns the file of tensors
+    written."""
+    name, tensors, config = LAYOUTS[fmt](whole_vocab(fmt, drafter) if widen else drafter, params, target, model)
     if dtype is not None:
         tensors = {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in tensors.items()}
     if name.endswith(".safetensors"):
