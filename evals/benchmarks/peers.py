@@ -24,19 +24,28 @@ layout holds. Writes `peers.{json,md}` under `--out`, naming the machine.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+import importlib.util
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from amphista_jax.drafters.exported import LAYOUTS, ExportError
+from amphista_jax.assets import shipped_heads_dir
+from amphista_jax.drafters.base import Drafter
+from amphista_jax.drafters.exported import LAYOUTS, ExportError, export_heads
+from amphista_jax.drafters.io import load_draft
+from amphista_jax.drafters.published import READERS
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.evals.datasets import DatasetConfig, load_prompts
 from amphista_jax.facade.drafter_source import load_draft_params, read_source
 from amphista_jax.facade.generator import Generator
+from amphista_jax.infra.machine import this_machine
 from amphista_jax.models.fetch import resolve_data, resolve_model
 from amphista_jax.models.target import Target
 
@@ -88,7 +97,9 @@ class OurSide:
     def __call__(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         out = self.gen.generate(ids, max_new_tokens=max_new_tokens)  # a new prompt-length bucket compiles: not timed
-        return {"ids": out.token_ids[0], "seconds": time.perf_counter() - t0 - out.compile_seconds, "tau": out.tau[0]}
+        seconds = time.perf_counter() - t0 - out.compile_seconds
+        accepted = [int(a) for a in np.asarray(out.output.accept_lengths)[0] if a > 0]
+        return {"ids": out.token_ids[0], "seconds": seconds, "tau": out.tau[0], "accept_lengths": accepted}
 
 
 def best_threads(side: TorchSide, ids: list[int], max_new_tokens: int, choices: list[int]
@@ -114,14 +125,89 @@ def versions() -> dict[str, str | None]:
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """A reference engine beside ours: its package, our heads' layout it loads, the tree both sides decode on,
+    where our heads come from by default, and the config that trains them."""
+
+    package: str
+    layout: str
+    tree: str
+    heads: str
+    config: str
+
+
+ENGINES = {
+    "medusa": Engine("medusa-llm", "medusa", "medusa-llm-1-7-6", "medusa", "the shipped Medusa heads"),
+    "eagle": Engine("eagle-llm", "eagle", "eagle-llm-26", "runs/smollm2/eagle-reference-form",
+                    "configs/eagle/smollm2-reference-form.yaml"),
+    "dflash": Engine("dflash", "dflash", "chain-7", "runs/smollm2/dflash-reference-form",
+                     "configs/dflash/smollm2-reference-form.yaml"),
+}
+
+
+def engine_side(name: str, model_dir: str, heads: Path) -> Callable[[list[int], int], dict[str, Any]]:
+    """The reference engine `name`'s own generation loop on `heads` (in its layout)."""
+    if name == "medusa":
+        from amphista_jax.evals.peer_engines.medusa import MedusaSide
+
+        return MedusaSide(model_dir, str(heads))
+    if name == "eagle":
+        from amphista_jax.evals.peer_engines.eagle import EagleSide
+
+        return EagleSide(model_dir, str(heads))
+    from amphista_jax.evals.peer_engines.dflash import DFlashSide
+
+    return DFlashSide(model_dir, str(heads))
+
+
+def heads_pair(name: str, heads: str, gen: Generator, work: Path) -> tuple[Path, Drafter, dict]:
+    """(the directory of `heads` written in engine `name`'s layout over the whole vocabulary, in fp32; those files
+    read back as our drafter and its params): both sides decode the very same files."""
+    fmt = ENGINES[name].layout
+    target = Target(gen.config, gen.params)
+    _, drafter, params = load_draft(heads, gen.config, gen.params)
+    theirs = work / f"{name}-{fmt}"
+    theirs.mkdir(parents=True)
+    export_heads(fmt, drafter, params, target, theirs, str(Path(gen.model_dir).absolute()), widen=True)
+    return theirs, *READERS[fmt](theirs, target)
+
+
+def check_engines(names: list[str], heads: dict[str, str], model_dir: str) -> None:
+    """One line naming the fix, before anything slow: an engine whose package or heads are missing."""
+    for name in names:
+        engine = ENGINES[name]
+        if importlib.util.find_spec(engine.package.replace("-llm", "")) is None:
+            raise SystemExit(f"error: --engines {name}: {engine.package} is not installed: pip install --no-deps "
+                             "--require-hashes -r tests/reference-packages.txt")
+        if not (Path(heads[name]) / "draft.json").is_file():
+            raise SystemExit(f"error: --{name}-heads {heads[name]}: no heads there; train them with `amphista-jax "
+                             f"train --config {engine.config}`, or leave {name} out of --engines")
+
+
+def agreement(theirs: list[dict], ours: list[dict]) -> dict[str, Any]:
+    """Per prompt, whether both sides committed the same number of tokens at every verify step."""
+    same = [a["accept_lengths"] == b["accept_lengths"] for a, b in zip(theirs, ours, strict=True)]
+    return {"equal_accept_lengths": sum(same), "prompts": len(same),
+            "tau_difference": float(np.mean([a["tau"] for a in ours]) - np.mean([a["tau"] for a in theirs]))}
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--methods", nargs="+", default=["eagle3"])
+    parser.add_argument("--methods", nargs="*", default=["eagle3"])
+    parser.add_argument("--engines", nargs="*", default=list(ENGINES), choices=list(ENGINES))
+    for name, engine in ENGINES.items():
+        parser.add_argument(f"--{name}-heads", default=engine.heads,
+                            help=f"our heads for {engine.package}'s engine (default: {engine.heads})")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     args = parser.parse_args()
     model_dir = resolve_model(args.model or "smollm2")
+    heads = {name: getattr(args, f"{name}_heads") for name in args.engines}
+    heads = {name: str(shipped_heads_dir(h, "smollm2")) if h == ENGINES[name].heads and "/" not in h else h
+             for name, h in heads.items()}
+    check_engines(args.engines, heads, model_dir)
     ar = Generator.load(model_dir)
     data, _ = load_prompts(DatasetConfig("mt_bench", resolve_data("mt-bench"), limit=args.prompts, turns=1))
     prompts = [ar.encode(p.turns[0], chat=True) for p in data]
@@ -134,14 +220,16 @@ def main() -> None:
                              "ours prompt lookup (chain-10)": OurSide(ar.with_drafter("prompt_lookup", "chain-10"))}
     for method in args.methods:
         sides[f"ours {method} (auto)"] = OurSide(ar.with_drafter(method, "auto").for_batch(1))
-    best, threads = best_threads(sides["transformers greedy"], prompts[0], args.max_new_tokens, args.threads)
-    for side in sides.values():  # warm-up: compiles ours
-        side(prompts[0], args.max_new_tokens)
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
-    names = list(sides)
-    for i, ids in enumerate(tqdm(prompts, desc="peers, interleaved", unit="prompt")):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            runs[name].append(sides[name](ids, args.max_new_tokens))
+    pairs = {}
+    with tempfile.TemporaryDirectory(prefix="peers-") as work:
+        for name in args.engines:
+            theirs, drafter, params = heads_pair(name, heads[name], ar, Path(work))
+            tree = ENGINES[name].tree
+            pairs[name] = (f"{ENGINES[name].package} ({tree})", f"ours {name} ({tree})")
+            sides[pairs[name][0]] = engine_side(name, model_dir, theirs)
+            sides[pairs[name][1]] = OurSide(ar.with_drafter(drafter, tree, draft_params=params))
+        runs = run_interleaved(sides, prompts, args.max_new_tokens, args.threads)
+    best, threads = runs.pop("threads")
     greedy = [r["ids"] for r in runs["ours AR"]]
     rows = []
     for name, done in runs.items():
@@ -150,24 +238,51 @@ def main() -> None:
         rows.append({"side": name, "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": tokens / seconds,
                      "tau": float(np.mean(taus)) if taus else None,
                      "equal_to_greedy": sum(r["ids"] == g for r, g in zip(done, greedy, strict=True))})
-    ar_rate = next(r["tokens_per_s"] for r in rows if r["side"] == "ours AR")
+    rate = {r["side"]: r["tokens_per_s"] for r in rows}
+    engines = {name: agreement(runs[t], runs[o]) | {"speedup_over_engine": rate[o] / rate[t]}
+               for name, (t, o) in pairs.items()}
     found = versions()
     lines = [f"Peers on {Path(model_dir).name} (fp32): {len(prompts)} MT-Bench first turns, batch 1, greedy, "
              f"{args.max_new_tokens} new tokens at most, interleaved; torch at {best} thread(s) (measured: "
              + ", ".join(f"{n}: {r:.1f} tokens/s" for n, r in threads.items()) + "), XLA at its default. "
-             f"Versions: {', '.join(f'{k} {v}' for k, v in found.items() if v)}.",
+             f"Versions: {', '.join(f'{k} {v}' for k, v in found.items() if v)}. Machine: {this_machine().describe()}.",
              f"`python -m amphista_jax.evals.benchmarks.peers --prompts {len(prompts)} --max-new-tokens "
-             f"{args.max_new_tokens} --methods {' '.join(args.methods)}`", "",
+             f"{args.max_new_tokens} --methods {' '.join(args.methods)} --engines {' '.join(args.engines)}`", "",
              "| side | tokens/s | x ours AR | tau | equal to greedy AR |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['side']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / ar_rate:.2f} | "
+    lines += [f"| {r['side']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / rate['ours AR']:.2f} | "
               f"{'-' if r['tau'] is None else format(r['tau'], '.2f')} | {r['equal_to_greedy']}/{len(prompts)} |"
               for r in rows]
+    if engines:
+        lines += ["", "The same heads (written in the engine's layout, read back as ours) and tree on both sides:", "",
+                  "| engine | heads | prompts with equal accept lengths at every step | our tau - theirs | "
+                  "our tokens/s / theirs |", "|---|---|---:|---:|---:|"]
+        lines += [f"| {ENGINES[n].package} | {heads[n]} | {e['equal_accept_lengths']}/{e['prompts']} | "
+                  f"{e['tau_difference']:+.3f} | {e['speedup_over_engine']:.2f}x |" for n, e in engines.items()]
     lines += ["", "Shipped head sets in the reference layouts (`convert --heads-to`):", "",
               "| heads | " + " | ".join(LAYOUTS) + " |", "|---|" + "---|" * len(LAYOUTS)]
     lines += [f"| {m} | " + " | ".join(cells.values()) + " |" for m, cells in matrix.items()]
-    write_report(args.out, "peers", {"rows": rows, "export_matrix": matrix, "threads": threads, "versions": found,
-                                     "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                     "model": model_dir}, "\n".join(lines))
+    write_report(args.out, "peers", {"rows": rows, "engines": engines, "heads": heads, "export_matrix": matrix,
+                                     "threads": threads, "versions": found, "prompts": len(prompts),
+                                     "max_new_tokens": args.max_new_tokens, "model": model_dir,
+                                     "accept_lengths": {n: [r["accept_lengths"] for r in runs[n]]
+                                                        for pair in pairs.values() for n in pair},
+                                     "machine": this_machine().describe()}, "\n".join(lines))
+
+
+def run_interleaved(sides: dict[str, Any], prompts: list[list[int]], max_new_tokens: int, choices: list[int]
+                    ) -> dict[str, Any]:
+    """torch's thread count measured on the first prompt (transformers' greedy), every side warmed up on it, then
+    each prompt through every side, the order rotating from prompt to prompt. Returns each side's runs, and under
+    "threads" (the count chosen, the rates measured)."""
+    threads = best_threads(sides["transformers greedy"], prompts[0], max_new_tokens, choices)
+    for side in sides.values():  # warm-up: compiles ours
+        side(prompts[0], max_new_tokens)
+    runs: dict[str, Any] = {name: [] for name in sides}
+    names = list(sides)
+    for i, ids in enumerate(tqdm(prompts, desc="peers, interleaved", unit="prompt")):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            runs[name].append(sides[name](ids, max_new_tokens))
+    return runs | {"threads": threads}
 
 
 if __name__ == "__main__":

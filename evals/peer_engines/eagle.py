@@ -1,0 +1,188 @@
+"""eagle-llm 1.2.1's own generation loop, `eagle.model.ea_model.EaModel.eagenerate` (EAGLE-1, static tree
+`eagle.model.choices.mc_sim_7b_63`: the root + 25 nodes, top-10 per drafted node), run on SmolLM2-135M-Instruct in
+fp32 on CPU, for comparison with amphista-jax.
+
+The engine is loaded exactly as its README does: `EaModel.from_pretrained(base_model_path=MODEL,
+ea_model_path=HEADS)` (the forked Llama `eagle.model.modeling_llama_kv.LlamaForCausalLM` for the target; the draft
+`eagle.model.cnets.Model` built from HEADS/config.json (+ its `bias` key) and loaded from HEADS/pytorch_model.bin with
+`strict=True`, so the file must hold `embed_tokens.weight`). The tokenizer is the model directory's own
+(`AutoTokenizer.from_pretrained(MODEL)`, offline; eos `<|im_end|>` = 2): eagenerate stops on its `eos_token_id`.
+
+Fixes (each a named function below; none changes the engine's loop, tree, draft or acceptance rule):
+ 1. `fix_draft_rope_scaling`: the draft's `cnets.LlamaAttention._init_rope` reads `config.rope_scaling["type"]`;
+    transformers 5 fills `rope_scaling` with `{"rope_type": "default", "rope_theta": ...}` where transformers 4 left
+    None. Such a default is put back to None (plain RoPE). The draft keeps eagle-llm's own RoPE base, 10000 (its
+    `LlamaRotaryEmbedding` default; EConfig has no rope_theta): unchanged computation.
+ 2. `fix_target_rope`: the forked Llama's `modeling_llama_kv.LlamaAttention._init_rope` has the same `["type"]`
+    crash (1.) and builds `LlamaRotaryEmbedding(head_dim, max_pos)` with the hard-coded default base 10000, ignoring
+    the config's `rope_theta` (SmolLM2: 100000). It now builds the plain RoPE at the config's `rope_theta`. This
+    CHANGES what the target computes: to the checkpoint's true RoPE (as transformers' LlamaForCausalLM); without it
+    the target's logits are off by up to ~10 (check (a)). Configs that do name linear/dynamic scaling are untouched.
+ 3. `fix_tied_weights_keys`: transformers 5's `post_init` wants `_tied_weights_keys` as a dict {target: source};
+    the fork declares the transformers-4 list `["lm_head.weight"]` (AttributeError). It becomes
+    `{"lm_head.weight": "model.embed_tokens.weight"}`, transformers 5's own LlamaForCausalLM value: lm_head is tied
+    to the embedding as SmolLM2's config (tie_word_embeddings) asks. No change to what is computed.
+ 4. `rebuild_target_rotary`: transformers 5's `from_pretrained` builds the modules without running their buffer
+    code on real storage: the fork's persistent `inv_freq` (absent from the checkpoint) comes back "newly initialised"
+    as garbage and the non-persistent `cos_cached`/`sin_cached` as zeros. After loading, each layer's `rotary_emb`
+    is rebuilt by the fork's own `LlamaRotaryEmbedding` constructor (base as in 2.). Restores what the fork's
+    constructor computes under transformers 4.
+
+Not a fix, instrumentation only: `ea_model.update_inference_inputs` (the function eagenerate calls once per verify
+step with the engine's own `accept_length`, the number of accepted draft tokens from `evaluate_posterior`) is wrapped
+to record `int(accept_length)`; its arguments and result pass through untouched.
+
+Counting (amphista-jax's convention): the prefill gives the first new token; verify step i commits
+`accept_length_i + 1` tokens (accepted drafts + the target's bonus token). eagenerate appends a step's bonus token
+only at the next step (as that step's tree root), so its output is the prefill token + each step's tokens minus the
+last bonus; and it runs until `new_token > max_new_tokens` (or eos appears). The ids are cut to `max_new_tokens`
+(and after eos 2 inclusive); `accept_lengths` walks the steps in order over the cut ids, each step counting only its
+tokens that fall within them (the last may be partial; steps wholly past the cut are dropped), so
+`sum(accept_lengths) == len(ids) - 1` and `tau = (len(ids) - 1) / len(accept_lengths)`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from eagle.model import cnets, ea_model, modeling_llama_kv  # noqa: E402
+from eagle.model.choices import mc_sim_7b_63  # noqa: E402
+
+
+def fix_draft_rope_scaling() -> None:
+    """Fix 1: the draft's `_init_rope` crashes on transformers 5's default `rope_scaling` dict (no "type"); that
+    default means plain RoPE, so it is set back to None. The draft's RoPE base stays eagle-llm's 10000."""
+    if getattr(cnets.LlamaAttention._init_rope, "fixed", False):
+        return
+    init_rope = cnets.LlamaAttention._init_rope
+
+    def _init_rope(self) -> None:
+        scaling = self.config.rope_scaling
+        if isinstance(scaling, dict) and "type" not in scaling:
+            self.config.rope_scaling = None
+        init_rope(self)
+
+    _init_rope.fixed = True
+    cnets.LlamaAttention._init_rope = _init_rope
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def fix_target_rope() -> None:
+    """Fix 2: the forked Llama's `_init_rope` crashes on transformers 5's default `rope_scaling` dict and, for plain
+    RoPE, uses the hard-coded base 10000 instead of the config's rope_theta (SmolLM2: 100000). Plain RoPE is built at
+    the config's rope_theta (changes the target's computation to the checkpoint's true RoPE)."""
+    if getattr(modeling_llama_kv.LlamaAttention._init_rope, "fixed", False):
+        return
+    init_rope = modeling_llama_kv.LlamaAttention._init_rope
+
+    def _init_rope(self) -> None:
+        scaling = self.config.rope_scaling
+        if scaling is None or (isinstance(scaling, dict) and "type" not in scaling):
+            self.rotary_emb = modeling_llama_kv.LlamaRotaryEmbedding(
+                self.head_dim, max_position_embeddings=self.max_position_embeddings, base=_rope_theta(self.config))
+        else:
+            init_rope(self)
+
+    _init_rope.fixed = True
+    modeling_llama_kv.LlamaAttention._init_rope = _init_rope
+
+
+def fix_tied_weights_keys() -> None:
+    """Fix 3: transformers 5 needs `_tied_weights_keys` as a {target: source} dict; the fork's list crashes
+    `post_init`. Set to transformers 5 LlamaForCausalLM's own value (lm_head tied to the embedding); no change."""
+    modeling_llama_kv.LlamaForCausalLM._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def rebuild_target_rotary(base_model: torch.nn.Module) -> None:
+    """Fix 4: after transformers 5's `from_pretrained`, the fork's rotary buffers are garbage (`inv_freq`, missing
+    from the checkpoint) and zeros (`cos_cached`/`sin_cached`). Rebuild each layer's `rotary_emb` with the fork's
+    own constructor (via `_init_rope`, fix 2), in the model's dtype and device: what construction computes."""
+    for layer in base_model.model.layers:
+        attn = layer.self_attn
+        device = attn.q_proj.weight.device
+        with torch.device(device):
+            attn._init_rope()
+        attn.rotary_emb.to(device)
+
+
+def apply_fixes() -> None:
+    fix_draft_rope_scaling()
+    fix_target_rope()
+    fix_tied_weights_keys()
+
+
+class _Recorder:
+    """Wraps `ea_model.update_inference_inputs` (looked up by eagenerate as a module global) to record the engine's
+    `accept_length` of each verify step; arguments and results pass through unchanged."""
+
+    def __init__(self) -> None:
+        self.accept = []
+        self.best = []
+        self.inner = getattr(ea_model.update_inference_inputs, "inner", ea_model.update_inference_inputs)
+
+        def update_inference_inputs(input_ids, candidates, best_candidate, accept_length, *args, **kwargs):
+            self.accept.append(int(accept_length))
+            self.best.append(int(best_candidate))
+            return self.inner(input_ids, candidates, best_candidate, accept_length, *args, **kwargs)
+
+        update_inference_inputs.inner = self.inner
+        ea_model.update_inference_inputs = update_inference_inputs
+
+
+def count_steps(new_ids: list[int], accept: list[int], max_new_tokens: int, eos_id: int
+                ) -> tuple[list[int], list[int]]:
+    """(ids cut to max_new_tokens and after eos inclusive, tokens each verify step commits within them).
+    Step i commits accept[i] + 1 tokens after the prefill's one (see the module docstring)."""
+    ids = list(new_ids[:max_new_tokens])
+    if eos_id in ids:
+        ids = ids[: ids.index(eos_id) + 1]
+    lengths, have = [], 1 if ids else 0
+    for a in accept:
+        if have >= len(ids):
+            break
+        take = min(a + 1, len(ids) - have)
+        lengths.append(take)
+        have += take
+    assert have == len(ids), (have, len(ids), accept)
+    return ids, lengths
+
+
+class EagleSide:
+    def __init__(self, model_dir: str, heads_dir: str, max_length: int = 2048) -> None:
+        apply_fixes()
+        self.model = ea_model.EaModel.from_pretrained(base_model_path=model_dir, ea_model_path=heads_dir,
+                                                      dtype=torch.float32).eval()
+        rebuild_target_rotary(self.model.base_model)
+        self.max_length = max_length
+        self.eos_id = self.model.tokenizer.eos_token_id  # the loop's own stop token
+        self.recorder = _Recorder()
+
+    def __call__(self, ids: list[int], max_new_tokens: int) -> dict:
+        input_ids = torch.as_tensor([ids], dtype=torch.long)
+        self.recorder.accept, self.recorder.best = [], []
+        start = time.perf_counter()
+        out = self.model.eagenerate(input_ids, temperature=0.0, max_new_tokens=max_new_tokens,
+                                    max_length=self.max_length)
+        seconds = time.perf_counter() - start
+        raw = out[0, len(ids):].tolist()
+        new, lengths = count_steps(raw, self.recorder.accept, max_new_tokens, self.eos_id)
+        tau = (len(new) - 1) / len(lengths) if lengths else 1.0
+        return {"ids": new, "seconds": seconds, "tau": tau, "accept_lengths": lengths,
+                "raw_ids": raw, "raw_accept": list(self.recorder.accept), "accepted_paths": self._paths()}
+
+    def _paths(self) -> list[list[int]]:
+        """Per verify step, the accepted tree node as its rank path (`[]`: only the root), read from the engine's
+        `best_candidate` and its `retrieve_indices` (node i >= 1 of the verify input is sorted path i - 1)."""
+        order = sorted(mc_sim_7b_63, key=lambda x: (len(x), x))
+        retrieve = self.model.tree_buffers["retrieve_indices"].tolist()
+        steps = zip(self.recorder.accept, self.recorder.best, strict=True)
+        return [order[retrieve[b][a] - 1] if a else [] for a, b in steps]
