@@ -9,6 +9,8 @@ from amphista_jax.models.config import ConfigError, ModelConfig, tiny_llama_conf
 
 KNOWN_TARGETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny_llama_config,
+    "smollm2-135m": lambda: ModelConfig(49152, 576, 1536, 30, 9, 3, 64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                                        max_position_embeddings=8192, tie_word_embeddings=True),
     "vicuna-7b": lambda: ModelConfig(32000, 4096, 11008, 32, 32, 32, 128, max_position_embeddings=2048),
     "vicuna-13b": lambda: ModelConfig(32000, 5120, 13824, 40, 40, 40, 128, max_position_embeddings=2048),
     "vicuna-33b": lambda: ModelConfig(32000, 6656, 17920, 60, 52, 52, 128, max_position_embeddings=2048),

@@ -1,7 +1,8 @@
 """Time of one speculative decoding step per method and tree, next to one AR step, on the same target.
 
     python -m amphista_jax.evals.benchmarks.step_time [--model DIR | --target llama-3-8b]
-        [--methods medusa amphista hydra hydra++] [--trees mc_sim_7b_63 chain-4] [--batch 1 16 64]
+        [--methods medusa amphista hydra hydra++] [--trees mc_sim_7b_63 chain-4] [--pairs eagle3@dynamic ...]
+        [--batch 1 16 64]
         [--context 512] [--dtype bfloat16] [--attention xla pallas] [--new-tokens 64] [--runs 5]
         [--out runs/benchmarks]
 
@@ -14,7 +15,8 @@ load: a step's time depends on the shapes, not on the weights (an untrained draf
 number of steps, which the time is divided by). `--context` sets the prompt to that many random token ids (0:
 a short code prompt through the model's tokenizer; a `--target` has none and needs `--context`). With
 `--model` or the embedded model each method uses the heads shipped for it when there are some, else untrained
-heads. A (method, tree) pair the method cannot draft is listed as skipped. Comparing two versions of the engine
+heads. `--pairs` times only the named `method@tree` pairs (in place of every method on every tree). A
+(method, tree) pair the method cannot draft is listed as skipped. Comparing two versions of the engine
 means running this script under each (e.g. `PYTHONPATH=<checkout>`) on an otherwise idle machine,
 alternately. Writes step_time.json and step_time.md to `--out` after every batch size, so a run cut short keeps
 what it measured.
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--target", choices=list(KNOWN_TARGETS), help="random weights of this shape, not --model")
     parser.add_argument("--methods", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--trees", nargs="+", default=["mc_sim_7b_63", "chain-4"])
+    parser.add_argument("--pairs", nargs="+", metavar="METHOD@TREE",
+                        help="only these (method, tree) pairs, in place of --methods x --trees")
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--context", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -100,6 +104,11 @@ def main() -> None:
         parser.error(f"--target {args.target} has no tokenizer: give the prompt's length with --context N")
     if min(args.batch) < 1 or args.context < 0:
         parser.error("--batch sizes must be >= 1 and --context >= 0")
+    if args.pairs:
+        wanted = [tuple(p.split("@", 1)) for p in args.pairs]
+        if bad := [p for p, w in zip(args.pairs, wanted, strict=True) if len(w) != 2 or w[0] not in VARIANTS]:
+            parser.error(f"--pairs {' '.join(bad)}: each is METHOD@TREE, METHOD one of {', '.join(VARIANTS)}")
+        args.methods, args.trees = list(dict.fromkeys(m for m, _ in wanted)), list(dict.fromkeys(t for _, t in wanted))
     try:
         trees = {name: get_tree(name) for name in args.trees}
     except TreeError as e:
@@ -118,6 +127,8 @@ def main() -> None:
     pairs = []  # (method, tree name, why it is skipped or None)
     for method, (drafter, _, _) in drafters.items():
         for name, tree in trees.items():
+            if args.pairs and f"{method}@{name}" not in args.pairs:
+                continue
             try:
                 drafter.check_tree(tree, config.vocab_size)
                 pairs.append((method, name, None))
