@@ -2,8 +2,8 @@
 0.1.0, speculators 0.9.0, installed without their dependencies), with each fix they need to run here named where it
 is applied. None of them changes what a model computes:
 
-1. medusa-llm and eagle-llm build a tokenizer from the hub in their model constructors (`MedusaModel.__init__`,
-   `EaModel.__init__`): it is not used by a forward, and no hub is reachable here, so it is None.
+1. medusa-llm builds a tokenizer from the hub in its model constructor (`MedusaModel.__init__`): it is not used by a
+   forward, and no hub is reachable here, so it is None (the peers benchmark's engine side sets the target's own).
 2. eagle-llm's draft attention (`cnets.LlamaAttention._init_rope`) reads `config.rope_scaling["type"]`; transformers 5
    fills `rope_scaling` with `{"rope_theta", "rope_type"}` where a config names none, which transformers 4 left None:
    such a default is put back to None (the plain RoPE it means).
@@ -62,18 +62,9 @@ def medusa_model() -> types.ModuleType:
 def eagle_cnets() -> types.ModuleType:
     """`eagle.model.cnets` (Model: the EAGLE-1 draft) with `eagle.model.configs.EConfig` as `cnets.EConfig`."""
     cnets = _need("eagle.model.cnets")
-    if not getattr(cnets.LlamaAttention._init_rope, "fixed", False):  # fix 2
-        init_rope = cnets.LlamaAttention._init_rope
+    from amphista_jax.evals.peer_engines.eagle import fix_draft_rope_scaling
 
-        def _init_rope(self: object) -> None:
-            scaling = self.config.rope_scaling
-            if isinstance(scaling, dict) and "type" not in scaling:
-                self.config.rope_scaling = None
-            init_rope(self)
-
-        _init_rope.fixed = True
-        cnets.LlamaAttention._init_rope = _init_rope
-    _no_hub_tokenizer(_need("eagle.model.ea_model"))
+    fix_draft_rope_scaling()  # fix 2: the peers benchmark's engine side needs it too
     return cnets
 
 

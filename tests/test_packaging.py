@@ -60,17 +60,21 @@ def _requirement_names(requirements: list[str]) -> set[str]:
 
 def test_every_third_party_import_of_the_package_is_a_declared_dependency():
     """Each module the package installs imports, at any depth, only the standard library, itself, and distributions
-    `pyproject.toml` declares: the runtime dependencies, or for the benchmarks also the `bench` extra. A newcomer's
+    `pyproject.toml` declares: the runtime dependencies, or for the benchmarks also the `bench` extra, or for the
+    reference engines (`evals/peer_engines`) the `peers` extra and the pinned reference packages. A newcomer's
     `pip install -e .` then has every import the package reaches (a dependency reached only through another package,
     like jinja2 through transformers' chat templates, is run by `.ci/newcomer` in a venv with no extras)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     runtime = _requirement_names(project["dependencies"])
     bench = runtime | _requirement_names(project["optional-dependencies"]["bench"])
+    pinned = (ROOT / "tests" / "reference-packages.txt").read_text().splitlines()
+    peers = (runtime | _requirement_names(project["optional-dependencies"]["peers"])
+             | _requirement_names(line.split()[0] for line in pinned if line and not line.startswith("#")))
     owners = importlib.metadata.packages_distributions()
     undeclared = {}
     for folder in (*LIBRARY, ROOT / "train", ROOT / "evals"):
         for path in folder.rglob("*.py"):
-            allowed = bench if "benchmarks" in path.parts else runtime
+            allowed = bench if "benchmarks" in path.parts else peers if "peer_engines" in path.parts else runtime
             for top in {m.split(".")[0] for m in _imported_modules(path)}:
                 if top in sys.stdlib_module_names or top in ("amphista_jax", "pallas_kernels"):
                     continue

@@ -43,11 +43,6 @@ def load_tree(path: str | Path) -> TreeSpec:
 
 PRESETS: dict[str, TreeSpec] = {
     "mc_sim_7b_63": load_tree(PRESET_DIR / "medusa_mc_sim_7b_63.json"),
-    # the reference engines' own trees: eagle-llm 1.2.1's static EAGLE-1 tree (its `choices.mc_sim_7b_63`, 25 draft
-    # nodes and the root) and medusa-llm 0.1's `medusa_choices=[1, 7, 6]` (the target's token, 7 of head 0's
-    # candidates and 6 of head 1's under each)
-    "eagle-llm-26": load_tree(PRESET_DIR / "eagle_llm_26.json"),
-    "medusa-llm-1-7-6": load_tree(PRESET_DIR / "medusa_llm_1_7_6.json"),
     "chain-1": chain(1),
     "chain-4": chain(4),
     "small-8": TreeSpec(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),

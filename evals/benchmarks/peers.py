@@ -3,6 +3,7 @@ index and by us, in one run, interleaved; and which of our shipped head sets the
 
     pip install -e ".[peers]" && pip install --no-deps --require-hashes -r tests/reference-packages.txt
     python -m amphista_jax.evals.benchmarks.peers [--prompts 20] [--max-new-tokens 128] [--methods eagle3]
+        [--engines medusa eagle dflash] [--medusa-heads DIR] [--eagle-heads DIR] [--dflash-heads DIR]
         [--threads 1 2] [--out docs/results/peers]
 
 The target is SmolLM2-135M-Instruct in fp32 on both sides (fetched on first use); the prompts are the first
@@ -16,10 +17,15 @@ ours has not met yet is taken out). torch runs at the fastest of
 tokens/s, tau where the side counts it (ours: tokens per target forward), and on how many prompts its tokens equal
 ours AR's (the greedy reference; transformers' greedy is checked against it too).
 
-The reference engines (medusa-llm's `medusa_generate`, eagle-llm's `eagenerate`, dflash's `spec_generate`) decode
-heads in their own layouts. The export matrix tries every shipped head set in every `convert --heads-to` layout
-(`drafters/exported.py`) and records what was written or why it was refused; an engine side needs a head set its
-layout holds. Writes `peers.{json,md}` under `--out`, naming the machine.
+The reference engines (`evals/peer_engines`: medusa-llm's `medusa_generate` on its `[1, 7, 6]` tree, eagle-llm's
+`eagenerate` on its 26-node tree, dflash's `dflash_generate` on a chain through its block) each decode `--<engine>-
+heads` written in the engine's layout over the whole vocabulary (`export_heads(..., widen=True)`), and ours decodes
+those same files read back (`published.READERS`) on the same tree: per engine, on how many prompts both committed the
+same number of tokens at every verify step, our tau minus theirs, and our tokens/s over theirs. Defaults: the shipped
+Medusa heads, and the EAGLE and DFlash heads of `configs/{eagle,dflash}/smollm2-reference-form.yaml` (a missing one
+is one line naming its config). The export matrix tries every shipped head set in every `convert --heads-to` layout
+(`drafters/exported.py`) and records what was written or why it was refused. Writes `peers.{json,md}` under `--out`,
+naming the machine.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from amphista_jax.facade.generator import Generator
 from amphista_jax.infra.machine import this_machine
 from amphista_jax.models.fetch import resolve_data, resolve_model
 from amphista_jax.models.target import Target
+from amphista_jax.trees.names import PRESET_DIR
 
 PEER_PACKAGES = ("torch", "transformers", "medusa-llm", "eagle-llm", "dflash", "speculators")
 
@@ -137,11 +144,15 @@ class Engine:
     config: str
 
 
+# The engines' own trees (`assets/trees`, read from the packages): eagle-llm 1.2.1's static EAGLE-1 tree (its
+# `choices.mc_sim_7b_63`: 25 draft nodes and the root) and medusa-llm 0.1's `medusa_choices=[1, 7, 6]` (the target's
+# token, 7 of head 0's candidates, and 6 of head 1's under each of them).
 ENGINES = {
-    "medusa": Engine("medusa-llm", "medusa", "medusa-llm-1-7-6", "medusa", "the shipped Medusa heads"),
-    "eagle": Engine("eagle-llm", "eagle", "eagle-llm-26", "runs/smollm2/eagle-reference-form",
-                    "configs/eagle/smollm2-reference-form.yaml"),
-    "dflash": Engine("dflash", "dflash", "chain-7", "runs/smollm2/dflash-reference-form",
+    "medusa": Engine("medusa-llm", "medusa", str(PRESET_DIR / "medusa_llm_1_7_6.json"), "medusa",
+                     "the shipped Medusa heads"),
+    "eagle": Engine("eagle-llm", "eagle", str(PRESET_DIR / "eagle_llm_26.json"),
+                    "runs/smollm2/eagle-reference-form/heads", "configs/eagle/smollm2-reference-form.yaml"),
+    "dflash": Engine("dflash", "dflash", "chain-7", "runs/smollm2/dflash-reference-form/heads",
                      "configs/dflash/smollm2-reference-form.yaml"),
 }
 
@@ -225,7 +236,8 @@ def main() -> None:
         for name in args.engines:
             theirs, drafter, params = heads_pair(name, heads[name], ar, Path(work))
             tree = ENGINES[name].tree
-            pairs[name] = (f"{ENGINES[name].package} ({tree})", f"ours {name} ({tree})")
+            label = Path(tree).stem
+            pairs[name] = (f"{ENGINES[name].package} ({label})", f"ours {name} ({label})")
             sides[pairs[name][0]] = engine_side(name, model_dir, theirs)
             sides[pairs[name][1]] = OurSide(ar.with_drafter(drafter, tree, draft_params=params))
         runs = run_interleaved(sides, prompts, args.max_new_tokens, args.threads)

@@ -47,6 +47,7 @@ import os
 import time
 
 import torch
+from transformers import AutoTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -163,6 +164,7 @@ class EagleSide:
                                                       dtype=torch.float32).eval()
         rebuild_target_rotary(self.model.base_model)
         self.max_length = max_length
+        self.model.tokenizer = AutoTokenizer.from_pretrained(model_dir)  # the target's own, whatever the module's
         self.eos_id = self.model.tokenizer.eos_token_id  # the loop's own stop token
         self.recorder = _Recorder()
 

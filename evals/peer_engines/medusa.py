@@ -70,6 +70,7 @@ from medusa.model import kv_cache as _kv_cache
 from medusa.model import medusa_model as _mm
 from medusa.model import modeling_llama_kv as _kv
 from medusa.model import utils as _utils
+from transformers import AutoTokenizer
 
 
 # --- fixes ------------------------------------------------------------------------------------------------------------
@@ -215,6 +216,7 @@ class MedusaSide:
         # function so that the first call's "seconds" do not include allocating it.
         (self.model.past_key_values, self.model.past_key_values_data,
          self.model.current_length_data) = _mm.initialize_past_key_values(base)
+        self.model.tokenizer = AutoTokenizer.from_pretrained(model_dir)  # the target's own, whatever the module's
         self.eos_id = self.model.tokenizer.eos_token_id  # the loop's own stop token
         self.tree = medusa_tree(self.medusa_choices)
 
