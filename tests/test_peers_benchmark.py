@@ -31,7 +31,7 @@ def test_the_export_matrix_says_what_each_layout_holds():
 def test_a_reference_engine_decodes_our_heads_as_we_do(tmp_path, engine):
     """The heads written in the engine's layout and read back as ours: the reference engine's own loop and ours, on
     the same tree, give greedy AR's tokens and commit the same number of tokens at every verify step."""
-    reference_code._installed(peers.ENGINES[engine].package.removesuffix("-llm"))
+    reference_code._installed(peers.ENGINES[engine].module)
     model_dir = str(default_model_dir())
     ar = Generator.load(model_dir)
     heads = shipped_heads_dir("medusa") if engine == "medusa" else tmp_path / "heads"  # Medusa's: trained, in form

@@ -31,6 +31,7 @@ naming the machine.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import importlib.util
 import tempfile
@@ -42,7 +43,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from amphista_jax.assets import shipped_heads_dir
+from amphista_jax.assets import shipped_heads_root
 from amphista_jax.drafters.base import Drafter
 from amphista_jax.drafters.exported import LAYOUTS, ExportError, export_heads
 from amphista_jax.drafters.io import load_draft
@@ -134,10 +135,13 @@ def versions() -> dict[str, str | None]:
 
 @dataclasses.dataclass(frozen=True)
 class Engine:
-    """A reference engine beside ours: its package, our heads' layout it loads, the tree both sides decode on,
-    where our heads come from by default, and the config that trains them."""
+    """A reference engine beside ours: its package (and the name it imports as), its side in `evals/peer_engines`,
+    our heads' layout it loads, the tree both sides decode on, where our heads come from by default, and the config
+    that trains them."""
 
     package: str
+    module: str
+    side: str
     layout: str
     tree: str
     heads: str
@@ -148,28 +152,19 @@ class Engine:
 # `choices.mc_sim_7b_63`: 25 draft nodes and the root) and medusa-llm 0.1's `medusa_choices=[1, 7, 6]` (the target's
 # token, 7 of head 0's candidates, and 6 of head 1's under each of them).
 ENGINES = {
-    "medusa": Engine("medusa-llm", "medusa", str(PRESET_DIR / "medusa_llm_1_7_6.json"), "medusa",
-                     "the shipped Medusa heads"),
-    "eagle": Engine("eagle-llm", "eagle", str(PRESET_DIR / "eagle_llm_26.json"),
+    "medusa": Engine("medusa-llm", "medusa", "MedusaSide", "medusa", str(PRESET_DIR / "medusa_llm_1_7_6.json"),
+                     str(shipped_heads_root("smollm2") / "medusa"), "configs/medusa/smollm2.yaml"),
+    "eagle": Engine("eagle-llm", "eagle", "EagleSide", "eagle", str(PRESET_DIR / "eagle_llm_26.json"),
                     "runs/smollm2/eagle-reference-form/heads", "configs/eagle/smollm2-reference-form.yaml"),
-    "dflash": Engine("dflash", "dflash", "chain-7", "runs/smollm2/dflash-reference-form/heads",
+    "dflash": Engine("dflash", "dflash", "DFlashSide", "dflash", "chain-7", "runs/smollm2/dflash-reference-form/heads",
                      "configs/dflash/smollm2-reference-form.yaml"),
 }
 
 
 def engine_side(name: str, model_dir: str, heads: Path) -> Callable[[list[int], int], dict[str, Any]]:
     """The reference engine `name`'s own generation loop on `heads` (in its layout)."""
-    if name == "medusa":
-        from amphista_jax.evals.peer_engines.medusa import MedusaSide
-
-        return MedusaSide(model_dir, str(heads))
-    if name == "eagle":
-        from amphista_jax.evals.peer_engines.eagle import EagleSide
-
-        return EagleSide(model_dir, str(heads))
-    from amphista_jax.evals.peer_engines.dflash import DFlashSide
-
-    return DFlashSide(model_dir, str(heads))
+    module = importlib.import_module(f"amphista_jax.evals.peer_engines.{name}")
+    return getattr(module, ENGINES[name].side)(model_dir, str(heads))
 
 
 def heads_pair(name: str, heads: str, gen: Generator, work: Path) -> tuple[Path, Drafter, dict]:
@@ -188,7 +183,7 @@ def check_engines(names: list[str], heads: dict[str, str], model_dir: str) -> No
     """One line naming the fix, before anything slow: an engine whose package or heads are missing."""
     for name in names:
         engine = ENGINES[name]
-        if importlib.util.find_spec(engine.package.replace("-llm", "")) is None:
+        if importlib.util.find_spec(engine.module) is None:
             raise SystemExit(f"error: --engines {name}: {engine.package} is not installed: pip install --no-deps "
                              "--require-hashes -r tests/reference-packages.txt")
         if not (Path(heads[name]) / "draft.json").is_file():
@@ -216,8 +211,6 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = resolve_model(args.model or "smollm2")
     heads = {name: getattr(args, f"{name}_heads") for name in args.engines}
-    heads = {name: str(shipped_heads_dir(h, "smollm2")) if h == ENGINES[name].heads and "/" not in h else h
-             for name, h in heads.items()}
     check_engines(args.engines, heads, model_dir)
     ar = Generator.load(model_dir)
     data, _ = load_prompts(DatasetConfig("mt_bench", resolve_data("mt-bench"), limit=args.prompts, turns=1))

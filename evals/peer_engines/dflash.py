@@ -47,6 +47,8 @@ import dflash.model as dm
 import torch
 from transformers import LlamaForCausalLM
 
+from amphista_jax.evals.peer_engines import side_result
+
 EOS_ID = 2  # <|im_end|>
 
 
@@ -94,7 +96,7 @@ class DFlashSide:
         seconds = time.perf_counter() - start
         new = [int(t) for t in out.output_ids[0, out.num_input_tokens:].tolist()]
         accept = [int(a) for a in out.acceptance_lengths]
-        assert len(new) <= max_new_tokens, (len(new), max_new_tokens)
-        assert sum(accept) == len(new) - 1, (sum(accept), len(new))  # the prefill's token + each step's commits
-        tau = (len(new) - 1) / len(accept) if accept else 0.0
-        return {"ids": new, "seconds": seconds, "tau": tau, "accept_lengths": accept}
+        if len(new) > max_new_tokens or sum(accept) != len(new) - 1:  # the prefill's token + each step's commits
+            raise ValueError(f"dflash_generate's {len(accept)} steps commit {sum(accept)} + 1 of its {len(new)} "
+                             f"tokens (at most {max_new_tokens})")
+        return side_result(new, seconds, accept)

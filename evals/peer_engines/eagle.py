@@ -13,20 +13,10 @@ Fixes (each a named function below; none changes the engine's loop, tree, draft 
     transformers 5 fills `rope_scaling` with `{"rope_type": "default", "rope_theta": ...}` where transformers 4 left
     None. Such a default is put back to None (plain RoPE). The draft keeps eagle-llm's own RoPE base, 10000 (its
     `LlamaRotaryEmbedding` default; EConfig has no rope_theta): unchanged computation.
- 2. `fix_target_rope`: the forked Llama's `modeling_llama_kv.LlamaAttention._init_rope` has the same `["type"]`
-    crash (1.) and builds `LlamaRotaryEmbedding(head_dim, max_pos)` with the hard-coded default base 10000, ignoring
-    the config's `rope_theta` (SmolLM2: 100000). It now builds the plain RoPE at the config's `rope_theta`. This
-    CHANGES what the target computes: to the checkpoint's true RoPE (as transformers' LlamaForCausalLM); without it
-    the target's logits are off by up to ~10 (check (a)). Configs that do name linear/dynamic scaling are untouched.
- 3. `fix_tied_weights_keys`: transformers 5's `post_init` wants `_tied_weights_keys` as a dict {target: source};
-    the fork declares the transformers-4 list `["lm_head.weight"]` (AttributeError). It becomes
-    `{"lm_head.weight": "model.embed_tokens.weight"}`, transformers 5's own LlamaForCausalLM value: lm_head is tied
-    to the embedding as SmolLM2's config (tie_word_embeddings) asks. No change to what is computed.
- 4. `rebuild_target_rotary`: transformers 5's `from_pretrained` builds the modules without running their buffer
-    code on real storage: the fork's persistent `inv_freq` (absent from the checkpoint) comes back "newly initialised"
-    as garbage and the non-persistent `cos_cached`/`sin_cached` as zeros. After loading, each layer's `rotary_emb`
-    is rebuilt by the fork's own `LlamaRotaryEmbedding` constructor (base as in 2.). Restores what the fork's
-    constructor computes under transformers 4.
+ 2-4. The forked Llama's (`llama_forks`): `fix_rope` (the same `["type"]` crash, and the hard-coded RoPE base
+    10000 replaced by the config's 100000: this CHANGES what the target computes, to the checkpoint's true RoPE;
+    without it the logits are off by up to ~10), `fix_tied_weights`, `rebuild_rotary` (buffers transformers 5's
+    loader leaves uninitialised). Its KV cache is already sized by KV heads.
 
 Not a fix, instrumentation only: `ea_model.update_inference_inputs` (the function eagenerate calls once per verify
 step with the engine's own `accept_length`, the number of accepted draft tokens from `evaluate_posterior`) is wrapped
@@ -54,6 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from eagle.model import cnets, ea_model, modeling_llama_kv  # noqa: E402
 from eagle.model.choices import mc_sim_7b_63  # noqa: E402
 
+from amphista_jax.evals.peer_engines import count_steps, llama_forks, side_result  # noqa: E402
+
 
 def fix_draft_rope_scaling() -> None:
     """Fix 1: the draft's `_init_rope` crashes on transformers 5's default `rope_scaling` dict (no "type"); that
@@ -72,53 +64,10 @@ def fix_draft_rope_scaling() -> None:
     cnets.LlamaAttention._init_rope = _init_rope
 
 
-def _rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
-def fix_target_rope() -> None:
-    """Fix 2: the forked Llama's `_init_rope` crashes on transformers 5's default `rope_scaling` dict and, for plain
-    RoPE, uses the hard-coded base 10000 instead of the config's rope_theta (SmolLM2: 100000). Plain RoPE is built at
-    the config's rope_theta (changes the target's computation to the checkpoint's true RoPE)."""
-    if getattr(modeling_llama_kv.LlamaAttention._init_rope, "fixed", False):
-        return
-    init_rope = modeling_llama_kv.LlamaAttention._init_rope
-
-    def _init_rope(self) -> None:
-        scaling = self.config.rope_scaling
-        if scaling is None or (isinstance(scaling, dict) and "type" not in scaling):
-            self.rotary_emb = modeling_llama_kv.LlamaRotaryEmbedding(
-                self.head_dim, max_position_embeddings=self.max_position_embeddings, base=_rope_theta(self.config))
-        else:
-            init_rope(self)
-
-    _init_rope.fixed = True
-    modeling_llama_kv.LlamaAttention._init_rope = _init_rope
-
-
-def fix_tied_weights_keys() -> None:
-    """Fix 3: transformers 5 needs `_tied_weights_keys` as a {target: source} dict; the fork's list crashes
-    `post_init`. Set to transformers 5 LlamaForCausalLM's own value (lm_head tied to the embedding); no change."""
-    modeling_llama_kv.LlamaForCausalLM._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-def rebuild_target_rotary(base_model: torch.nn.Module) -> None:
-    """Fix 4: after transformers 5's `from_pretrained`, the fork's rotary buffers are garbage (`inv_freq`, missing
-    from the checkpoint) and zeros (`cos_cached`/`sin_cached`). Rebuild each layer's `rotary_emb` with the fork's
-    own constructor (via `_init_rope`, fix 2), in the model's dtype and device: what construction computes."""
-    for layer in base_model.model.layers:
-        attn = layer.self_attn
-        device = attn.q_proj.weight.device
-        with torch.device(device):
-            attn._init_rope()
-        attn.rotary_emb.to(device)
-
-
 def apply_fixes() -> None:
     fix_draft_rope_scaling()
-    fix_target_rope()
-    fix_tied_weights_keys()
+    llama_forks.fix_rope(modeling_llama_kv)
+    llama_forks.fix_tied_weights(modeling_llama_kv)
 
 
 class _Recorder:
@@ -139,30 +88,12 @@ class _Recorder:
         ea_model.update_inference_inputs = update_inference_inputs
 
 
-def count_steps(new_ids: list[int], accept: list[int], max_new_tokens: int, eos_id: int
-                ) -> tuple[list[int], list[int]]:
-    """(ids cut to max_new_tokens and after eos inclusive, tokens each verify step commits within them).
-    Step i commits accept[i] + 1 tokens after the prefill's one (see the module docstring)."""
-    ids = list(new_ids[:max_new_tokens])
-    if eos_id in ids:
-        ids = ids[: ids.index(eos_id) + 1]
-    lengths, have = [], 1 if ids else 0
-    for a in accept:
-        if have >= len(ids):
-            break
-        take = min(a + 1, len(ids) - have)
-        lengths.append(take)
-        have += take
-    assert have == len(ids), (have, len(ids), accept)
-    return ids, lengths
-
-
 class EagleSide:
     def __init__(self, model_dir: str, heads_dir: str, max_length: int = 2048) -> None:
         apply_fixes()
         self.model = ea_model.EaModel.from_pretrained(base_model_path=model_dir, ea_model_path=heads_dir,
                                                       dtype=torch.float32).eval()
-        rebuild_target_rotary(self.model.base_model)
+        llama_forks.rebuild_rotary(self.model.base_model)
         self.max_length = max_length
         self.model.tokenizer = AutoTokenizer.from_pretrained(model_dir)  # the target's own, whatever the module's
         self.eos_id = self.model.tokenizer.eos_token_id  # the loop's own stop token
@@ -177,9 +108,8 @@ class EagleSide:
         seconds = time.perf_counter() - start
         raw = out[0, len(ids):].tolist()
         new, lengths = count_steps(raw, self.recorder.accept, max_new_tokens, self.eos_id)
-        tau = (len(new) - 1) / len(lengths) if lengths else 1.0
-        return {"ids": new, "seconds": seconds, "tau": tau, "accept_lengths": lengths,
-                "raw_ids": raw, "raw_accept": list(self.recorder.accept), "accepted_paths": self._paths()}
+        return side_result(new, seconds, lengths, raw_ids=raw, raw_accept=list(self.recorder.accept),
+                           accepted_paths=self._paths())
 
     def _paths(self) -> list[list[int]]:
         """Per verify step, the accepted tree node as its rank path (`[]`: only the root), read from the engine's

@@ -17,28 +17,14 @@ target's logits at the last accepted node, whose argmax becomes the next root (t
 
 Fixes (each a named function below; none changes what the model computes unless it says so):
 
-1. `_init_rope_fixed` (a): transformers 5 fills `config.rope_scaling` with `{"rope_type": "default", "rope_theta": ..}`
-   where a checkpoint names no scaling (transformers 4 left it None); the fork's `LlamaAttention._init_rope` reads
-   `rope_scaling["type"]` and raises KeyError. A default (unscaled) RoPE is built, which is what such a config means.
-2. `_init_rope_fixed` (b): the fork builds `LlamaRotaryEmbedding(head_dim, max_position_embeddings)` with its
-   hard-coded default `base=10000`, ignoring the checkpoint's `rope_theta` (SmolLM2: 100000; transformers 5 keeps it in
-   `config.rope_parameters`, `config.rope_theta` is None). This one CHANGES what the fork computes: RoPE at the
-   checkpoint's base, i.e. the target as trained (without it the logits differ from transformers' LlamaForCausalLM).
-3. `_rotary_buffers_fixed`: transformers 5's `from_pretrained` builds the model on the meta device and materialises
-   only the checkpoint's tensors; the rotary embedding's buffers (`inv_freq`, persistent but not in the checkpoint;
-   `cos_cached`/`sin_cached`, non-persistent) are not restored from the constructor's values. They are recomputed
-   exactly as the fork's constructor computes them (fp32, the fixed base); no change to the intended computation.
+1-3. The forked Llama's (`llama_forks`): `fix_rope` (transformers 5's filled-in `rope_scaling` crashes `_init_rope`;
+   the hard-coded RoPE base 10000 is replaced by the config's, 100000: this one CHANGES what the fork computes, to
+   the target as trained; without it the logits are off by up to 9.96), `fix_tied_weights`, `rebuild_rotary`.
 4. `_initialize_past_key_values_gqa`: `medusa.model.kv_cache.initialize_past_key_values` sizes the preallocated
    cache by `num_attention_heads` (9) and `hidden_size // num_attention_heads`; with grouped-query attention the fork's
    attention stores `num_key_value_heads` (3) heads per layer, so `KVCache.cat`'s copy fails to broadcast (crash).
    Sized by `num_key_value_heads` (same head size); the fork repeats the K/V heads after the cache as before. Same
    computation. (Also sized `max_position_embeddings` long, as released.)
-5. `_tied_weights_keys_fixed`: the fork's `LlamaForCausalLM._tied_weights_keys = ["lm_head.weight"]` is transformers
-   4's list form; transformers 5's `post_init` expects a dict `{target: source}` and raises AttributeError
-   ('list' object has no attribute 'keys') while building the model. It is given the dict form
-   `{"lm_head.weight": "model.embed_tokens.weight"}`, so transformers 5 ties the LM head to the embedding as
-   transformers 4 did (SmolLM2 ties them: `tie_word_embeddings`, the checkpoint holds only the embedding). Same
-   computation; `load_target` checks that the head is the embedding.
 
 Not fixes (configuration / instrumentation, engine code unchanged):
  - The tokenizer: `MedusaModel.__init__` calls `AutoTokenizer.from_pretrained(base_model_name_or_path)`; we pass the
@@ -72,39 +58,10 @@ from medusa.model import modeling_llama_kv as _kv
 from medusa.model import utils as _utils
 from transformers import AutoTokenizer
 
+from amphista_jax.evals.peer_engines import count_steps, llama_forks, side_result
+
 
 # --- fixes ------------------------------------------------------------------------------------------------------------
-def _rope_theta(config: Any) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return float(theta or getattr(config, "rope_theta", None) or 10000.0)
-
-
-def _init_rope_fixed(self: _kv.LlamaAttention) -> None:
-    """Fixes 1 and 2. `LlamaAttention._init_rope` raises KeyError under transformers 5 (its default `rope_scaling`
-    dict has no "type") and ignores the checkpoint's `rope_theta` (hard-coded base 10000). A default RoPE is built at
-    the checkpoint's base. Fix 1 changes nothing computed; fix 2 changes the RoPE base to the checkpoint's (100000 for
-    SmolLM2), which is what the target was trained with."""
-    scaling = self.config.rope_scaling
-    default = scaling is None or (isinstance(scaling, dict) and scaling.get("type", scaling.get("rope_type"))
-                                  in (None, "default"))
-    if not default:
-        raise NotImplementedError(f"the peer only handles unscaled RoPE, not {scaling}")
-    self.rotary_emb = _kv.LlamaRotaryEmbedding(self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                                               base=_rope_theta(self.config))
-
-
-def _rotary_buffers_fixed(model: _kv.LlamaForCausalLM) -> None:
-    """Fix 3. transformers 5's `from_pretrained` (meta-device init) leaves the rotary buffers absent from the
-    checkpoint (`inv_freq`, `cos_cached`, `sin_cached`) unrestored; they are recomputed as the fork's constructor
-    computes them (fp32). No change to the intended computation."""
-    for layer in model.model.layers:
-        rot = layer.self_attn.rotary_emb
-        inv_freq = 1.0 / (rot.base ** (torch.arange(0, rot.dim, 2, dtype=torch.float32) / rot.dim))
-        rot.register_buffer("inv_freq", inv_freq)
-        rot._set_cos_sin_cache(seq_len=rot.max_position_embeddings, device=inv_freq.device, dtype=torch.float32)
-
-
 def _initialize_past_key_values_gqa(model: Any) -> tuple:
     """Fix 4. medusa-llm's `initialize_past_key_values` sizes the cache by `num_attention_heads`; the fork's
     attention caches `num_key_value_heads` heads (grouped-query attention), so `KVCache.cat` fails to broadcast. The
@@ -119,29 +76,19 @@ def _initialize_past_key_values_gqa(model: Any) -> tuple:
     return past_key_values, data, current_length_data
 
 
-def _tied_weights_keys_fixed() -> None:
-    """Fix 5. transformers 5 reads `_tied_weights_keys` as a dict `{target: source}`; the fork's transformers-4 list
-    `["lm_head.weight"]` makes `post_init` raise AttributeError. The dict form ties `lm_head.weight` to the embedding
-    as transformers 4 did with the list (for a config with `tie_word_embeddings`). No change to what is computed."""
-    _kv.LlamaForCausalLM._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
 def apply_fixes() -> None:
-    """Patch the package in place (idempotent): fixes 1, 2 (`_init_rope`), 4 (`initialize_past_key_values`, under
-    the name `medusa_generate` calls) and 5 (`_tied_weights_keys`). Fix 3 is applied to a loaded model
-    (`load_target`)."""
-    _kv.LlamaAttention._init_rope = _init_rope_fixed
-    _tied_weights_keys_fixed()
+    """Patch the package in place (idempotent): the fork's RoPE and tied weights (`llama_forks`), and fix 4 under
+    the name `medusa_generate` calls."""
+    llama_forks.fix_rope(_kv)
+    llama_forks.fix_tied_weights(_kv)
     _mm.initialize_past_key_values = _initialize_past_key_values_gqa
 
 
 def load_target(model_dir: str) -> _kv.LlamaForCausalLM:
-    """The fork's `LlamaForCausalLM.from_pretrained(model_dir)` in fp32, with fixes 1-5."""
+    """The fork's `LlamaForCausalLM.from_pretrained(model_dir)` in fp32, with fixes 1-4."""
     apply_fixes()
     model = _kv.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    _rotary_buffers_fixed(model)
-    if getattr(model.config, "tie_word_embeddings", False):
-        assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight), "LM head not tied"
+    llama_forks.rebuild_rotary(model)
     return model
 
 
@@ -250,17 +197,5 @@ class MedusaSide:
         finally:
             _mm.update_inference_inputs = rec.original
         fixed = appended + [rec.bonus[-1]] if rec.bonus else appended
-        out = fixed[:max_new_tokens]
-        if self.eos_id in out:
-            out = out[: out.index(self.eos_id) + 1]
-        # our steps: the prefill gives out[0]; step i commits accept_i + 1 tokens, cut to what is left of `out`
-        accept_lengths, done = [], 1
-        for a in rec.accept:
-            if done >= len(out):
-                break
-            count = min(a + 1, len(out) - done)
-            accept_lengths.append(count)
-            done += count
-        tau = (len(out) - 1) / len(accept_lengths) if accept_lengths else 1.0
-        return {"ids": out, "seconds": seconds, "tau": tau, "accept_lengths": accept_lengths,
-                "engine_accept_length": rec.accept, "engine_steps": len(rec.accept)}
+        out, accept_lengths = count_steps(fixed, rec.accept, max_new_tokens, self.eos_id)
+        return side_result(out, seconds, accept_lengths, engine_accept_length=rec.accept)
