@@ -201,21 +201,25 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 2 or args.prompts < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} / --prompts {args.prompts}: must be >= 2 / >= 1")
-    heads = Path(args.heads) if Path(args.heads).is_dir() else args.heads
-    if not args.acceptance:
-        gen = Generator.load(args.model, heads, "auto")
-        if (local := gen.policy) is None or not local.chooses_here:
-            raise UsageError(f"{args.heads} has no acceptance statistics ({ACCEPTANCE_FILE}): measure them with "
-                             f"`amphista-jax calibrate --acceptance --heads {args.heads}`, or name a tree (--tree)")
-        costs = [calibrate(gen, local.acceptance, b, remeasure=args.remeasure) for b in args.batch_sizes]
-        print(f"# {gen.method} on {Path(gen.model_dir).name}: the trees `auto` picks on this machine\n\n"
-              f"machine: {this_machine().describe()}\nacceptance: {local.acceptance.measured_on}\n"
-              f"step costs cached in {cache_file()}\n\n{table(local.acceptance, costs)}")
-        return 0
-    from amphista_jax.facade.drafter_source import read_source
+    from amphista_jax.facade.drafter_source import read_source, usable_acceptance
     from amphista_jax.infra.output_lock import file_lock, lock_beside
 
+    heads = Path(args.heads) if Path(args.heads).is_dir() else args.heads
     found = read_source(heads, args.model, None)
+    if not args.acceptance:
+        if found.acceptance is None:
+            raise UsageError(f"{args.heads} has no acceptance statistics ({ACCEPTANCE_FILE}): measure them with "
+                             f"`amphista-jax calibrate --acceptance --heads {args.heads}`, or name a tree (--tree)")
+        base = Generator.load(args.model)
+        if (stats := usable_acceptance(found, base.config.vocab_size)) is None:
+            raise UsageError(f"{args.heads}: its drafter's settings can draft none of the trees in its "
+                             f"{ACCEPTANCE_FILE}: measure them again (`amphista-jax calibrate --acceptance --replace`)")
+        gen = base.with_drafter(found, found.drafter.paper_tree)  # each candidate is set in turn, each timed once
+        costs = [calibrate(gen, stats, b, remeasure=args.remeasure) for b in args.batch_sizes]
+        print(f"# {gen.method} on {Path(gen.model_dir).name}: the trees `auto` picks on this machine\n\n"
+              f"machine: {this_machine().describe()}\nacceptance: {stats.measured_on}\n"
+              f"step costs cached in {cache_file()}\n\n{table(stats, costs)}")
+        return 0
     out = Path(args.out) if args.out else Path(found.path) / ACCEPTANCE_FILE if found.path else None
     if out is None:
         raise UsageError(f"{args.heads} has no heads directory to keep its statistics in: pass --out FILE.json")

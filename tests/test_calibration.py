@@ -24,30 +24,25 @@ STATS = Acceptance("medusa", "synthetic", (
 
 
 def _costs(batch: int, ar: float, steps: tuple, noise: float = 0.0) -> StepCosts:
-    return StepCosts(batch, ar, steps, noise, 0.0)
+    return StepCosts(batch, ar, steps, tuple(None if s is None else noise for s in steps), 0.0,
+                     tuple(None if s is None else 3 for s in steps))
 
 
-def _fake_measure(costs_at, measured: list | None = None, ar_measured: list | None = None):
-    """Stand-ins for the timing functions: `costs_at(batch)` for the candidates, AR 10 ms; calls recorded."""
-    def measure(gen, stats, clock, ar, progress=None):
+def _fake_measure(costs_at, measured: list | None = None):
+    """A stand-in for the timing: `costs_at(batch)` for the candidates; the batch sizes measured recorded."""
+    def measure(gen, stats, clock, progress=None):
         batch = int(clock.tokens.shape[0])
         if measured is not None:
             measured.append(batch)
         costs = costs_at(batch)
-        return dataclasses.replace(costs, step_ms=costs.step_ms[:len(stats.candidates)])
+        n = len(stats.candidates)
+        return dataclasses.replace(costs, step_ms=costs.step_ms[:n], noise=costs.noise[:n], pairs=costs.pairs[:n])
 
-    def measure_ar(gen, clock):
-        if ar_measured is not None:
-            ar_measured.append(int(clock.tokens.shape[0]))
-        return calibration.ARCosts(1.0, 10.0, 0.0)
-
-    return measure, measure_ar
+    return measure
 
 
-def _patch(monkeypatch, costs_at, measured=None, ar_measured=None):
-    measure, measure_ar = _fake_measure(costs_at, measured, ar_measured)
-    monkeypatch.setattr(calibration, "measure", measure)
-    monkeypatch.setattr(calibration, "measure_ar", measure_ar)
+def _patch(monkeypatch, costs_at, measured=None):
+    monkeypatch.setattr(calibration, "measure", _fake_measure(costs_at, measured))
 
 
 @pytest.mark.parametrize(("batch", "ar", "steps", "noise", "picked"), [
@@ -70,32 +65,33 @@ def test_choose_picks_the_fastest_tree_above_the_noise_margin(batch, ar, steps, 
 
 def test_timing_stops_when_no_larger_tree_can_win():
     """Best tau 2.2: after a step of 2.5 AR steps nothing larger can reach 1 + margin; after 1.5 it still can."""
-    assert worth_timing(STATS, 10.0, 15.0, best=1.2, margin=0.03)
-    assert not worth_timing(STATS, 10.0, 25.0, best=0.0, margin=0.03)
-    assert not worth_timing(STATS, 10.0, 15.0, best=1.5, margin=0.03)  # 2.2 / 1.5 = 1.47 < the best so far
+    assert worth_timing(STATS, 1.5, best=1.2, margin=0.03)
+    assert not worth_timing(STATS, 2.5, best=0.0, margin=0.03)
+    assert not worth_timing(STATS, 1.5, best=1.5, margin=0.03)  # 2.2 / 1.5 = 1.47 < the best so far
 
 
-def test_ar_is_timed_beside_the_candidates_and_its_drift_is_noise(medusa_heads, tmp_path, monkeypatch):
-    """AR timed before and after the candidates in one process: the faster step prices them, and the two steps'
-    difference joins the noise the choice must beat (1.46x predicted, but AR drifted 50%: no speculation)."""
-    from amphista_jax import Generator
-
-    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
-    ar_steps = iter([10.0, 15.0])
-    monkeypatch.setattr(calibration, "measure", _fake_measure(lambda b: _costs(b, 10.0, (11.0, 13.0, 16.0)))[0])
-    monkeypatch.setattr(calibration, "measure_ar", lambda gen, clock: calibration.ARCosts(1.0, next(ar_steps), 0.01))
-    gen = Generator.load(heads=medusa_heads)
-    costs = calibrate(gen, STATS, 1)
-    assert costs.ar_ms == 10.0 and costs.noise == pytest.approx(0.5) and gen.tree is None
-    assert calibration.ARCosts.around(calibration.ARCosts(2.0, 12.0, 0.3), calibration.ARCosts(1.5, 10.0, 0.0)) == \
-        calibration.ARCosts(1.5, 10.0, 0.3)
+def test_each_candidate_is_decided_against_its_own_noise():
+    """A noisy losing candidate does not raise the margin a quiet winner must beat (grown-3's 1.56x within its 2%,
+    though grown-7's estimate is 20% noisy); a candidate inside its own noise is refused, and a quieter one chosen
+    over it, or none."""
+    costs = StepCosts(1, 10.0, (11.0, 12.2, 25.0), (0.01, 0.02, 0.20), 0.0, (3, 3, 12))
+    d = choose(STATS, costs)
+    assert d.index == 1 and d.margin == pytest.approx(0.03) and d.margins[2] == pytest.approx(0.20)
+    noisy = dataclasses.replace(costs, step_ms=(14.0, 17.0, 25.0), noise=(0.01, 0.12, 0.20))
+    d = choose(STATS, noisy)  # grown-1 1.07x within 3%; grown-3 1.12x but 12% noisy
+    assert d.index == 0 and d.best == 1
+    d = choose(STATS, dataclasses.replace(noisy, step_ms=(16.0, 17.0, 25.0)))  # grown-1 0.94x
+    assert d.index is None and d.best == 1 and "its 12% noise margin" in d.describe(STATS)
 
 
-def test_a_cache_of_ar_timed_alone_is_measured_again(tmp_path):
-    """A cache written when AR was timed once and reused across processes: its AR entries are left out."""
+def test_a_cache_of_an_earlier_layout_is_measured_again(tmp_path):
+    """Entries of AR timed alone, or of whole decodes timed one program after another (one noise for all), are left
+    out; today's are read."""
     path = tmp_path / "cache.json"
     costs = json.loads(json.dumps(_costs(1, 10.0, (11.0,)).to_json()))
+    sequential = {"batch": 1, "ar_ms": 10.0, "step_ms": [11.0], "noise": 0.05, "seconds": 40.0}
     path.write_text(json.dumps({"entries": {"a": {"label": "AR", "ar": {"prefill_ms": 1, "step_ms": 9, "spread": 0}},
+                                            "s": {"label": "medusa", "costs": sequential},
                                             "b": {"label": "medusa", "costs": costs}}}))
     assert calibration.read_cache(path) == {"b": {"label": "medusa", "costs": costs}}
 
@@ -123,17 +119,17 @@ def test_costs_are_cached_per_machine_and_version_and_a_damaged_cache_recalibrat
     from amphista_jax import Generator
 
     monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
-    measured, ar_measured = [], []
+    measured = []
     costs_at = lambda batch: _costs(batch, 10.0, (11.0, 13.0, 16.0))  # noqa: E731
-    _patch(monkeypatch, costs_at, measured, ar_measured)
+    _patch(monkeypatch, costs_at, measured)
     gen = Generator.load(heads=medusa_heads)  # `auto`: calibrated at batch 1 on load
-    assert measured == [1] and ar_measured == [1, 1] and gen.tree == STATS.candidates[1].tree  # AR before, after
+    assert measured == [1] and gen.tree == STATS.candidates[1].tree
     assert calibrate(gen, STATS, 1).step_ms == (11.0, 13.0, 16.0) and measured == [1]  # cached
     other_heads = medusa_heads.parent / "other"
     shutil.copytree(medusa_heads, other_heads)
     Acceptance("medusa", "synthetic", STATS.candidates[:2]).write(other_heads / ACCEPTANCE_FILE)
     Generator.load(heads=other_heads)
-    assert measured == [1, 1] and ar_measured == [1] * 4  # other candidates: timed, and AR again beside them
+    assert measured == [1, 1]  # other candidates: timed again
     measured.pop()
     Generator.load(heads=medusa_heads)
     assert measured == [1]  # a new process on this machine reuses it
@@ -150,7 +146,7 @@ def test_costs_are_cached_per_machine_and_version_and_a_damaged_cache_recalibrat
     assert measured == [1, 4, 1]  # another version (or CPU, or accelerator): measured again
     monkeypatch.undo()
     monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
-    _patch(monkeypatch, costs_at, measured, ar_measured)
+    _patch(monkeypatch, costs_at, measured)
     path.write_text("{not json")
     capsys.readouterr()
     calibrate(gen, STATS, 1)
@@ -193,8 +189,10 @@ def test_real_calibration_times_steps_and_decodes_as_ar(medusa_heads, tmp_path, 
     monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))
     gen = Generator.load(heads=medusa_heads)
     costs = calibrate(gen, STATS, 1)
-    assert costs.ar_ms > 0 and costs.step_ms[0] > 0 and costs.noise >= 0 and costs.seconds > 0 and costs.batch == 1
-    assert all(s is None or s > 0 for s in costs.step_ms)
+    assert costs.ar_ms > 0 and costs.step_ms[0] > 0 and costs.seconds > 0 and costs.batch == 1
+    for step, noise, pairs in zip(costs.step_ms, costs.noise, costs.pairs, strict=True):
+        assert (step is None) == (noise is None) == (pairs is None)  # a candidate timed has its noise and pairs
+        assert step is None or (step > 0 and noise >= 0 and calibration.MIN_PAIRS <= pairs <= calibration.MAX_PAIRS)
     assert gen.policy.decision(1) == choose(STATS, costs)
     for batch in (1, 2):
         out = gen.generate(PROMPTS[:batch], max_new_tokens=16)
@@ -210,7 +208,8 @@ def test_calibrate_command_shows_the_table_and_refuses_heads_without_statistics(
     _patch(monkeypatch, lambda batch: _costs(batch, 10.0, (11.0, 13.0, None)))
     assert main(["calibrate", "--model", "tiny", "--heads", str(medusa_heads), "--batch-sizes", "1,4"]) == 0
     out = capsys.readouterr().out
-    assert "| grown-3 | 3 | 1.90 | 13.0, 1.46x * | 13.0, 1.46x * |" in out and "not timed" in out
+    assert "| grown-3 | 3 | 1.90 | 13.0, 1.46x *, noise 0.0% in 3 pairs | 13.0, 1.46x *, noise 0.0% in 3 pairs |" \
+        in out and "not timed" in out
     assert f"machine: {this_machine().describe()}" in out
     (medusa_heads / ACCEPTANCE_FILE).unlink()
     assert main(["calibrate", "--model", "tiny", "--heads", str(medusa_heads)]) != 0

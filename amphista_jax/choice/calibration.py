@@ -1,23 +1,29 @@
 """Step costs measured on the machine that decodes, and `auto`'s choice from them and the shipped acceptance.
 
 A head set's acceptance statistics (`acceptance`) ship with it; what a decode step costs is this machine's. On first
-use of a head set here, at each batch size asked for, `calibrate` times the real decode loop (`step_clock.StepClock`)
-of the candidate trees, in ascending size, against autoregressive decoding's (timed in the same process, before and
-after the candidates: a machine's speed drifts between processes by about the calibration's noise, so a ratio of
-two processes' timings is not a speed-up), and caches the costs under `AMPHISTA_HOME/calibration/<machine key>.json`
+use of a head set here, at each batch size asked for, `calibrate` times each candidate tree's decode step against
+autoregressive decoding's, and caches the costs under `AMPHISTA_HOME/calibration/<machine key>.json`
 (`machine.Machine.key`: the CPU model and vector extensions or the accelerator, cores, memory and the library's
-version), so later loads reuse them. A damaged cache is said in one line and measured again.
+version, so another version measures again), so later loads reuse them. A damaged cache is said in one line and
+measured again; `calibrate --remeasure` measures again on purpose.
+
+What is timed is what the choice depends on, a step's cost relative to AR's: `PAIR_STEPS` decode steps from the state
+after the prefill (`step_clock.PairClock`: no prefill, no compile, no whole generation), AR's and a candidate's in
+interleaved pairs (`step_clock.time_pairs`), each pair a ratio; the candidate's step costs the median ratio x AR's
+step, and the noise of that estimate, which the choice must beat, is the ratios' spread. A machine that drifts, or
+that another process slows for a while, slows both programs of a pair alike. Pairs are timed until the estimate is
+settled (`settled`: its spread within `MIN_MARGIN`, or the candidate clearly winning or losing), `MIN_PAIRS` to
+`MAX_PAIRS` of them; each candidate's noise and pairs are kept and reported.
 
 `plan.choose` is the pure part, the tree plan's rule (`plan.decide`) on these costs: the candidate with the most
-predicted tokens per second (tau x AR step / step), kept only if its predicted speed-up beats autoregressive decoding
-by more than the calibration's noise (the largest spread of any program's timed runs) and at least `MIN_MARGIN`;
-otherwise no speculation.
+predicted tokens per second (tau / its step's cost in AR steps) of those predicted faster than autoregressive
+decoding by more than their noise and at least `MIN_MARGIN`; otherwise no speculation.
 
 What is timed is a `Decoder`: the facade's `Generator` as this module uses it (`step_clock.Decoder`).
 
-Timing stops early once no larger candidate can win: a step costs at least as much as a smaller tree's (more nodes
-to draft and verify), and no candidate's tau exceeds the best one's, so when the best tau over the last measured
-step cannot beat the best so far, the larger candidates are left unmeasured (`None`).
+Candidates are timed in ascending size, and timing stops once no larger candidate can win: a step costs at least as
+much as a smaller tree's (more nodes to draft and verify), and no candidate's tau exceeds the best one's, so when the
+best tau over the last measured step cannot beat the best so far, the larger candidates are left unmeasured (`None`).
 """
 
 from __future__ import annotations
@@ -25,22 +31,25 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from amphista_jax.choice.acceptance import Acceptance, is_chat_target
 from amphista_jax.choice.plan import MIN_MARGIN, StepCosts, choose
-from amphista_jax.choice.step_clock import Decoder, StepClock
+from amphista_jax.choice.step_clock import Decoder, PairClock, Pairs, time_pairs
 from amphista_jax.infra.compiled_programs import release_if_crowded
 from amphista_jax.infra.errors import UserError
 from amphista_jax.infra.machine import Machine, this_machine
 from amphista_jax.infra.output_lock import write_atomic
 
-CALIBRATION_TOKENS = 24  # decode steps timed per program (no EOS stop)
-CALIBRATION_RUNS = 2  # timed runs per program after its compile and warm-up run (the fastest kept)
+PAIR_STEPS = 6  # decode steps in one timing
+MIN_PAIRS, MAX_PAIRS = 3, 12  # interleaved (AR, candidate) timings per candidate
 CALIBRATION_PROMPT = "Explain, step by step, how a hash map stores and finds a key."  # through the chat template
 CALIBRATION_SCRATCH = 256  # cache slots every calibration program keeps beyond the prompt and the new tokens
 
@@ -49,66 +58,68 @@ class CalibrationError(UserError, ValueError):
     """A calibration that cannot be made or read."""
 
 
-def worth_timing(acceptance: Acceptance, ar_ms: float, last_ms: float, best: float, margin: float) -> bool:
-    """Whether a candidate larger than the one just timed (`last_ms` a step) could still win: its step costs at
-    least `last_ms` and its tau is at most the best, so its speed-up is at most best tau x AR step / `last_ms`."""
-    return acceptance.best_tau * ar_ms / last_ms > max(best, 1 + margin)
+def worth_timing(acceptance: Acceptance, last_ratio: float, best: float, margin: float) -> bool:
+    """Whether a candidate larger than the one just timed (a step of `last_ratio` AR steps) could still win: its step
+    costs at least as much and its tau is at most the best, so its speed-up is at most best tau / `last_ratio`."""
+    return acceptance.best_tau / last_ratio > max(best, 1 + margin)
 
 
-@dataclasses.dataclass(frozen=True)
-class ARCosts:
-    """The target's own costs at one batch size and cache size, timed beside the candidates they price."""
-
-    prefill_ms: float
-    step_ms: float
-    spread: float  # relative spread of its timed runs
-
-    @staticmethod
-    def around(before: ARCosts, after: ARCosts) -> ARCosts:
-        """AR timed before and after the candidates, as one: the faster of each, with the two steps' relative
-        difference counted in the spread (drift while the candidates ran is noise the choice must beat)."""
-        step = min(before.step_ms, after.step_ms)
-        drift = abs(before.step_ms - after.step_ms) / step
-        return ARCosts(min(before.prefill_ms, after.prefill_ms), step, max(before.spread, after.spread, drift))
+def settled(pairs: Pairs, tau: float, min_pairs: int = MIN_PAIRS, margin: float = MIN_MARGIN) -> bool:
+    """Whether a candidate of `tau` needs no more pairs: at least `min_pairs`, and either its estimate's spread is
+    within `margin` (the least margin the choice asks anyway), or it wins (predicted speed-up tau / ratio above
+    1 + its spread and `margin`) or loses (below 1 + `margin` even at the favourable end of its spread) whatever
+    the estimate's error within that spread."""
+    if pairs.count < min_pairs:
+        return False
+    speedup, spread = tau / pairs.ratio, pairs.spread
+    return spread <= margin or speedup > 1 + max(spread, margin) or speedup / (1 - min(spread, 0.5)) <= 1 + margin
 
 
-def calibration_clock(gen: Decoder, acceptance: Acceptance, batch: int) -> StepClock:
+def calibration_clock(gen: Decoder, acceptance: Acceptance, batch: int) -> PairClock:
     """`batch` copies of `CALIBRATION_PROMPT` in one cache size for AR and every candidate (`CALIBRATION_SCRATCH`
     slots beyond the prompt and the new tokens, or the largest candidate's scratch if more), so only the step
     differs between the programs timed."""
     prompt = gen.encode(CALIBRATION_PROMPT, chat=is_chat_target(gen.model_dir, gen.tokenizer))
-    return StepClock.for_trees([gen], prompt, [c.tree for c in acceptance.candidates], CALIBRATION_TOKENS,
-                               CALIBRATION_RUNS, batch, reserve=CALIBRATION_SCRATCH)
+    return PairClock.for_trees([gen], prompt, [c.tree for c in acceptance.candidates], PAIR_STEPS, batch,
+                               reserve=CALIBRATION_SCRATCH)
 
 
-def measure_ar(gen: Decoder, clock: StepClock) -> ARCosts:
-    """The target's prefill (a one-token decode) and AR step on `clock`."""
-    step, spread, prefill = clock.step_timing(gen.autoregressive())
-    return ARCosts(prefill * 1e3, step * 1e3, spread)
-
-
-def measure(gen: Decoder, acceptance: Acceptance, clock: StepClock, ar: ARCosts,
-            progress: Callable[[int], object] | None = None
+def measure(gen: Decoder, acceptance: Acceptance, clock: PairClock, progress: Callable[[int], object] | None = None
             ) -> StepCosts:
-    """Time the candidates on `clock` in ascending size, stopping early (`worth_timing`, against `ar`: AR timed
-    first, in this process). The speculative programs' prefill is priced as AR's (a drafter's own prefill, a few per
-    cent of the timed steps, then counts as step cost: it errs towards AR). `noise`: the largest spread of any
-    program's timed runs, AR's included. `progress(n)` counts candidates timed."""
-    steps: list[float | None] = []
-    spreads, best, last = [ar.spread], 0.0, None
-    for candidate in acceptance.candidates:
-        if last is not None and not worth_timing(acceptance, ar.step_ms, last, best, MIN_MARGIN):
-            steps.append(None)
+    """Time the candidates on `clock` in ascending size against AR, in interleaved pairs until `settled`, stopping
+    early (`worth_timing`). Programs are compiled a few at a time, concurrently (`PairClock.start_all`: AR's with the
+    first candidate's, then as many as this machine has cores, each tree from the first's prefill), and timed only
+    once none is compiling. AR's step: the median of all its timings. `progress(n)` counts candidates timed."""
+    candidates = acceptance.candidates
+    ar, first = clock.start_all([gen.autoregressive(), gen.with_tree(candidates[0].tree)])
+    ready = {0: first}
+    ar_s: list[float] = []
+    ratios: list[float | None] = []
+    noise: list[float | None] = []
+    counts: list[int | None] = []
+    best, last = 0.0, None
+    for i, candidate in enumerate(candidates):
+        if ratios and (last is None or not worth_timing(acceptance, last, best, MIN_MARGIN)):
+            ratios.append(None), noise.append(None), counts.append(None)
+            last = None
             continue
-        step, spread, _ = clock.step_timing(gen.with_tree(candidate.tree), ar.prefill_ms / 1e3)
-        last = step * 1e3
+        if i not in ready:
+            ahead = range(i, min(len(candidates), i + len(os.sched_getaffinity(0))))
+            ready |= dict(zip(ahead, clock.start_all([gen.with_tree(candidates[j].tree) for j in ahead], first),
+                              strict=True))
+        started = ready.pop(i)
+        pairs = time_pairs(lambda: clock.time(ar), lambda s=started: clock.time(s),
+                           lambda p, tau=candidate.tau: settled(p, tau), MAX_PAIRS)
         release_if_crowded()  # a program per candidate: past the memory-mapping limit otherwise
-        steps.append(last)
-        spreads.append(spread)
-        best = max(best, candidate.tau * ar.step_ms / last)
+        ar_s += pairs.a_s
+        last = pairs.ratio
+        ratios.append(last), noise.append(pairs.spread), counts.append(pairs.count)
+        best = max(best, candidate.tau / last)
         if progress:
             progress(1)
-    return StepCosts(int(clock.tokens.shape[0]), ar.step_ms, tuple(steps), max(spreads), 0.0)
+    ar_ms = float(np.median(ar_s)) / clock.steps * 1e3
+    return StepCosts(int(clock.tokens.shape[0]), ar_ms, tuple(None if r is None else r * ar_ms for r in ratios),
+                     tuple(noise), 0.0, tuple(counts))
 
 
 def cost_key(gen: Decoder, batch: int, acceptance: Acceptance) -> str:
@@ -116,8 +127,9 @@ def cost_key(gen: Decoder, batch: int, acceptance: Acceptance) -> str:
     batch size, the calibration's settings, the drafter with its settings and the candidates -- not the weights'
     values."""
     what = {"config": dataclasses.asdict(gen.config), "dtype": gen.dtype, "attention": gen.attention,
-            "mesh": None if gen.mesh is None else dict(gen.mesh.shape), "batch": batch, "tokens": CALIBRATION_TOKENS,
-            "runs": CALIBRATION_RUNS, "prompt": CALIBRATION_PROMPT, "scratch": CALIBRATION_SCRATCH,
+            "mesh": None if gen.mesh is None else dict(gen.mesh.shape), "batch": batch, "timing": "pairs",
+            "steps": PAIR_STEPS, "pairs": [MIN_PAIRS, MAX_PAIRS, MIN_MARGIN], "prompt": CALIBRATION_PROMPT,
+            "scratch": CALIBRATION_SCRATCH,
             "drafter": repr(gen.drafter),
             "candidates": [c.to_json() | {"tau": None} for c in acceptance.candidates]}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -132,24 +144,32 @@ def cache_file(machine: Machine | None = None) -> Path:
 
 def read_cache(path: Path) -> dict[str, Any]:
     """The cached entries (`{key: {"label", "costs"}}`), or none, with a line on stderr, where the file is
-    damaged. Entries of AR timed alone (an earlier layout, reused across processes) are left out."""
+    damaged. Entries of an earlier layout (AR timed alone, or whole decodes timed one program after another) are left
+    out, and so measured again."""
     if not path.is_file():
         return {}
     try:
-        entries = {k: e for k, e in json.loads(path.read_text())["entries"].items() if "ar" not in e}
-        for entry in entries.values():
-            StepCosts.from_json(entry["costs"])
-        return entries
+        entries = json.loads(path.read_text())["entries"]
+        return {k: e for k, e in entries.items() if _current(e)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"note: calibration cache {path} is damaged ({type(e).__name__}: {e}); measuring again",
               file=sys.stderr)
         return {}
 
 
+def _current(entry: dict[str, Any]) -> bool:
+    """Whether a cache entry holds step costs in today's layout."""
+    try:
+        StepCosts.from_json(entry["costs"])
+        return True
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def calibrate(gen: Decoder, acceptance: Acceptance, batch: int, remeasure: bool = False) -> StepCosts:
     """This machine's step costs for `gen`'s drafter and `acceptance`'s candidates at `batch` rows: cached, else
-    measured (a progress line on stderr), AR before and after the candidates (`ARCosts.around`), and cached.
-    `remeasure` measures again and replaces the cached costs."""
+    measured (`measure`, a progress line on stderr) and cached. `remeasure` measures again and replaces the cached
+    costs."""
     from tqdm import tqdm
 
     path, key = cache_file(), cost_key(gen, batch, acceptance)
@@ -161,11 +181,7 @@ def calibrate(gen: Decoder, acceptance: Acceptance, batch: int, remeasure: bool 
     target = Path(gen.model_dir).name or "target"
     with tqdm(total=len(acceptance.candidates), desc=f"calibrating {gen.method} trees at batch {batch} on this "
               "machine", unit="tree", file=sys.stderr) as bar:
-        first = measure_ar(gen, clock)
-        costs = measure(gen, acceptance, clock, first, bar.update)
-        ar = ARCosts.around(first, measure_ar(gen, clock))
-    costs = dataclasses.replace(costs, ar_ms=ar.step_ms, noise=max(costs.noise, ar.spread),
-                                seconds=time.perf_counter() - t0)
+        costs = dataclasses.replace(measure(gen, acceptance, clock, bar.update), seconds=time.perf_counter() - t0)
     entries = entries | {key: {"label": f"{gen.method} on {target}, batch {batch}", "costs": costs.to_json()}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,8 +194,10 @@ def calibrate(gen: Decoder, acceptance: Acceptance, batch: int, remeasure: bool 
 
 
 def table(acceptance: Acceptance, costs: Sequence[StepCosts]) -> str:
-    """Markdown: each candidate's tau, and per batch size its step cost and predicted speed-up (`*` where picked)."""
-    head = "| tree | draft nodes | tau | " + " | ".join(f"batch {c.batch}: step ms, speed-up" for c in costs) + " |"
+    """Markdown: each candidate's tau, and per batch size its step cost, predicted speed-up (`*` where picked) and
+    noise (in how many pairs)."""
+    head = "| tree | draft nodes | tau | " + " | ".join(f"batch {c.batch}: step ms, speed-up, noise" for c in costs)
+    head += " |"
     rows = [head, "|---|---|---|" + "---|" * len(costs),
             "| AR | 0 | 1.00 | " + " | ".join(f"{c.ar_ms:.1f}, 1.00x" for c in costs) + " |"]
     decisions = [choose(acceptance, c) for c in costs]
@@ -188,8 +206,9 @@ def table(acceptance: Acceptance, costs: Sequence[StepCosts]) -> str:
         for c, d in zip(costs, decisions, strict=True):
             s = c.step_ms[i]
             cells.append("not timed (no larger tree can win)" if s is None else
-                         f"{s:.1f}, {d.speedups[i]:.2f}x" + (" *" if d.index == i else ""))
+                         f"{s:.1f}, {d.speedups[i]:.2f}x" + (" *" if d.index == i else "") +
+                         (f", noise {c.noise[i]:.1%} in {c.pairs[i]} pairs" if c.pairs else ""))
         rows.append(f"| {cand.name} | {cand.nodes} | {cand.tau:.2f} | " + " | ".join(cells) + " |")
-    rows += ["", *(f"- {d.describe(acceptance)} (noise {c.noise:.1%}, calibrated in {c.seconds:.0f} s)"
+    rows += ["", *(f"- {d.describe(acceptance)} (calibrated in {c.seconds:.0f} s)"
                    for c, d in zip(costs, decisions, strict=True))]
     return "\n".join(rows) + "\n"

@@ -8,8 +8,9 @@ A `TreePlan` is the one answer to that question. It holds one of:
   this machine from the step costs `price(batch)` times here (`calibration`), each batch size decided once.
 
 Every choice between a tree and plain decoding is `decide`'s one rule: a candidate's predicted speed-up is its
-measured tau x this machine's AR step / its step; the best is kept only if that beats 1 by more than the margin (the
-larger of the calibration's noise and `MIN_MARGIN`), else no speculation. `auto` and tree search both decide by it.
+measured tau x this machine's AR step / its step; of the candidates predicted faster than AR by more than their
+margin (the larger of the noise of their step's estimate and `MIN_MARGIN`), the fastest, else no speculation. `auto`
+and tree search both decide by it.
 """
 
 from __future__ import annotations
@@ -33,21 +34,25 @@ class PlanError(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
     """What one decode step costs on this machine at `batch` rows: AR's, and each candidate's (None: not timed,
-    as no larger tree could win). `calibration` measures them."""
+    as no larger tree could win), with each candidate's noise and the timed pairs it took (`calibration`)."""
 
     batch: int
     ar_ms: float
     step_ms: tuple[float | None, ...]  # per candidate of the acceptance statistics, in their order
-    noise: float  # the largest relative spread of any program's timed runs (AR's included)
+    noise: tuple[float | None, ...]  # per candidate: the relative spread of its step cost's estimate
     seconds: float  # the calibration's wall time, compiles included
+    pairs: tuple[int | None, ...] = ()  # per candidate: the interleaved (AR, candidate) timings it took
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StepCosts:
-        return cls(int(d["batch"]), float(d["ar_ms"]), tuple(None if s is None else float(s) for s in d["step_ms"]),
-                   float(d["noise"]), float(d["seconds"]))
+        def floats(xs: Sequence[float | None]) -> tuple[float | None, ...]:
+            return tuple(None if x is None else float(x) for x in xs)
+
+        return cls(int(d["batch"]), float(d["ar_ms"]), floats(d["step_ms"]), floats(d["noise"]), float(d["seconds"]),
+                   tuple(None if n is None else int(n) for n in d["pairs"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,31 +62,39 @@ class Decision:
     batch: int
     index: int | None
     speedups: tuple[float | None, ...]  # predicted, per candidate (None: not timed)
-    margin: float  # a tree must be predicted faster than AR by more than this
+    margins: tuple[float | None, ...]  # per candidate: it must be predicted faster than AR by more than this
 
     @property
     def best(self) -> int:
         """The candidate with the largest predicted speed-up (chosen or not)."""
         return max((i for i, s in enumerate(self.speedups) if s is not None), key=lambda i: self.speedups[i])
 
+    @property
+    def margin(self) -> float:
+        """The margin of the candidate chosen, or, with none, of the best."""
+        return self.margins[self.best if self.index is None else self.index]
+
     def describe(self, acceptance: Acceptance) -> str:
-        c, s = acceptance.candidates[self.best], self.speedups[self.best]
         if self.index is None:
+            c, s = acceptance.candidates[self.best], self.speedups[self.best]
             return (f"auto: no speculation at batch {self.batch} on this machine (best candidate {c.name}, tau "
                     f"{c.tau:.2f}, predicted {s:.2f}x: not above 1 + its {self.margin:.0%} noise margin)")
+        c, s = acceptance.candidates[self.index], self.speedups[self.index]
         return f"auto: {c.name} ({c.nodes} draft nodes, tau {c.tau:.2f}) at batch {self.batch}, predicted {s:.2f}x here"
 
 
-def decide(batch: int, taus: Sequence[float], ar_step: float, steps: Sequence[float | None], noise: float = 0.0,
-           min_margin: float = MIN_MARGIN) -> Decision:
-    """The rule: each candidate's predicted speed-up, tau x `ar_step` / its step (None where not timed), and the best
-    one if it beats 1 by more than the margin (the larger of `noise` and `min_margin`), else no speculation."""
+def decide(batch: int, taus: Sequence[float], ar_step: float, steps: Sequence[float | None],
+           noise: Sequence[float | None] | None = None, min_margin: float = MIN_MARGIN) -> Decision:
+    """The rule: each candidate's predicted speed-up, tau x `ar_step` / its step (None where not timed), and its
+    margin, the larger of its `noise` (none: 0) and `min_margin`; the fastest of those predicted faster than AR by
+    more than their margin, else no speculation."""
     speedups = tuple(None if s is None else t * ar_step / s for t, s in zip(taus, steps, strict=True))
     if all(s is None for s in speedups):
         raise PlanError("no candidate tree was timed: calibrate again")
-    decision = Decision(batch, None, speedups, max(noise, min_margin))
-    return dataclasses.replace(decision, index=decision.best) if speedups[decision.best] > 1 + decision.margin \
-        else decision
+    noise = [0.0] * len(steps) if noise is None else noise
+    margins = tuple(None if s is None else max(n or 0.0, min_margin) for s, n in zip(speedups, noise, strict=True))
+    winners = [i for i, s in enumerate(speedups) if s is not None and s > 1 + margins[i]]
+    return Decision(batch, max(winners, key=lambda i: speedups[i]) if winners else None, speedups, margins)
 
 
 def choose(acceptance: Acceptance, costs: StepCosts, min_margin: float = MIN_MARGIN) -> Decision:

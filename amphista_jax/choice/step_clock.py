@@ -1,5 +1,11 @@
-"""Timing whole decode loops: what a decode step costs on this machine (tree search's pricing, `auto`'s calibration,
-the step-time benchmark).
+"""What a decode step costs on this machine, two ways.
+
+- `StepClock` times whole decode loops, (decode time - prefill) / steps: tree search's pricing and the step-time
+  benchmark.
+- `PairClock` times a fixed number of decode steps from a started state (no prefill, no compile, no subtraction),
+  and `time_pairs` times two programs in interleaved pairs (A, B, A, B, ...) as ratios B / A: a machine whose speed
+  drifts, or that another process slows for a while, slows both of a pair alike, so the ratios' spread (`Pairs`)
+  stays small where the spread of one program's runs timed one after another does not. `auto`'s calibration.
 
 What is timed is a `Decoder`: a loaded target with a drafter on a tree, as this module needs it (the facade's
 `Generator` is one); declared here, so that timing depends on the operations it calls, not on the facade above it.
@@ -9,15 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from amphista_jax.drafters.base import Drafter
-from amphista_jax.engine.decode import GenerateOutput, pad_prompts
+from amphista_jax.engine.decode import ARState, GenerateOutput, SpecState, on_tree, pad_prompts
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.infra.compiled_programs import release_if_crowded
 from amphista_jax.infra.errors import UserError
@@ -55,6 +65,12 @@ class Decoder(Protocol):
     def run(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, rng: jax.Array | int = 0,
             cache_size: int | None = None) -> tuple[GenerateOutput, float, float]: ...
 
+    def start(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, rng: jax.Array | int = 0,
+              cache_size: int | None = None) -> tuple[Any, ARState | SpecState]: ...
+
+    def advance(self, draft_params: Any, state: ARState | SpecState, spec: DecodeSpec, steps: int
+                ) -> ARState | SpecState: ...
+
     def with_tree(self, tree: Tree) -> Decoder: ...
 
     def autoregressive(self) -> Decoder: ...
@@ -90,15 +106,9 @@ class StepClock:
                   max_new_tokens: int, runs: int, batch: int = 1, reserve: int = 0) -> StepClock:
         """A clock of `batch` copies of `prompt` whose cache holds the scratch slots of any of `trees` under any of
         `gens`' drafters that can draft it, and at least `reserve` slots beyond the prompt and the new tokens."""
-        tokens, lengths = pad_prompts([prompt] * batch, pad_id=gens[0].pad_id, multiple=64)
-        prompt_len = tokens.shape[1]
-        sizes = [DecodeSpec(gens[0].config, None, None, max_new_tokens).cache_size(prompt_len) + reserve]
-        for g, t in ((g, t) for g in gens if g.drafter is not None for t in trees):
-            try:
-                sizes.append(DecodeSpec(g.config, g.drafter, t, max_new_tokens).cache_size(prompt_len))
-            except TreeError:  # a tree its drafter cannot draft is never timed on this clock
-                continue
-        return cls(tokens, lengths, max(sizes), max_new_tokens, runs)
+        tokens, lengths = _prompt_rows(gens[0], prompt, batch)
+        return cls(tokens, lengths, _shared_cache_size(gens, tokens.shape[1], trees, max_new_tokens, reserve),
+                   max_new_tokens, runs)
 
     def timed_runs(self, gen: Decoder, new_tokens: int) -> tuple[list[float], int]:
         """(seconds of each of `runs` timed runs, decode steps) of `gen` writing `new_tokens` tokens, after a compile
@@ -150,6 +160,128 @@ class StepClock:
             if progress:
                 progress(1)
         return [_per_step(seconds, steps, prefill) for seconds, steps in decodes]
+
+
+class Started(NamedTuple):
+    """A program of `PairClock`'s, compiled and warmed up: its decoder, spec, drafter params (decode layout) and the
+    state after the prefill that every timing starts from."""
+
+    gen: Decoder
+    spec: DecodeSpec
+    draft_params: Any
+    state: ARState | SpecState
+
+
+@dataclasses.dataclass(frozen=True)
+class PairClock:
+    """Times `steps` decode steps of `batch` copies of one prompt from the state after their prefill: every program
+    in one cache size (so only the step differs between them), no EOS stop, and new tokens enough that no row
+    finishes within `steps` steps of any tree (checked), so a timing is those steps and nothing else."""
+
+    tokens: np.ndarray  # [B, T]
+    lengths: np.ndarray  # [B]
+    cache_size: int
+    max_new_tokens: int
+    steps: int
+
+    @classmethod
+    def for_trees(cls, gens: Sequence[Decoder], prompt: Sequence[int], trees: Sequence[Tree], steps: int,
+                  batch: int = 1, reserve: int = 0) -> PairClock:
+        """A clock as `StepClock.for_trees`'s, whose new tokens hold `steps` steps of the deepest of `trees` (a step
+        commits at most its depth + 1 tokens) after the prefill's one."""
+        max_new_tokens = 1 + steps * (1 + max((t.depth for t in trees), default=0))
+        tokens, lengths = _prompt_rows(gens[0], prompt, batch)
+        return cls(tokens, lengths, _shared_cache_size(gens, tokens.shape[1], trees, max_new_tokens, reserve),
+                   max_new_tokens, steps)
+
+    def started(self, gen: Decoder, like: Started | None = None) -> Started:
+        """`gen`'s programs compiled and run once to warm up, and its started state kept for the timings. `like`: a
+        started program of the same drafter on another tree, whose prefill `gen`'s tree starts from (`on_tree`: no
+        prefill of its own to compile)."""
+        spec = gen.spec(self.max_new_tokens, SamplingConfig(), stop_at_eos=False)
+        if like is not None and gen.drafter is not None and like.gen.drafter == gen.drafter:
+            draft_params, state = like.draft_params, on_tree(like.state, spec, self.tokens.shape[1])
+        else:
+            draft_params, state = gen.start(self.tokens, self.lengths, spec, cache_size=self.cache_size)
+        warm = gen.advance(draft_params, _copy(state), spec, self.steps)
+        if int(warm.steps) - int(state.steps) != self.steps:
+            raise TimingError(f"a timing of {self.steps} steps ran {int(warm.steps) - int(state.steps)}: rows "
+                              f"finished within {self.max_new_tokens} new tokens")
+        return Started(gen, spec, draft_params, state)
+
+    def start_all(self, gens: Sequence[Decoder], like: Started | None = None) -> list[Started]:
+        """`started` for each of `gens`, compiled concurrently on this machine's cores (XLA's compiler runs one
+        program on one core), each after `like` where given."""
+        with ThreadPoolExecutor(min(len(gens), len(os.sched_getaffinity(0))) or 1) as pool:
+            return list(pool.map(lambda g: self.started(g, like), gens))
+
+    def time(self, begun: Started) -> float:
+        """Seconds of `steps` decode steps from a copy of `begun`'s state (the copy made before the clock starts)."""
+        state = jax.block_until_ready(_copy(begun.state))
+        t0 = time.perf_counter()
+        jax.block_until_ready(begun.gen.advance(begun.draft_params, state, begun.spec, self.steps))
+        return time.perf_counter() - t0
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """Interleaved timings of two programs, A and B (`time_pairs`): B's cost in A's is the median ratio, and the
+    noise of that estimate is the ratios' interquartile range relative to it."""
+
+    a_s: tuple[float, ...]
+    b_s: tuple[float, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.a_s)
+
+    @property
+    def ratios(self) -> np.ndarray:
+        return np.asarray(self.b_s) / np.asarray(self.a_s)
+
+    @property
+    def ratio(self) -> float:
+        """B's seconds over A's, the median of the pairs'."""
+        return float(np.median(self.ratios))
+
+    @property
+    def spread(self) -> float:
+        """(75th - 25th percentile) / median of the pairs' ratios (0 for one pair)."""
+        q25, q75 = np.percentile(self.ratios, [25, 75])
+        return float((q75 - q25) / self.ratio)
+
+
+def time_pairs(time_a: Callable[[], float], time_b: Callable[[], float], enough: Callable[[Pairs], bool],
+               max_pairs: int) -> Pairs:
+    """A, B, A, B, ...: pairs of timings (`time_a()`, `time_b()`, seconds) until `enough(pairs)` or `max_pairs`."""
+    pairs = Pairs((), ())
+    while pairs.count < max_pairs and not (pairs.count and enough(pairs)):
+        a = time_a()
+        pairs = Pairs((*pairs.a_s, a), (*pairs.b_s, time_b()))
+    return pairs
+
+
+def _copy(state: ARState | SpecState) -> ARState | SpecState:
+    """A state in fresh buffers (the timed step donates its input)."""
+    return jax.tree.map(jnp.copy, state)
+
+
+def _prompt_rows(gen: Decoder, prompt: Sequence[int], batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """`batch` copies of `prompt`, right-padded to a multiple of 64: `[B, T]`, lengths `[B]`."""
+    return pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
+
+
+def _shared_cache_size(gens: Sequence[Decoder], prompt_len: int, trees: Sequence[Tree], max_new_tokens: int,
+                       reserve: int) -> int:
+    """One cache size for AR and every tree of `trees` under any of `gens`' drafters that can draft it, with at least
+    `reserve` slots beyond the prompt and the new tokens."""
+    sizes = [DecodeSpec(gens[0].config, None, None, max_new_tokens).cache_size(prompt_len) + reserve]
+    for g, t in ((g, t) for g in gens if g.drafter is not None for t in trees):
+        try:
+            sizes.append(DecodeSpec(g.config, g.drafter, t, max_new_tokens).cache_size(prompt_len))
+        except TreeError:  # a tree its drafter cannot draft is never timed on this clock
+            continue
+    return max(sizes)
 
 
 def _per_step(seconds: float, steps: int, prefill_s: float) -> float:

@@ -389,6 +389,19 @@ def start(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths: ja
     return init(params, draft_params, prompt, prompt_lengths, rng, cache_size, spec)
 
 
+def on_tree(state: SpecState, spec: DecodeSpec, prompt_length: int) -> SpecState:
+    """A `start`ed speculative state (no step taken) as `start` makes it under `spec`'s tree: the state after the
+    prefill is the tree's only through its per-node statistics (`node_tries`, `node_hits`, zero then), so another
+    tree of the same drafter, prompts, cache size and new tokens starts from the same prefill, without compiling
+    one of its own. Checked: no step taken, and the cache holds `spec`'s prompt, new tokens and scratch slots."""
+    if int(state.steps) != 0 or state.tokens.shape[1] != spec.max_new_tokens:
+        raise DecodeSpecError("state", f"{int(state.steps)} steps, {state.tokens.shape[1]} new tokens",
+                              f"a state straight after its prefill, with {spec.max_new_tokens} new tokens")
+    _check_static_fit(spec, prompt_length, state.cache.size)
+    stats = jnp.zeros((state.done.shape[0], spec.stat_shape[0] * spec.stat_shape[1]), jnp.int32)
+    return state.replace(node_tries=stats, node_hits=stats)
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "steps"), donate_argnames=("state",))
 def advance(params: dict, draft_params: Any, state: ARState | SpecState, until_done: jax.Array | None = None, *,
             spec: DecodeSpec, steps: int) -> ARState | SpecState:

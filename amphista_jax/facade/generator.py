@@ -360,21 +360,27 @@ class Generator:
                 shown = text
             if done:
                 return
-            with gen.on_mesh():
-                state = advance(gen.params, draft_params, state, spec=spec, steps=steps_per_chunk)
+            state = gen.advance(draft_params, state, spec, steps_per_chunk)
 
-    def start(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, rng: jax.Array | int = 0
-              ) -> tuple[Any, ARState | SpecState]:
+    def start(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, rng: jax.Array | int = 0,
+              cache_size: int | None = None) -> tuple[Any, ARState | SpecState]:
         """`run`'s decode up to its first token, to be `advance`d in chunks: (the drafter's params in its decode
         layout, made once for every chunk; the state after the prefill), on `run`'s checks and cache
-        (`spec.cache_size(T)`)."""
+        (`cache_size`, default `spec.cache_size(T)`)."""
         check_decode_inputs(spec, self.params, self._draft_params(spec), tokens, lengths)
         rng = jax.random.key(rng) if isinstance(rng, int) else rng
         with self.on_mesh():
             draft_params = None if spec.drafter is None else jax.jit(spec.drafter.decode_params)(
                 self.draft_params, Target(self.config, self.params))
             return draft_params, start(self.params, draft_params, tokens, lengths, rng, spec=spec,
-                                       cache_size=spec.cache_size(tokens.shape[1]))
+                                       cache_size=cache_size or spec.cache_size(tokens.shape[1]))
+
+    def advance(self, draft_params: Any, state: ARState | SpecState, spec: DecodeSpec, steps: int
+                ) -> ARState | SpecState:
+        """Up to `steps` more decode steps of a `start`ed state (`decode.advance`: `state` is donated, use the one
+        returned), fewer once every row is done."""
+        with self.on_mesh():
+            return advance(self.params, draft_params, state, spec=spec, steps=steps)
 
 
 def _kinds(items: Any) -> str:

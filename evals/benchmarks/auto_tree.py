@@ -2,7 +2,8 @@
 
     python -m amphista_jax.evals.benchmarks.auto_tree --model smollm2 --prompts 12 [--candidates]
 
-For each method, the tree `auto` picks on this machine (calibrated on first use, the calibration's time reported),
+For each method, the tree `auto` picks on this machine (calibrated on first use, the calibration's time reported,
+and the margin its pick, or its best candidate, had to beat, with the interleaved pairs that measured it),
 then greedy decoding of the first `--prompts` MT-Bench first turns (chat template, batch 1, `--max-new-tokens`), AR
 timed first and last and the methods between them (each after a compiling warm-up), every output checked equal to
 AR's. With `--candidates`, every candidate tree of every method is also decoded on the same prompts, so the pick can
@@ -62,7 +63,8 @@ def costs_elsewhere(heads_dir: str | None, stats: Acceptance) -> StepCosts | Non
     r = json.loads(report.read_text())
     by_nodes = {t["draft_nodes"]: t["step_ms"] for t in r["trees"]}
     steps = tuple(by_nodes.get(c.nodes) if c.name.startswith("grown-") else None for c in stats.candidates)
-    return StepCosts(1, r["ar_step_ms"], steps, 0.0, 0.0) if any(s is not None for s in steps) else None
+    noise = tuple(None if s is None else 0.0 for s in steps)  # none known: the rule's floor margin
+    return StepCosts(1, r["ar_step_ms"], steps, noise, 0.0) if any(s is not None for s in steps) else None
 
 
 def main() -> None:
@@ -93,6 +95,8 @@ def main() -> None:
         rows[method] = {"picked": trees.label(1), "why": trees.describe(1), "predicted": trees.decision(1).speedups,
                         "candidates": [c.to_json() for c in trees.acceptance.candidates],
                         "step_ms": costs.step_ms, "ar_step_ms": costs.ar_ms, "noise": costs.noise,
+                        "pairs": costs.pairs, "margin": trees.decision(1).margin,
+                        "best_pairs": costs.pairs[trees.decision(1).best],
                         "calibration_s": costs.seconds, "load_and_choose_s": time.perf_counter() - t0,
                         "picked_on_developers_machine": None if other is None else (
                             "none" if other.index is None else trees.acceptance.candidates[other.index].name),
@@ -116,8 +120,9 @@ def main() -> None:
              f"AR against itself {last.tokens_per_s / first.tokens_per_s:.2f}x). Command: `python -m "
              f"amphista_jax.evals.benchmarks.auto_tree --prompts {len(prompts)}"
              f"{' --candidates' if args.candidates else ''}`.", "",
-             "| method | auto's pick here | tau | speed-up | identical to AR | calibration s | fastest candidate "
-             "measured | pick on the developers' machine (its costs) |", "|---|---|---|---|---|---|---|---|"]
+             "| method | auto's pick here | tau | speed-up | identical to AR | calibration s | margin (pairs) | "
+             "fastest candidate measured | pick on the developers' machine (its costs) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for method, r in rows.items():
         r["speedup"] = r["tokens"] / r["seconds"] / ar_tps
         best = "-"
@@ -127,7 +132,8 @@ def main() -> None:
         there = "-" if r["picked_on_developers_machine"] is None else \
             f"{r['picked_on_developers_machine']} (predicted {r['predicted_there']:.2f}x)"
         lines.append(f"| {method} | {r['picked']} | {r['tau']:.2f} | {r['speedup']:.2f}x | "
-                     f"{'yes' if r['identical'] else 'NO'} | {r['calibration_s']:.0f} | {best} | {there} |")
+                     f"{'yes' if r['identical'] else 'NO'} | {r['calibration_s']:.0f} | "
+                     f"{r['margin']:.1%} ({r['best_pairs']}) | {best} | {there} |")
     lines += ["", *(f"- {m}: {r['why']}" for m, r in rows.items())]
     write_report(args.out, "auto_tree", {"ar_tokens_per_s": ar_tps, "ar_first": first.tokens_per_s,
                                          "ar_last": last.tokens_per_s, "prompts": len(prompts),
