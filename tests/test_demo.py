@@ -71,14 +71,14 @@ def test_the_demo_asks_the_real_target_a_question(fetched, monkeypatch, capsys):
     stand-in's weights (so with prompt lookup: the shipped EAGLE-3 heads fit the real target's shape only): the chat
     question, a report naming the target, drafter and tree, lossless."""
     monkeypatch.setenv("AMPHISTA_MODEL", str(fetched))
-    assert main(["demo", "--method", "prompt_lookup", "--max-new-tokens", "16", "--runs", "1"]) == 0
+    assert main(["demo", "--method", "prompt_lookup", "--max-new-tokens", "16", "--runs", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(demo.DEMO_QUESTION + "\n\n") and "| prompt_lookup |" in out
     assert "target: SmolLM2-135M-Instruct, 2.1M parameters" in out and "drafter: prompt_lookup; tree: auto" in out
     assert "output identical to autoregressive greedy decoding: yes" in out
     waited = next(line for line in out.splitlines() if line.startswith("waited: "))  # what the user waited for
     assert all(f"{what} " in waited for what in ("load", "compile", "decode")) and "calibration" in waited
-    assert waited.endswith("(AR and speculative, 2 runs each)")
+    assert waited.endswith("(AR and speculative, a warm-up and 2 timed runs each, interleaved)")
 
 
 def test_the_waited_line_says_whether_programs_came_from_the_cache():
