@@ -272,6 +272,17 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipe(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from amphista_jax.infra.config_io import load_config
+    from amphista_jax.recipe import RecipeConfig, run_recipe
+
+    report = run_recipe(load_config(RecipeConfig, args.config, args.set or []), args.config)
+    print((Path(report["out_dir"]) / "report.md").read_text())
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -349,6 +360,7 @@ COMMANDS = {  # subcommand: what runs it
     "demo": _demo,
     "tree-search": _tree_search,
     "calibrate": _calibrate,
+    "recipe": _recipe,
     "convert": _convert,
     "fetch": _fetch,
     "train": _train,

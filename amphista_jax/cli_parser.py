@@ -196,6 +196,12 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
                    "half-written file; later runs read them)")
     t.set_defaults(func=commands["train"])
 
+    r = sub.add_parser("recipe", help="regenerate, train, convert and measure every configured head set within a "
+                       "wall-clock budget, planned from short probes; resumable (configs/recipe/)")
+    r.add_argument("--config", required=True, help="recipe YAML (configs/recipe/)")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    r.set_defaults(func=commands["recipe"])
+
     pl = sub.add_parser("plan", help="per-device memory of a train config's train step and decoding, compiled from "
                         "abstract shapes on emulated devices (no weights), and whether it fits an accelerator")
     pl.add_argument("--config", required=True, nargs="+", help="train YAMLs, e.g. configs/medusa/llama-3-70b.yaml")

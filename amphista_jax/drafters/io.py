@@ -54,11 +54,18 @@ def cast_floating(params: Any, dtype: str | jax.numpy.dtype) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, params)
 
 
+# Params are written in chunks of at most CHUNK_BYTES, into data files closed once past FILE_BYTES: every file of a
+# heads directory stays under 15 MiB (FILE_BYTES + one chunk), so heads travel where large files do not.
+CHUNK_BYTES = 4 * 2**20
+FILE_BYTES = 8 * 2**20
+
+
 def save_draft(path: str | Path, method: str, drafter: Drafter, params: Any, target_config: ModelConfig,
                dtype: str | None = None, target_params: dict | None = None) -> Path:
     """Write `draft.json` and the params (floating leaves cast to `dtype` when given, e.g. "bfloat16" for
-    shipping; `load_draft` restores them in the drafter's own fp32). With `target_params`, `draft.json` also
-    records `target_sample` so that loading refuses another target of the same shape."""
+    shipping; `load_draft` restores them in the drafter's own fp32), in files under 15 MiB (`CHUNK_BYTES`). With
+    `target_params`, `draft.json` also records `target_sample` so that loading refuses another target of the same
+    shape."""
     path = Path(path).absolute()
     if dtype is not None:
         params = cast_floating(params, dtype)
@@ -66,8 +73,10 @@ def save_draft(path: str | Path, method: str, drafter: Drafter, params: Any, tar
     meta = {"method": method, "settings": dataclasses.asdict(drafter), "target": target_fingerprint(target_config)}
     if target_params is not None:
         meta["target_sample"] = target_sample(target_params)
-    with ocp.StandardCheckpointer() as ckpt:  # every process takes part; orbax writes once
-        ckpt.save(path / "params", params, force=True)
+    chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
+    with ocp.PyTreeCheckpointer() as ckpt:  # every process takes part; orbax writes once
+        ckpt.save(path / "params", args=ocp.args.PyTreeSave(params, save_args=chunked,
+                                                            ocdbt_target_data_file_size=FILE_BYTES), force=True)
     if jax.process_index() == 0:
         write_atomic(path / META_FILE, json.dumps(meta, indent=2) + "\n")
     return path
