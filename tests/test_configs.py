@@ -9,6 +9,7 @@ import pytest
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.evals.runner import EvalConfig
 from amphista_jax.infra.config_io import ConfigFileError, load_config
+from amphista_jax.recipe import RecipeConfig
 from amphista_jax.train.config import TrainConfig
 from amphista_jax.train.pretrain_target import PretrainConfig
 
@@ -19,8 +20,8 @@ LAUNCHABLE = sorted(p for p in CONFIGS.rglob("*.yaml") if BASES not in p.parents
 
 @pytest.mark.parametrize("path", LAUNCHABLE, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_config_file_parses(path):
-    kind = path.relative_to(CONFIGS).parts[0]  # "target", "eval", or a method's directory
-    cls = {"target": PretrainConfig, "eval": EvalConfig}.get(kind, TrainConfig)
+    kind = path.relative_to(CONFIGS).parts[0]  # "target", "eval", "recipe", or a method's directory
+    cls = {"target": PretrainConfig, "eval": EvalConfig, "recipe": RecipeConfig}.get(kind, TrainConfig)
     cfg = load_config(cls, path)
     assert isinstance(cfg, cls)
     if cls is EvalConfig:
