@@ -90,15 +90,21 @@ class StepTiming(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class StepClock:
-    """Times whole decode loops of `batch` copies of one prompt, every program in one cache size (so only the step
-    differs between them), no EOS stop so every run decodes `max_new_tokens` tokens; each time the fastest of
-    `runs` after a compile and warm-up run (noise on a shared machine only adds time)."""
+class Rows:
+    """What a clock decodes: `batch` copies of one prompt, every program in one cache size (so only the step differs
+    between them), no EOS stop."""
 
     tokens: np.ndarray  # [B, T]
     lengths: np.ndarray  # [B]
     cache_size: int
     max_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepClock(Rows):
+    """Times whole decode loops on its `Rows`, every run decoding `max_new_tokens` tokens; each time the fastest of
+    `runs` after a compile and warm-up run (noise on a shared machine only adds time)."""
+
     runs: int
 
     @classmethod
@@ -173,15 +179,10 @@ class Started(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class PairClock:
-    """Times `steps` decode steps of `batch` copies of one prompt from the state after their prefill: every program
-    in one cache size (so only the step differs between them), no EOS stop, and new tokens enough that no row
-    finishes within `steps` steps of any tree (checked), so a timing is those steps and nothing else."""
+class PairClock(Rows):
+    """Times `steps` decode steps on its `Rows` from the state after their prefill, with new tokens enough that no
+    row finishes within `steps` steps of any tree (checked), so a timing is those steps and nothing else."""
 
-    tokens: np.ndarray  # [B, T]
-    lengths: np.ndarray  # [B]
-    cache_size: int
-    max_new_tokens: int
     steps: int
 
     @classmethod
