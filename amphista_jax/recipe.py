@@ -30,21 +30,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from amphista_jax.infra.config_io import load_config, read_yaml
 from amphista_jax.infra.errors import UserError, check_writable_dir
-from amphista_jax.infra.machine import this_machine
+from amphista_jax.infra.machine import memory_bytes, this_machine
 from amphista_jax.infra.output_lock import output_lock, write_atomic
 
+if TYPE_CHECKING:
+    from amphista_jax.choice.acceptance import Acceptance
+    from amphista_jax.train.config import TrainConfig
+
 MIB = 2**20
+ACCEPTANCE_BATCH = 8  # prompts decoded together when acceptance statistics are measured (the probe times one batch)
 
 
 class RecipeError(UserError, ValueError):
@@ -107,7 +111,8 @@ class Stage:
 
 
 def train_config(cfg: RecipeConfig, method: str, where: Path, *, steps: int | None = None,
-                 out_dir: Path | None = None, answers: Path | None = None, extra: tuple[str, ...] = ()) -> Any:
+                 out_dir: Path | None = None, answers: Path | None = None, extra: tuple[str, ...] = ()
+                 ) -> TrainConfig:
     """`method`'s `TrainConfig` as the recipe runs it: its file with the recipe's target, data (`answers`, where
     it trains on conversations), steps (the token budget's unless given) and out_dir."""
     from amphista_jax.train.config import TrainConfig
@@ -130,7 +135,7 @@ def config_path(where: Path, name: str) -> Path:
     return where / name if (where / name).is_file() else Path(name)
 
 
-def features_fit(tcfg: Any, examples: int, capacity: int | None) -> bool:
+def features_fit(tcfg: TrainConfig, examples: int, capacity: int | None) -> bool:
     """Whether the target's features (the hidden states the method reads, at every position of every example) and
     its top-k labels fit in half of `capacity` bytes (this device's memory; None: unknown, so not kept)."""
     from amphista_jax.models.fetch import resolve_model
@@ -157,23 +162,27 @@ def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def regenerate(cfg: RecipeConfig, where: Path, answers: Path, more: int) -> int:
+    """Up to `more` new answers appended to `answers` (`train.distill`, the prompts after those answered); how many."""
+    from amphista_jax.models.fetch import resolve_data
+    from amphista_jax.train.distill import distill
+
+    r = cfg.regenerate
+    return distill(_model(cfg, where), resolve_data(r.prompts), str(answers), batch_size=r.batch_size,
+                   max_new_tokens=r.max_new_tokens, prompt_len=r.prompt_len, limit=count_lines(answers) + more)
+
+
 def probe(cfg: RecipeConfig, where: Path, answers: Path) -> dict[str, Any]:
     """Each stage measured briefly here (see the module docstring): seconds per answer (its first batch, kept),
     and per method its training's fixed seconds (load, compile, evaluation, saving) and seconds per step, and the
     seconds of one batch of acceptance prompts."""
-    from amphista_jax.models.fetch import resolve_data
-    from amphista_jax.train.distill import distill
     from amphista_jax.train.heads import train_heads
     from amphista_jax.train.loop import read_metrics
 
     out = Path(cfg.out_dir)
     probes: dict[str, Any] = {}
     if cfg.regenerate.count:
-        have = count_lines(answers)
-        first = min(cfg.regenerate.count, cfg.regenerate.batch_size)
-        n, seconds = _timed(distill, _model(cfg, where), resolve_data(cfg.regenerate.prompts), str(answers),
-                            batch_size=cfg.regenerate.batch_size, max_new_tokens=cfg.regenerate.max_new_tokens,
-                            prompt_len=cfg.regenerate.prompt_len, limit=have + first)
+        n, seconds = _timed(regenerate, cfg, where, answers, min(cfg.regenerate.count, cfg.regenerate.batch_size))
         probes["regenerate"] = {"answers": n, "seconds": seconds}
     for method in cfg.methods:
         run = out / "probes" / f"train-{method}"
@@ -185,7 +194,7 @@ def probe(cfg: RecipeConfig, where: Path, answers: Path) -> dict[str, Any]:
         tokens = tcfg.data.batch_size * tcfg.data.max_len
         step_s = float(np.median([tokens / r["tokens_per_s"] for r in rows]))
         probes[f"train:{method}"] = {"fixed_s": max(0.0, seconds - cfg.probe_steps * step_s), "step_s": step_s}
-        _, ship_s = _timed(_acceptance, cfg, where, method, run / "heads", prompts=min(8, cfg.acceptance_prompts))
+        _, ship_s = _timed(_acceptance, cfg, where, run / "heads", min(ACCEPTANCE_BATCH, cfg.acceptance_prompts))
         probes[f"ship:{method}"] = {"batch_s": ship_s}
     return probes
 
@@ -207,7 +216,7 @@ def plan_stages(cfg: RecipeConfig, probes: dict[str, Any], where: Path, spent_s:
         p = probes[f"train:{method}"]
         steps = train_config(cfg, method, where).loop.steps
         train_s = p["fixed_s"] + steps * p["step_s"]
-        ship_s = probes[f"ship:{method}"]["batch_s"] * math.ceil(cfg.acceptance_prompts / 8)
+        ship_s = probes[f"ship:{method}"]["batch_s"] * math.ceil(cfg.acceptance_prompts / ACCEPTANCE_BATCH)
         fits = train_s + ship_s <= left
         if fits:
             left -= train_s + ship_s
@@ -232,34 +241,40 @@ def plan_stages(cfg: RecipeConfig, probes: dict[str, Any], where: Path, spent_s:
 # -- stages -------------------------------------------------------------------------------------------------------
 
 
-def _acceptance(cfg: RecipeConfig, where: Path, method: str, heads: Path, prompts: int) -> Any:
+def _acceptance(cfg: RecipeConfig, where: Path, heads: Path, prompts: int) -> Acceptance:
     """`heads`' acceptance statistics on `prompts` held-out prompts (`tree_search.measure_acceptance`)."""
     from amphista_jax.facade.drafter_source import read_source
     from amphista_jax.facade.generator import Generator
     from amphista_jax.tree_search import calibration_prompts, measure_acceptance
 
-    found = read_source(heads, _model(cfg, where), None)
-    gen = Generator.load(_model(cfg, where), heads, found.drafter.paper_tree)
+    model = _model(cfg, where)
+    gen = Generator.load(model, heads, read_source(heads, model, None).drafter.paper_tree)
     ids, what = calibration_prompts(gen, prompts)
     return measure_acceptance(gen, ids, cfg.acceptance_tokens,
-                              f"{len(ids)} {what}, {cfg.acceptance_tokens} new tokens, greedy")
+                              f"{len(ids)} {what}, {cfg.acceptance_tokens} new tokens, greedy",
+                              batch_size=ACCEPTANCE_BATCH)
 
 
 def ship(cfg: RecipeConfig, where: Path, method: str) -> dict[str, Any]:
-    """`train:<method>`'s heads re-saved in `ship_dtype` under `heads/<method>`, with their acceptance statistics."""
+    """`train:<method>`'s heads converted to `ship_dtype` under `heads/<method>` (`convert`, staged: a killed
+    conversion leaves nothing, a finished one is kept), with their acceptance statistics."""
     from amphista_jax.choice.acceptance import ACCEPTANCE_FILE
-    from amphista_jax.drafters.io import load_draft, save_draft
-    from amphista_jax.models.hf import load_params
+    from amphista_jax.convert import convert
+    from amphista_jax.drafters.io import META_FILE
 
-    trained = Path(cfg.out_dir) / "train" / method / "heads"
     out = Path(cfg.out_dir) / "heads" / method
-    params, config = load_params(_model(cfg, where), dtype="float32")
-    name, drafter, draft_params = load_draft(trained, config, params)
-    save_draft(out, name, drafter, draft_params, config, dtype=cfg.ship_dtype, target_params=params)
-    stats = _acceptance(cfg, where, method, out, cfg.acceptance_prompts)
+    if not (out / META_FILE).is_file():
+        convert(str(out), _model(cfg, where), heads=str(Path(cfg.out_dir) / "train" / method / "heads"),
+                dtype=cfg.ship_dtype)
+    stats = _acceptance(cfg, where, out, cfg.acceptance_prompts)
     stats.write(out / ACCEPTANCE_FILE)
     return {"heads": str(out), "candidates": {c.name: round(c.tau, 3) for c in stats.candidates},
             "best_tau": round(stats.best_tau, 3)}
+
+
+def stage_file(out: Path, stage: str) -> Path:
+    """Where a finished stage's result is kept."""
+    return out / "stages" / f"{stage.replace(':', '-')}.json"
 
 
 def oversized(out: Path, limit_mib: float) -> list[str]:
@@ -271,8 +286,6 @@ def oversized(out: Path, limit_mib: float) -> list[str]:
 def run_recipe(cfg: RecipeConfig, config_path: str | Path) -> dict[str, Any]:
     """The recipe (module docstring) in `cfg.out_dir`, resuming what it holds."""
     from amphista_jax.engine.memory_plan import accelerator_capacity
-    from amphista_jax.models.fetch import resolve_data
-    from amphista_jax.train.distill import distill
     from amphista_jax.train.heads import train_heads
 
     where, out = Path(config_path).parent, Path(cfg.out_dir)
@@ -300,26 +313,23 @@ def run_recipe(cfg: RecipeConfig, config_path: str | Path) -> dict[str, Any]:
             write_atomic(out / "plan.json", json.dumps(saved, indent=1) + "\n")
         stages = [Stage(**s) for s in saved["stages"]]
         print(plan_table(cfg, stages, saved["probe_s"]), file=sys.stderr)
-        capacity = accelerator_capacity(None)[0] or _host_memory()
+        capacity = accelerator_capacity(None)[0] or memory_bytes()
         for stage in stages:
-            marker = out / "stages" / f"{stage.name.replace(':', '-')}.json"
+            marker = stage_file(out, stage.name)
             if not stage.planned or marker.is_file():
                 continue
             kind, _, method = stage.name.partition(":")
             t1 = time.perf_counter()
             if kind == "regenerate":
-                have = count_lines(answers)
-                n = distill(_model(cfg, where), resolve_data(cfg.regenerate.prompts), str(answers),
-                            batch_size=cfg.regenerate.batch_size, max_new_tokens=cfg.regenerate.max_new_tokens,
-                            prompt_len=cfg.regenerate.prompt_len, limit=have + stage.work)
+                n = regenerate(cfg, where, answers, stage.work)
                 result: dict[str, Any] = {"answered": n, "answers": count_lines(answers)}
             elif kind == "train":
                 tcfg = train_config(cfg, method, where, answers=answers)
                 keep = tcfg.data.cache_target_hidden
                 if tcfg.data.kind == "sharegpt":  # the recipe's answers: their features kept where they fit
                     keep = features_fit(tcfg, count_lines(answers), capacity)
-                    tcfg = train_config(cfg, method, where, answers=answers, extra=(
-                        f"data.cache_target_hidden={str(keep).lower()}", "data.hidden_store=''"))
+                    tcfg = dataclasses.replace(tcfg, data=dataclasses.replace(
+                        tcfg.data, cache_target_hidden=keep, hidden_store=""))
                 summary = train_heads(tcfg)
                 result = {"steps": summary["steps"], "tokens": summary["tokens_seen"], "features_in_memory": keep,
                           "heldout_after": summary["heldout_after"]}
@@ -329,10 +339,6 @@ def run_recipe(cfg: RecipeConfig, config_path: str | Path) -> dict[str, Any]:
             write_atomic(marker, json.dumps(result | {"seconds": time.perf_counter() - t1}, indent=1) + "\n")
             write_report(cfg, out, stages, saved, time.perf_counter() - t0)
         return write_report(cfg, out, stages, saved, time.perf_counter() - t0)
-
-
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def plan_table(cfg: RecipeConfig, stages: list[Stage], probe_s: float) -> str:
@@ -345,8 +351,7 @@ def plan_table(cfg: RecipeConfig, stages: list[Stage], probe_s: float) -> str:
 def write_report(cfg: RecipeConfig, out: Path, stages: list[Stage], saved: dict[str, Any], elapsed: float
                  ) -> dict[str, Any]:
     """`report.{json,md}`: the plan against what each finished stage took and made."""
-    done = {s.name: json.loads(p.read_text()) for s in stages
-            if (p := out / "stages" / f"{s.name.replace(':', '-')}.json").is_file()}
+    done = {s.name: json.loads(p.read_text()) for s in stages if (p := stage_file(out, s.name)).is_file()}
     too_big = oversized(out, cfg.max_file_mib)
     report = {"out_dir": str(out), "machine": dataclasses.asdict(this_machine()), "budget_s": cfg.budget_s,
               "probe_s": saved["probe_s"],

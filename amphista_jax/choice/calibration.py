@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +44,7 @@ from amphista_jax.choice.plan import MIN_MARGIN, StepCosts, choose
 from amphista_jax.choice.step_clock import Decoder, PairClock, Pairs, time_pairs
 from amphista_jax.infra.compiled_programs import release_if_crowded
 from amphista_jax.infra.errors import UserError
-from amphista_jax.infra.machine import Machine, this_machine
+from amphista_jax.infra.machine import Machine, cores, this_machine
 from amphista_jax.infra.output_lock import write_atomic
 
 PAIR_STEPS = 6  # decode steps in one timing
@@ -93,33 +92,26 @@ def measure(gen: Decoder, acceptance: Acceptance, clock: PairClock, progress: Ca
     candidates = acceptance.candidates
     ar, first = clock.start_all([gen.autoregressive(), gen.with_tree(candidates[0].tree)])
     ready = {0: first}
-    ar_s: list[float] = []
-    ratios: list[float | None] = []
-    noise: list[float | None] = []
-    counts: list[int | None] = []
-    best, last = 0.0, None
+    timed: list[Pairs] = []  # per candidate timed, in order; the rest are left unmeasured
+    best = 0.0
     for i, candidate in enumerate(candidates):
-        if ratios and (last is None or not worth_timing(acceptance, last, best, MIN_MARGIN)):
-            ratios.append(None), noise.append(None), counts.append(None)
-            last = None
-            continue
+        if timed and not worth_timing(acceptance, timed[-1].ratio, best, MIN_MARGIN):
+            break
         if i not in ready:
-            ahead = range(i, min(len(candidates), i + len(os.sched_getaffinity(0))))
+            ahead = range(i, min(len(candidates), i + cores()))
             ready |= dict(zip(ahead, clock.start_all([gen.with_tree(candidates[j].tree) for j in ahead], first),
                               strict=True))
         started = ready.pop(i)
-        pairs = time_pairs(lambda: clock.time(ar), lambda s=started: clock.time(s),
-                           lambda p, tau=candidate.tau: settled(p, tau), MAX_PAIRS)
+        timed.append(time_pairs(lambda: clock.time(ar), lambda s=started: clock.time(s),
+                                lambda p, tau=candidate.tau: settled(p, tau), MAX_PAIRS))
         release_if_crowded()  # a program per candidate: past the memory-mapping limit otherwise
-        ar_s += pairs.a_s
-        last = pairs.ratio
-        ratios.append(last), noise.append(pairs.spread), counts.append(pairs.count)
-        best = max(best, candidate.tau / last)
+        best = max(best, candidate.tau / timed[-1].ratio)
         if progress:
             progress(1)
-    ar_ms = float(np.median(ar_s)) / clock.steps * 1e3
-    return StepCosts(int(clock.tokens.shape[0]), ar_ms, tuple(None if r is None else r * ar_ms for r in ratios),
-                     tuple(noise), 0.0, tuple(counts))
+    ar_ms = float(np.median([s for p in timed for s in p.a_s])) / clock.steps * 1e3
+    untimed = (None,) * (len(candidates) - len(timed))
+    return StepCosts(int(clock.tokens.shape[0]), ar_ms, tuple(p.ratio * ar_ms for p in timed) + untimed,
+                     tuple(p.spread for p in timed) + untimed, 0.0, tuple(p.count for p in timed) + untimed)
 
 
 def cost_key(gen: Decoder, batch: int, acceptance: Acceptance) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from amphista_jax.engine.decode import ARState, GenerateOutput, SpecState, on_tr
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.infra.compiled_programs import release_if_crowded
 from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.machine import cores
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.trees.sampling import SamplingConfig
 from amphista_jax.trees.tree import Tree, TreeError
@@ -112,9 +112,7 @@ class StepClock(Rows):
                   max_new_tokens: int, runs: int, batch: int = 1, reserve: int = 0) -> StepClock:
         """A clock of `batch` copies of `prompt` whose cache holds the scratch slots of any of `trees` under any of
         `gens`' drafters that can draft it, and at least `reserve` slots beyond the prompt and the new tokens."""
-        tokens, lengths = _prompt_rows(gens[0], prompt, batch)
-        return cls(tokens, lengths, _shared_cache_size(gens, tokens.shape[1], trees, max_new_tokens, reserve),
-                   max_new_tokens, runs)
+        return cls(*_rows(gens, prompt, trees, max_new_tokens, batch, reserve), runs)
 
     def timed_runs(self, gen: Decoder, new_tokens: int) -> tuple[list[float], int]:
         """(seconds of each of `runs` timed runs, decode steps) of `gen` writing `new_tokens` tokens, after a compile
@@ -191,9 +189,7 @@ class PairClock(Rows):
         """A clock as `StepClock.for_trees`'s, whose new tokens hold `steps` steps of the deepest of `trees` (a step
         commits at most its depth + 1 tokens) after the prefill's one."""
         max_new_tokens = 1 + steps * (1 + max((t.depth for t in trees), default=0))
-        tokens, lengths = _prompt_rows(gens[0], prompt, batch)
-        return cls(tokens, lengths, _shared_cache_size(gens, tokens.shape[1], trees, max_new_tokens, reserve),
-                   max_new_tokens, steps)
+        return cls(*_rows(gens, prompt, trees, max_new_tokens, batch, reserve), steps)
 
     def started(self, gen: Decoder, like: Started | None = None) -> Started:
         """`gen`'s programs compiled and run once to warm up, and its started state kept for the timings. `like`: a
@@ -213,7 +209,7 @@ class PairClock(Rows):
     def start_all(self, gens: Sequence[Decoder], like: Started | None = None) -> list[Started]:
         """`started` for each of `gens`, compiled concurrently on this machine's cores (XLA's compiler runs one
         program on one core), each after `like` where given."""
-        with ThreadPoolExecutor(min(len(gens), len(os.sched_getaffinity(0))) or 1) as pool:
+        with ThreadPoolExecutor(min(len(gens), cores()) or 1) as pool:
             return list(pool.map(lambda g: self.started(g, like), gens))
 
     def time(self, begun: Started) -> float:
@@ -267,22 +263,19 @@ def _copy(state: ARState | SpecState) -> ARState | SpecState:
     return jax.tree.map(jnp.copy, state)
 
 
-def _prompt_rows(gen: Decoder, prompt: Sequence[int], batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """`batch` copies of `prompt`, right-padded to a multiple of 64: `[B, T]`, lengths `[B]`."""
-    return pad_prompts([prompt] * batch, pad_id=gen.pad_id, multiple=64)
-
-
-def _shared_cache_size(gens: Sequence[Decoder], prompt_len: int, trees: Sequence[Tree], max_new_tokens: int,
-                       reserve: int) -> int:
-    """One cache size for AR and every tree of `trees` under any of `gens`' drafters that can draft it, with at least
-    `reserve` slots beyond the prompt and the new tokens."""
-    sizes = [DecodeSpec(gens[0].config, None, None, max_new_tokens).cache_size(prompt_len) + reserve]
+def _rows(gens: Sequence[Decoder], prompt: Sequence[int], trees: Sequence[Tree], max_new_tokens: int, batch: int,
+          reserve: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """`Rows`' fields: `batch` copies of `prompt` right-padded to a multiple of 64 (`[B, T]`, lengths `[B]`), one cache
+    size for AR and every tree of `trees` under any of `gens`' drafters that can draft it (with at least `reserve`
+    slots beyond the prompt and the new tokens), and `max_new_tokens`."""
+    tokens, lengths = pad_prompts([prompt] * batch, pad_id=gens[0].pad_id, multiple=64)
+    sizes = [DecodeSpec(gens[0].config, None, None, max_new_tokens).cache_size(tokens.shape[1]) + reserve]
     for g, t in ((g, t) for g in gens if g.drafter is not None for t in trees):
         try:
-            sizes.append(DecodeSpec(g.config, g.drafter, t, max_new_tokens).cache_size(prompt_len))
+            sizes.append(DecodeSpec(g.config, g.drafter, t, max_new_tokens).cache_size(tokens.shape[1]))
         except TreeError:  # a tree its drafter cannot draft is never timed on this clock
             continue
-    return max(sizes)
+    return tokens, lengths, max(sizes), max_new_tokens
 
 
 def _per_step(seconds: float, steps: int, prefill_s: float) -> float:

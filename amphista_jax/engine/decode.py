@@ -220,7 +220,7 @@ def spec_init(params: dict, draft_params: Any, prompt: jax.Array, prompt_lengths
         raise ValueError(f"the drafter's proposals carry {extras} extras but its num_extras(tree) says "
                          f"{spec.scratch - spec.tree.num_nodes}")
     _check_static_fit(spec, t, cache_size)
-    stats = jnp.zeros((b, spec.stat_shape[0] * spec.stat_shape[1]), jnp.int32)
+    stats = _no_node_stats(b, spec)
     return SpecState(
         cache=cache, draft_state=draft_state, root=first, hidden=hidden,
         tokens=jnp.full((b, spec.max_new_tokens), spec.pad_id, jnp.int32).at[:, 0].set(first),
@@ -398,8 +398,13 @@ def on_tree(state: SpecState, spec: DecodeSpec, prompt_length: int) -> SpecState
         raise DecodeSpecError("state", f"{int(state.steps)} steps, {state.tokens.shape[1]} new tokens",
                               f"a state straight after its prefill, with {spec.max_new_tokens} new tokens")
     _check_static_fit(spec, prompt_length, state.cache.size)
-    stats = jnp.zeros((state.done.shape[0], spec.stat_shape[0] * spec.stat_shape[1]), jnp.int32)
+    stats = _no_node_stats(state.done.shape[0], spec)
     return state.replace(node_tries=stats, node_hits=stats)
+
+
+def _no_node_stats(batch: int, spec: DecodeSpec) -> jax.Array:
+    """`[B, D * R]` zero per-node counts (`SpecState.node_tries` / `node_hits` before any step) for `spec`'s tree."""
+    return jnp.zeros((batch, spec.stat_shape[0] * spec.stat_shape[1]), jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "steps"), donate_argnames=("state",))

@@ -52,13 +52,21 @@ def cpu_model_and_isa(cpuinfo: str) -> tuple[str, tuple[str, ...]]:
     return model, tuple(f for f in ISA_FLAGS if f in flags)
 
 
+def cores() -> int:
+    """CPU cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def memory_bytes() -> int:
+    """The host's physical memory (0 where the system does not say)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+
+
 def this_machine() -> Machine:
     """The machine this process runs on."""
     info = Path("/proc/cpuinfo")
     model, isa = cpu_model_and_isa(info.read_text() if info.is_file() else "")
     backend = jax.default_backend()
     device = model if backend == "cpu" else jax.devices()[0].device_kind
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0.0
-    return Machine(backend, device, isa if backend == "cpu" else (), cores, round(memory, 1),
+    return Machine(backend, device, isa if backend == "cpu" else (), cores(), round(memory_bytes() / 2**30, 1),
                    importlib.metadata.version("amphista-jax"), jax.__version__)
