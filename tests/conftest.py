@@ -80,6 +80,7 @@ HF_VARIANTS = {
         "original_max_position_embeddings": 16}, rope_theta=500000.0)),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=6)),
     "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen2-untied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=False)),
 }
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
             max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)

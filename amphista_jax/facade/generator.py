@@ -124,7 +124,7 @@ class Generator:
         enable_compile_cache(amphista_home())
         if heads is not None and draft_model is not None:
             raise GeneratorError("give heads or draft_model, not both: a draft model drafts on its own")
-        source = heads if draft_model is None else Path(draft_model)
+        source = heads if draft_model is None else Path(resolve_model(str(draft_model)))  # a fetched name too
         attach = None
         if source is not None:
             found = source if isinstance(source, DrafterSource) else read_source(source, model_dir, config)
