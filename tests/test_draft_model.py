@@ -5,6 +5,7 @@ once, loads from a Hugging Face checkpoint, and refuses another vocabulary in on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 
@@ -62,6 +63,59 @@ def test_the_target_as_its_own_draft_model_is_accepted_whole(target, tree, made)
     assert int(spec.steps) == 40 // (PRESETS[tree].depth + 1), int(spec.steps)  # the prefill makes token 1
 
 
+@pytest.mark.parametrize("tree", ["chain-4", pytest.param("small-8", marks=pytest.mark.slow)])
+def test_the_confidence_stop_is_lossless_and_saves_unsure_depths(tree):
+    """The target (sharpened) drafting for itself with `p_min`: greedy output equal to AR's, and the stop both
+    cuts drafts (more steps than with every draft accepted) and keeps some (fewer than one token a step), so both
+    the drafted and the skipped forwards ran."""
+    params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, init_params(CONFIG, jax.random.key(0)))
+    tokens, lengths = pad_prompts(PROMPTS)
+    ar = generate(params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=41, cache_size=64)
+    steps = {}
+    for p_min in (0.0, 0.05):
+        spec = speculative_generate(params, params, tokens, lengths, jax.random.key(0), config=CONFIG,
+                                    drafter=DraftModel(CONFIG, p_min=p_min), tree=PRESETS[tree], max_new_tokens=41,
+                                    cache_size=160)
+        np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+        steps[p_min] = int(spec.steps)
+    assert steps[0.0] == 40 // (PRESETS[tree].depth + 1) < steps[0.05] < 40, steps
+
+
+def test_the_confidence_stop_drafts_only_below_sure_nodes(target):
+    """A node is drafted iff its parent was and the distribution it was drawn from (`q`, sampled drafts) gives
+    its most likely token at least `p_min`; drafted nodes are the same draws from the same `q` as without the
+    stop. `p_min` is the median of those most likely tokens' probabilities, so both outcomes occur."""
+    from amphista_jax.drafters.base import DraftContext
+
+    sharp = Target(CONFIG, jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, target.params))
+    spec = PRESETS["small-8"]
+    arrays = tree_arrays(spec)
+    drafter = DraftModel(layers=1, temperature=1.0)
+    dparams = drafter.init(jax.random.key(1), sharp)
+    state = drafter.init_state(CONFIG, 1, 32)
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def propose(root, rng, p_min):
+        prompt = PrefillContext(Output(None, None, None), jnp.asarray([[5, 9, 33]]), jnp.asarray([3]), root)
+        ctx = DraftContext(None, root, jnp.asarray([3]), drafter.prefill(dparams, sharp, prompt, state))
+        return dataclasses.replace(drafter, p_min=p_min).propose(dparams, sharp, ctx, spec, rng)
+
+    calls = [(jnp.asarray([i * 7 % CONFIG.vocab_size]), jax.random.key(i)) for i in range(12)]
+    whole = [propose(root, rng, 0.0) for root, rng in calls]
+    p_min = float(np.median([np.asarray(w.q[0, 1:]).max(-1) for w in whole]))
+    seen = set()
+    for (root, rng), full in zip(calls, whole, strict=True):
+        cut = propose(root, rng, p_min)
+        valid, q = np.asarray(cut.tree.valid[0]), np.asarray(cut.q[0])
+        np.testing.assert_array_equal(np.asarray(cut.tokens[0])[valid], np.asarray(full.tokens[0])[valid])
+        np.testing.assert_allclose(q[valid], np.asarray(full.q[0])[valid], atol=1e-6)
+        assert valid[0] and np.asarray(full.tree.valid[0]).all()
+        for node in range(1, spec.num_nodes):
+            assert valid[node] == (valid[arrays.parent[node]] and q[node].max() >= p_min), (root, node)
+            seen.add((int(arrays.depth[node]), bool(valid[node])))
+    assert {(1, True), (1, False), (2, True), (2, False)} <= seen, seen
+
+
 @pytest.mark.slow
 def test_cache_after_commits_equals_a_fresh_prefill(target):
     """Prefill, then commits of different accepted counts per row through chain trees of the sequence's own
@@ -99,8 +153,10 @@ def test_cache_after_commits_equals_a_fresh_prefill(target):
             np.testing.assert_allclose(np.asarray(state["base"][row]), np.asarray(out.hidden[0, -1]), atol=1e-5)
 
 
-def test_generation_compiles_once(target):
-    drafter = DraftModel(SMALL)
+@pytest.mark.parametrize("p_min", [0.0, 0.1])
+def test_generation_compiles_once(target, p_min):
+    """With the confidence stop too: which depths run is decided on the device, inside the one program."""
+    drafter = DraftModel(SMALL, p_min=p_min)
     params = drafter.init(jax.random.key(1), target)
     assert_compiles_once(target.params, drafter, params, PRESETS["small-16"])
 

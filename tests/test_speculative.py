@@ -317,18 +317,20 @@ def test_rejection_sampling_with_iid_draft_distribution_q():
     (DraftModel(tiny_llama_config(vocab_size=16, num_layers=1, hidden_size=32), temperature=1.0), PRESETS["small-8"]),
     # made from the target's first layer, its draws over 9 of the 16 tokens (q zero on the other 7)
     (DraftModel(layers=1, draft_vocab=(0, 2, 3, 5, 7, 8, 11, 13, 15), temperature=1.0), PRESETS["small-8"]),
+    # drafting stopped below unsure nodes (p_min): here about 40% of the root's children and 70% deeper not drafted
+    (DraftModel(layers=1, temperature=1.0, p_min=0.3), PRESETS["small-8"]),
     (BiTA(), PRESETS["small-8"]),
     # one distribution per depth, every node an independent draw from its depth's (base.sampled_proposal)
     (DFlash(block_size=4, num_layers=1, temperature=1.0), PRESETS["small-8"])],
     ids=["medusa", "amphista", "hydra", "hydra++", "eagle-2", "eagle-3", "gumiho", "sar", "draft-model",
-         "draft-model-iid-q", "made-draft-model-draft-vocab-iid-q", "bita", "dflash-iid-q"])
-@default_cases('eagle-2', 'draft-model-iid-q', 'dflash-iid-q')
+         "draft-model-iid-q", "made-draft-model-draft-vocab-iid-q", "draft-model-p-min-iid-q", "bita", "dflash-iid-q"])
+@default_cases('eagle-2', 'draft-model-iid-q', 'draft-model-p-min-iid-q', 'dflash-iid-q')
 def test_speculative_sampling_matches_the_target_end_to_end(drafter, tree):
     """Many rows of one prompt, temperature 1 on a 16-token vocabulary: the second generated token's
     marginal equals the exact one computed from the target. One default case per acceptance path: q = None on
     per-row trees (EAGLE-2; Medusa's and BiTA's static trees take the same path, checked on a static tree by
-    test_tree_rejection_sampling_keeps_the_target_distribution) and i.i.d. draws from q (the draft model); the
-    other cases run under -m slow."""
+    test_tree_rejection_sampling_keeps_the_target_distribution), i.i.d. draws from q (the draft model), and those
+    draws on a static tree cut where the draft is unsure (p_min); the other cases run under -m slow."""
     config = tiny_llama_config(vocab_size=16)
     params = init_params(config, jax.random.key(5))
     params = jax.tree.map(lambda x: x * 8 if x.ndim >= 2 else x, params)  # sharper distributions

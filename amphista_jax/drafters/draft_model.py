@@ -17,7 +17,9 @@ the tree says among its parent's drafts; a `TreeBudget` grows an EAGLE-2 dynamic
 Drafts are deterministic top-k (`q = None`) by default; with `temperature > 0` (static trees) every child is an
 independent draw from its parent's draft distribution at that temperature and the proposal carries those
 distributions as `q`, the classic speculative-sampling draft. Both are lossless under greedy and rejection
-sampling alike.
+sampling alike. With `p_min > 0` a static tree is drafted only below nodes where the draft is sure (its most
+likely next token at least that probable), and a depth where no node is skips its forward: a long chain costs few
+forwards where the text is hard to guess (`FeatureDrafting.static`).
 
 Trained here (`config` None, `amphista-jax train` with `method: draft_model`): a target with no smaller sibling
 on hand (SmolLM2-135M is its family's smallest) gets one made from itself, as self-speculative drafters do
@@ -83,12 +85,17 @@ class DraftModel(LogicalInit):
     # 0: top-k drafts (`q = None`); > 0 (static trees): independent draws from its distribution at this
     # temperature, passed to verification as `q` (classic speculative sampling draws at the target's temperature)
     temperature: float = 0.0
+    # > 0 (static trees): a node's children are drafted only where the distribution they are drawn from gives its
+    # most likely token at least this probability (llama.cpp's `p_min`; `FeatureDrafting.static`); 0: always
+    p_min: float = 0.0
     layers: int = 2  # without `config`: how many of the target's decoder layers it starts from
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise ValueError(f"{self.temperature=} must be >= 0 (0 = top-k drafts)")
+        if not 0 <= self.p_min < 1:
+            raise ValueError(f"p_min={self.p_min!r} must be in [0, 1) (0 = draft every node of the tree)")
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
             raise ValueError(f"layers={self.layers!r} must be an integer >= 1")
         if isinstance(self.config, dict):  # read back from draft.json
@@ -199,7 +206,7 @@ class DraftModel(LogicalInit):
                 raise TreeError(f"a dynamic tree ({tree}) keeps the top drafts, not samples: use a static tree with "
                                 "a sampling draft model, or temperature 0")
             return draft.dynamic(tree)
-        return draft.static(tree, rng, self.temperature)
+        return draft.static(tree, rng, self.temperature, self.p_min)
 
     def run_nodes(self, params: dict, target: Target, tokens: jax.Array, parent_features: jax.Array,
                   positions: jax.Array, cache: KVCache, new_mask: jax.Array,

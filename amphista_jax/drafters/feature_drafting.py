@@ -81,23 +81,34 @@ class FeatureDrafting:
 
         return out, (new_entries(written.k), new_entries(written.v)), inputs
 
-    def static(self, spec: TreeSpec, rng: jax.Array | None = None, temperature: float = 0.0) -> Proposal:
+    def static(self, spec: TreeSpec, rng: jax.Array | None = None, temperature: float = 0.0,
+               p_min: float = 0.0) -> Proposal:
         """A static tree, depth by depth: each expanded node's children are the top-k of its own draft
         distribution (EAGLE; `q = None`), or, with `temperature > 0`, independent draws from that distribution at
         `temperature` (one per child rank; siblings may repeat), which the proposal passes on as each child's `q`
-        for lossless rejection sampling."""
+        for lossless rejection sampling.
+
+        `p_min > 0` stops drafting where the draft is unsure (llama.cpp's `p_min`): a node's children are drafted
+        only when the most likely token of the distribution they are drawn from has probability >= `p_min` (and
+        the node itself was drafted). The others stay in the padded tree as invalid nodes (`TreeArrays.valid`,
+        per row), which no acceptance rule accepts, and a depth none of whose nodes in any row is drafted skips its
+        forward (`lax.cond`), so nothing recompiles and an unsure step costs fewer forwards. The rule reads the
+        parent's distribution, never the drawn token, so the children that are drafted are still i.i.d. draws
+        from their `q`: greedy, typical and rejection sampling stay lossless."""
         b, n, vocab = self.ctx.root.shape[0], spec.num_nodes, self.drafter.draft_vocab
-        levels = tree_levels(spec)
+        levels, arrays = tree_levels(spec), batched(tree_arrays(spec), b)
         sees = _static_scratch_visibility(spec)  # [depth, M_d, S]
         tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(self.ctx.root)
+        valid = arrays.valid  # [B, N] which nodes are drafted
         q = None
         features = self.ctx.state["base"][:, None]  # [B, M, D] predicted features of the expanded nodes
+        logprobs = self.logprobs(features)  # [B, M, V_d] their children's draft distributions
         scratch = _empty_scratch(self.ctx.state["caches"][0], b, sum(len(lv.expand) for lv in levels[:-1]))
         used = 0
         for depth, level in enumerate(levels, start=1):
-            logprobs, k = self.logprobs(features), int(level.rank.max()) + 1  # [B, M, V_d]
+            k = int(level.rank.max()) + 1
+            dist = jax.nn.log_softmax(logprobs / temperature, axis=-1) if temperature > 0 else logprobs
             if temperature > 0:
-                dist = jax.nn.log_softmax(logprobs / temperature, axis=-1)  # [B, M, V_d]
                 draws = jax.random.categorical(jax.random.fold_in(rng, depth), dist, shape=(k,) + dist.shape[:-1])
                 top = to_target(jnp.moveaxis(draws, 0, -1).astype(jnp.int32), vocab)  # [B, M, k] i.i.d. per parent
                 probs = to_vocab(jnp.exp(dist), vocab, self.target.config.vocab_size)  # [B, M, V]
@@ -107,15 +118,33 @@ class FeatureDrafting:
                 top = self.top_k(logprobs, k)[1]  # [B, M, k]
             children = top[:, level.parent_slot, level.rank]  # [B, C]
             tokens = tokens.at[:, level.nodes].set(children)
+            if p_min > 0:
+                sure = jnp.exp(dist.max(-1)) >= p_min  # [B, M]
+                parent_node = arrays.parent[:, level.nodes]  # [B, C]
+                drafted = jnp.take_along_axis(valid, parent_node, 1) & sure[:, level.parent_slot]
+                valid = valid.at[:, level.nodes].set(drafted)
             if not len(level.expand):
                 break
             m = len(level.expand)
             parents = features[:, level.parent_slot[level.expand]]
-            features, kv, _ = self.expand(children[:, level.expand], parents, depth,
-                                          jnp.broadcast_to(sees[depth - 1], (b,) + sees[depth - 1].shape), scratch)
+            visible = jnp.broadcast_to(sees[depth - 1], (b,) + sees[depth - 1].shape)
+
+            def expand(children: jax.Array, parents: jax.Array, scratch: tuple, depth: int = depth,
+                       visible: jax.Array = visible) -> tuple:
+                features, kv, _ = self.expand(children, parents, depth, visible, scratch)
+                return features, kv, self.logprobs(features)
+
+            operands = (children[:, level.expand], parents, scratch)
+            if p_min > 0:
+                shapes = jax.eval_shape(expand, *operands)
+                features, kv, logprobs = jax.lax.cond(
+                    valid[:, level.nodes[level.expand]].any(), expand,
+                    lambda *_, shapes=shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), *operands)
+            else:
+                features, kv, logprobs = expand(*operands)
             scratch = tuple(s.at[:, :, used: used + m].set(x) for s, x in zip(scratch, kv, strict=True))
             used += m
-        return Proposal(tokens, batched(tree_arrays(spec), b), q)
+        return Proposal(tokens, arrays.replace(valid=valid), q)
 
     def dynamic(self, budget: TreeBudget) -> Proposal:
         """EAGLE-2 (`trees.growth.grow_dynamic_tree`): each frontier runs through the layer in one call, its
