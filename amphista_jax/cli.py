@@ -57,12 +57,15 @@ def _generate(args: argparse.Namespace) -> int:
     check_decode_settings(args.max_new_tokens, SamplingConfig(args.temperature, args.top_k, args.top_p), acceptance)
     if args.draft_model and (args.draft or args.heads):
         raise UsageError("--draft-model drafts on its own: drop --draft / --heads (or drop --draft-model)")
+    if args.p_min and not args.draft_model:
+        raise UsageError("--p-min stops a draft model's drafting: give --draft-model too (or drop --p-min)")
     if args.heads and (method := _check_heads(args.heads).name) != (args.draft or method):
         raise UsageError(f"--draft {args.draft} but {args.heads} holds {method} heads")
     t0 = time.perf_counter()
     gen = Generator.load(args.model, Path(args.heads) if args.heads else args.draft, args.tree, dtype=args.dtype,
                          mesh=mesh,
-                         attention=args.attention, draft_model=args.draft_model, seed=args.seed)
+                         attention=args.attention, draft_model=args.draft_model,
+                         settings={"p_min": args.p_min} if args.p_min else None, seed=args.seed)
     print_notes(gen)
     t1 = time.perf_counter()
     ids = gen.encode(args.prompt, chat=args.chat)

@@ -86,6 +86,9 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
                    "fetched model: qwen2.5-coder-0.5b for qwen2.5-coder-1.5b) as the drafter (its own KV cache; "
                    "--tree auto: chosen here from its acceptance.json if it has one, else "
                    "chain-4; at --temperature > 0 on a static tree it samples its drafts at that temperature)")
+    g.add_argument("--p-min", type=float, default=0.0, help="with --draft-model on a static tree: draft a node's "
+                   "children only where the draft's most likely next token is at least this probable (llama.cpp's "
+                   "p_min; default 0: draft the whole tree)")
     g.add_argument("--tree", default="auto", help=TREE_HELP)
     g.add_argument("--acceptance", choices=[r.value for r in AcceptanceRule], default=None,
                    help="default: greedy at temperature 0, lossless rejection sampling otherwise")

@@ -28,7 +28,14 @@ from amphista_jax.facade.generator import Generator, print_notes
 from amphista_jax.infra.compile_cache import cache_entries
 from amphista_jax.infra.errors import UsageError
 from amphista_jax.infra.machine import this_machine
-from amphista_jax.models.fetch import EMBEDDED, FetchError, default_model, resolve_model, shipped_target
+from amphista_jax.models.fetch import (
+    EMBEDDED,
+    FetchError,
+    default_model,
+    paired_draft_model,
+    resolve_model,
+    shipped_target,
+)
 from amphista_jax.models.tokenizer import colour_drafts, load_tokenizer
 from amphista_jax.prompts import ends_in_loop, humaneval_prompt
 
@@ -60,10 +67,14 @@ def demo_target(model: str | None) -> str:
 
 
 def demo_heads(model_dir: str | Path, method: str | None, heads: str | None, untrainable: Sequence[str]) -> str:
-    """What the demo drafts with: `heads` (a directory) if given, else `method`'s heads shipped for this target, or a
-    method with nothing to train by name; `method` defaults to the target's fastest (`DEFAULT_METHOD`)."""
+    """What the demo drafts with: `heads` (a directory) if given; else, without `method`, the draft model paired
+    with a fetched target (`qwen2.5-coder-1.5b`: `qwen2.5-coder-0.5b`, fetched on first use); else `method`'s heads
+    shipped for this target, or a method with nothing to train by name; `method` defaults to the target's fastest
+    (`DEFAULT_METHOD`)."""
     if heads is not None:
         return heads
+    if method is None and (draft := paired_draft_model(model_dir)):
+        return resolve_model(draft)
     target = shipped_target(model_dir)
     method = method or DEFAULT_METHOD.get(target or "", "prompt_lookup")
     if method in untrainable:

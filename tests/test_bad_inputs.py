@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from amphista_jax.assets import default_model_dir, shipped_heads_dir
+from amphista_jax.assets import default_model_dir, draft_model_dir, shipped_heads_dir
 from amphista_jax.cli import main
 from amphista_jax.infra.errors import BAD_INPUT_EXIT, ENVIRONMENT_EXIT
 from tests.helpers import ROOT
@@ -96,6 +96,8 @@ GEN = ["generate", "--model", MODEL, "--prompt", "def add(a, b):", "--max-new-to
     (["--mesh", "3,1,1"], ["--mesh 3,1,1", "3 devices", "device count", "drop --mesh"]),
     (["--mesh", "1,2"], ["--mesh", "DATA,FSDP,TENSOR"]),
     (["--mesh", "0,1,1"], ["--mesh", ">= 1"]),
+    (["--p-min", "0.3"], ["--p-min", "--draft-model"]),
+    (["--p-min", "1.5", "--draft-model", str(draft_model_dir()), "--tree", "chain-2"], ["p_min", "[0, 1)"]),
 ])
 def test_generate_bad_arguments(capsys, extra, needles):
     assert_bad_input(run_cli(capsys, GEN + extra), *needles)

@@ -87,3 +87,26 @@ def test_the_waited_line_says_whether_programs_came_from_the_cache():
                     "cache), decode 20.0 s (AR and speculative, 4 runs each)")
     assert "(traced; XLA's compile read from the cache)" in demo.waited_line(1, 0.5, 0, 20, "")
     assert "(2 program(s) compiled and cached)" in demo.waited_line(1, 7, 2, 20, "")
+
+
+def test_a_target_with_a_paired_draft_model_drafts_with_it(tmp_path, monkeypatch, capsys):
+    """A fetched target whose registry entry names its draft model (the Qwen2.5-Coder 1.5B: the 0.5B): the demo
+    drafts with that model, fetched into AMPHISTA_HOME on first use, and stays lossless. Stand-ins: the embedded
+    model and its shipped draft sibling, marked as complete fetches of the two entries."""
+    from amphista_jax.assets import draft_model_dir
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("AMPHISTA_HOME", str(home))
+    target = tmp_path / "target"
+    shutil.copytree(default_model_dir(), target)
+    (target / MARKER).write_text(json.dumps(_marker(REGISTRY["qwen2.5-coder-1.5b"])))
+    draft = home / REGISTRY["qwen2.5-coder-0.5b"].output
+    shutil.copytree(draft_model_dir(), draft)
+    (draft / MARKER).write_text(json.dumps(_marker(REGISTRY["qwen2.5-coder-0.5b"])))
+    assert demo.demo_heads(target, None, None, UNTRAINABLE) == str(draft)
+    assert demo.demo_heads(target, "prompt_lookup", None, UNTRAINABLE) == "prompt_lookup"  # --method still wins
+    assert demo.demo_heads(default_model_dir(), None, None, UNTRAINABLE) == str(shipped_heads_dir("hydra"))
+    assert main(["demo", "--model", str(target), "--tree", "chain-3", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "drafter: draft_model; tree: chain-3" in out
+    assert "output identical to autoregressive greedy decoding: yes" in out

@@ -136,10 +136,9 @@ class FeatureDrafting:
 
             operands = (children[:, level.expand], parents, scratch)
             if p_min > 0:
-                shapes = jax.eval_shape(expand, *operands)
-                features, kv, logprobs = jax.lax.cond(
-                    valid[:, level.nodes[level.expand]].any(), expand,
-                    lambda *_, shapes=shapes: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), *operands)
+                skip = functools.partial(_zeros, jax.eval_shape(expand, *operands))
+                features, kv, logprobs = jax.lax.cond(valid[:, level.nodes[level.expand]].any(), expand, skip,
+                                                      *operands)
             else:
                 features, kv, logprobs = expand(*operands)
             scratch = tuple(s.at[:, :, used: used + m].set(x) for s, x in zip(scratch, kv, strict=True))
@@ -163,6 +162,11 @@ class FeatureDrafting:
         scratch = tuple(x.at[:, :, level.offset: end].set(y) for x, y in zip(scratch, kv, strict=True))
         score, child = self.top_k(self.logprobs(features), level.children)
         return score, child, features, scratch
+
+
+def _zeros(shapes: Any, *_: Any) -> Any:
+    """Zeros of the shapes and dtypes `shapes` holds (a skipped expansion's outputs)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
 def _empty_scratch(cache: KVCache, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:

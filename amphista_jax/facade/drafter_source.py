@@ -51,7 +51,8 @@ class DrafterSource:
 def read_source(source: str | Path | Drafter, model_dir: str | Path | None, config: ModelConfig | None,
                 settings: dict[str, Any] | None = None, params: Any = None) -> DrafterSource:
     """The `DrafterSource` of `source`: a `Drafter` (with `params`, or initialised at load); a directory holding
-    `draft.json` (trained heads) or `config.json` (a draft model sharing the target's vocabulary); a method name
+    `draft.json` (trained heads) or `config.json` (a draft model sharing the target's vocabulary), or a fetched
+    model's name (`qwen2.5-coder-0.5b`: a draft model, fetched on first use); a method name
     (`hydra`, `hydra++`): the heads shipped for the target at `model_dir`, else that method's untrained heads (with
     a note); `<method>:untrained`: its untrained heads. `settings` change the drafter's decoding settings (checked
     by the method). Without `model_dir` nothing shipped is looked for; without `config` a draft model's vocabulary
@@ -59,10 +60,13 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
     if isinstance(source, Drafter):
         return DrafterSource(source.name, with_settings(source, settings), params=params)
     from amphista_jax.assets import shipped_heads, shipped_heads_dir, shipped_heads_root
-    from amphista_jax.models.fetch import shipped_target
+    from amphista_jax.models.fetch import MODELS, resolve_model, shipped_target
     from amphista_jax.models.hf import load_config
 
     name = str(source)
+    if name in MODELS and not Path(name).exists():  # a fetched model drafting (fetched on first use)
+        source = Path(resolve_model(name))
+        name = str(source)
     untrained, method = name.endswith(UNTRAINED), name.removesuffix(UNTRAINED)
     if isinstance(source, Path) or (method not in VARIANTS and Path(name).is_dir()):  # a method name wins over ./name
         path = Path(name)

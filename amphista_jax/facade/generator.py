@@ -110,10 +110,12 @@ class Generator:
     @classmethod
     def load(cls, model: str | Path | None = None, heads: str | Path | Drafter | DrafterSource | None = None,
              tree: str | Tree = AUTO, *, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None,
-             attention: str = "xla", draft_model: str | Path | None = None, seed: int = 0) -> Generator:
+             attention: str = "xla", draft_model: str | Path | None = None, settings: dict[str, Any] | None = None,
+             seed: int = 0) -> Generator:
         """Load the target `model` (a Hugging Face directory, a fetched name such as `smollm2`, or None for the
-        embedded default) in the decode layout, then attach `heads` or `draft_model` as `with_drafter` does (None:
-        autoregressive; a `DrafterSource`: a source read already). The drafter and its tree are read and checked
+        embedded default) in the decode layout, then attach `heads` or `draft_model` (a directory or a fetched
+        name) with its decoding `settings` changed as `with_drafter` does (None: autoregressive; a
+        `DrafterSource`: a source read already). The drafter and its tree are read and checked
         before any weights load."""
         from amphista_jax.engine.sharding import param_shardings
         from amphista_jax.models.hf import load_config, load_params
@@ -124,10 +126,10 @@ class Generator:
         enable_compile_cache(amphista_home())
         if heads is not None and draft_model is not None:
             raise GeneratorError("give heads or draft_model, not both: a draft model drafts on its own")
-        source = heads if draft_model is None else Path(resolve_model(str(draft_model)))  # a fetched name too
+        source = heads if draft_model is None else Path(draft_model)  # a directory or a fetched model's name
         attach = None
         if source is not None:
-            found = source if isinstance(source, DrafterSource) else read_source(source, model_dir, config)
+            found = source if isinstance(source, DrafterSource) else read_source(source, model_dir, config, settings)
             attach = found, choose_tree(tree, found, config.vocab_size)
         tokenizer = load_tokenizer(model_dir)
         shardings = param_shardings(config, mesh, split=True) if mesh is not None else None

