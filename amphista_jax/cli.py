@@ -267,11 +267,10 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from amphista_jax.infra.config_io import load_config
-    from amphista_jax.train.config import TrainConfig
+    from amphista_jax.train.config import load_train_config
     from amphista_jax.train.heads import train_heads
 
-    train_heads(load_config(TrainConfig, args.config, args.set or []), store_only=args.store_only)
+    train_heads(load_train_config(args.config, args.set or []), store_only=args.store_only)
     return 0
 
 
@@ -290,9 +289,8 @@ def _plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from amphista_jax.infra.accelerators import get_accelerator
-    from amphista_jax.infra.config_io import load_config
     from amphista_jax.infra.output_lock import output_lock
-    from amphista_jax.train.config import TrainConfig
+    from amphista_jax.train.config import load_train_config
     from amphista_jax.train.plan import check_plan_out, describe, plan_configs, plan_request, write_plans
 
     if args.decode_batch < 1:
@@ -300,7 +298,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.out:
         check_plan_out(Path(args.out), args.replace)
     accelerator = get_accelerator(args.accelerator) if args.accelerator else None
-    requests = [plan_request(path, load_config(TrainConfig, path, args.set or []), accelerator)
+    requests = [plan_request(path, load_train_config(path, args.set or []), accelerator)
                 for path in args.config]  # every config checked before the first compile
     made = bool(args.out) and not Path(args.out).exists()
     try:
@@ -340,7 +338,8 @@ def _distill(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from amphista_jax.evals.runner import EvalConfig, run_eval
+    from amphista_jax.evals.config import EvalConfig
+    from amphista_jax.evals.runner import run_eval
     from amphista_jax.infra.config_io import load_config
 
     cfg = load_config(EvalConfig, args.config, args.set or [])

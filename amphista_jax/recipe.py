@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from amphista_jax.infra.config_io import load_config, read_yaml
+from amphista_jax.infra.config_io import read_yaml
 from amphista_jax.infra.errors import UserError, check_writable_dir
 from amphista_jax.infra.machine import memory_bytes, this_machine
 from amphista_jax.infra.output_lock import output_lock, write_atomic
@@ -115,18 +115,18 @@ def train_config(cfg: RecipeConfig, method: str, where: Path, *, steps: int | No
                  ) -> TrainConfig:
     """`method`'s `TrainConfig` as the recipe runs it: its file with the recipe's target, data (`answers`, where
     it trains on conversations), steps (the token budget's unless given) and out_dir."""
-    from amphista_jax.train.config import TrainConfig
+    from amphista_jax.train.config import load_train_config
 
     r = cfg.methods[method]
     path = config_path(where, r.config)
-    base = load_config(TrainConfig, path, list(r.set))
+    base = load_train_config(path, list(r.set))
     steps = steps or math.ceil(r.tokens / (base.data.batch_size * base.data.max_len))
     sets = [f"loop.steps={steps}", f"out_dir={out_dir or Path(cfg.out_dir) / 'train' / method}",
             f"loop.checkpoint_every={max(1, min(base.loop.checkpoint_every, steps))}",
             "loop.eval_every=0", *([f"model={cfg.model}"] if cfg.model else []),
             *([f"data.train={answers}", "data.heldout=''"] if answers and base.data.kind == "sharegpt" else []),
             *extra]
-    return load_config(TrainConfig, path, [*r.set, *sets])
+    return load_train_config(path, [*r.set, *sets])
 
 
 def config_path(where: Path, name: str) -> Path:
@@ -141,7 +141,7 @@ def features_fit(tcfg: TrainConfig, examples: int, capacity: int | None) -> bool
     from amphista_jax.models.fetch import resolve_model
     from amphista_jax.models.hf import load_config as target_config
 
-    drafter = tcfg.drafter()
+    drafter = tcfg.trained_drafter()
     if capacity is None or drafter.loss_runs_target:
         return False
     config = target_config(resolve_model(tcfg.model))

@@ -13,9 +13,9 @@ processes (`jax.distributed`, see `amphista_jax.evals.launch_local`) split the u
 (`amphista_jax.evals.report`). With both, each process decodes its own prompts on a mesh of its own (local)
 devices: the mesh's sizes multiply to `jax.local_device_count()`.
 
-Every input is checked before the target is loaded: the config, the dataset, each method spec and, when
-resuming, that `run.json` records the same settings and the same content (sha256) of the target, the heads
-and the dataset (`amphista_jax.infra.identity`).
+Every input is checked before the target is loaded: the config (`amphista_jax.evals.config`), the dataset, each
+method spec and, when resuming, that `run.json` records the same settings and the same content (sha256) of the
+target, the heads and the dataset (`amphista_jax.evals.run_record`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,158 +36,26 @@ from tqdm import tqdm
 from amphista_jax.engine.decode import pad_prompts
 from amphista_jax.engine.decode_spec import check_decode_settings
 from amphista_jax.engine.sharding import MeshError, make_mesh
-from amphista_jax.evals.datasets import DatasetConfig, Prompt, dataset_file, load_prompts, render_turn
+from amphista_jax.evals.config import EvalConfig
+from amphista_jax.evals.datasets import Prompt, dataset_file, load_prompts, render_turn
 from amphista_jax.evals.head_accuracy import head_accuracy, heldout_batches
-from amphista_jax.evals.methods import CHOSEN, Method, resolve_methods
+from amphista_jax.evals.methods import Method, resolve_methods
 from amphista_jax.evals.metrics import breakdown, lossless_mismatches, tree_statistics
 from amphista_jax.evals.report import write_reports
 from amphista_jax.evals.results import ResultWriter, process_file, read_results, safe_label
+from amphista_jax.evals.run_record import check_run_file, discard_run, resume_note, write_run_file
 from amphista_jax.facade.generator import Generator
 from amphista_jax.infra.compiled_programs import release_if_crowded
-from amphista_jax.infra.errors import OutputExistsError, UserError, check_writable_dir
-from amphista_jax.infra.identity import RunMismatchError, changes, sha256_file, target_identity
+from amphista_jax.infra.errors import check_writable_dir
 from amphista_jax.infra.machine import this_machine
-from amphista_jax.infra.output_lock import LOCK_FILE, output_lock, write_atomic
-from amphista_jax.models.attention import AttentionBackend
+from amphista_jax.infra.output_lock import output_lock, write_atomic
 from amphista_jax.models.fetch import default_model, resolve_model
-from amphista_jax.models.hf import DTYPES, load_config
+from amphista_jax.models.hf import load_config
 from amphista_jax.models.target import Target
-from amphista_jax.train.config import DataConfig, MeshConfig
+from amphista_jax.train.config import MeshConfig
 from amphista_jax.train.loop import maybe_initialize_distributed
 from amphista_jax.trees.sampling import SamplingConfig
 from amphista_jax.trees.verify import AcceptanceConfig
-
-
-class EvalConfigError(UserError, ValueError):
-    """An eval config that cannot work with its model: found before any weights load."""
-
-
-ORDERS = ("method", "prompt")
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    dataset: DatasetConfig = DatasetConfig()
-    methods: tuple[str, ...] = ("ar",)  # specs, see amphista_jax.evals.methods; the AR baseline is always run first
-    out_dir: str = "runs/eval/default"
-    model: str = ""  # HF checkpoint directory, a fetched name (smollm2) or tiny; "" = `fetch.default_model()`
-    tree: str = "mc_sim_7b_63"  # default tree of every draft method (a spec's `@tree` overrides it)
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    acceptance: str | None = None  # None: greedy at temperature 0, lossless rejection sampling otherwise
-    batch_size: int = 1
-    dtype: str = "float32"
-    seed: int = 0
-    pad_multiple: int = 64
-    attention: str = "xla"
-    heldout: DataConfig = DataConfig(kind="stdlib")  # per-head accuracy data
-    heldout_batches: int = 4  # 0 = skip per-head accuracy
-    allow_mismatch: bool = False  # exit 0 even when a method's greedy output differs from AR's
-    mesh: MeshConfig | None = None  # None = one device; sizes multiply to each process's device count
-    # method: each method through every prompt in turn; prompt: every method on a batch before the next batch (the
-    # ratios of a run then hold when the machine's speed drifts during it)
-    order: str = "method"
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.pad_multiple < 1:
-            raise ValueError(f"batch_size={self.batch_size} and pad_multiple={self.pad_multiple} must both be >= 1")
-        if not self.methods:
-            raise ValueError("methods is empty: give at least `ar`")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
-        AttentionBackend.parse(self.attention)
-        if self.order not in ORDERS:
-            raise ValueError(f"order {self.order!r} must be one of {', '.join(ORDERS)}")
-        if self.heldout_batches < 0:
-            raise ValueError(f"heldout_batches={self.heldout_batches} must be >= 0 (0 = skip per-head accuracy)")
-        check_decode_settings(self.max_new_tokens, SamplingConfig(self.temperature, self.top_k, self.top_p),
-                              AcceptanceConfig(self.acceptance))
-
-    @property
-    def lossless_checked(self) -> bool:
-        return self.temperature == 0.0
-
-
-# Settings that change what a prompt's result is; a rerun into the same out_dir must keep them.
-# `heldout` / `heldout_batches` are here because head_accuracy.json is cached per method label.
-RESULT_SETTINGS = ("model", "max_new_tokens", "temperature", "top_k", "top_p", "acceptance", "batch_size", "dtype",
-                   "seed", "pad_multiple", "attention", "heldout", "heldout_batches")
-
-
-# What an eval run writes into its out_dir: what `--replace` removes (nothing else there is touched; run.json,
-# the mark of an eval run, last).
-EVAL_OUTPUTS = ("results", "compile", "merged", "head_accuracy.json", "tree_stats.json", "summary.json", "report.md",
-                "head_accuracy.png", "tau_by_category.png", "run.json")
-
-
-def check_run_file(out_dir: Path, cfg: EvalConfig, model_dir: str, methods: list[Method],
-                   dataset_path: Path | None = None, replace: bool = False) -> dict[str, Any]:
-    """Compare with `run.json` of earlier runs into `out_dir` (resuming must not mix settings, nor results of
-    a target, heads or dataset that changed under the same path; `replace` starts over instead); returns what
-    `write_run_file` records."""
-    path = out_dir / "run.json"
-    dataset = {"kind": cfg.dataset.kind, "path": cfg.dataset.path, "chat": cfg.dataset.use_chat}
-    if cfg.dataset.turns:  # what a prompt's record holds (recorded when set, so earlier runs of all turns resume)
-        dataset["turns"] = cfg.dataset.turns
-    if dataset_path is not None:
-        dataset["sha256"] = sha256_file(dataset_path)
-    values = {k: getattr(cfg, k) for k in RESULT_SETTINGS}
-    settings = json.loads(json.dumps(  # as stored (tuples -> lists)
-        {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()} | {
-            "model": model_dir, "model_files": target_identity(model_dir), "dataset": dataset}))
-    described = json.loads(json.dumps({m.label: m.describe() for m in methods}))  # as stored (tuples -> lists)
-    if not path.is_file() and out_dir.is_dir() and any(p.name != LOCK_FILE for p in out_dir.iterdir()):
-        raise OutputExistsError(f"out_dir {out_dir} holds files but no run.json, so it is not an eval run: pick a "
-                                "new out_dir (eval writes report.md, summary.json, results/ ... into it)")
-    try:
-        previous = json.loads(path.read_text()) if path.is_file() else {"settings": settings, "methods": {}}
-    except json.JSONDecodeError as e:
-        raise RunMismatchError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}): restore it, or use a new "
-                               "out_dir") from None
-    if not isinstance(previous, dict) or not isinstance(previous.get("settings"), dict):  # e.g. a train run's
-        raise RunMismatchError(f"{path} is not an eval run record: restore it, or use a new out_dir")
-    if replace:  # an eval run's directory: its results are discarded (`discard_run`)
-        return {"settings": settings, "methods": described}
-    changed = changes(previous.get("settings"), settings)
-    for label, now in described.items():
-        if label in previous.get("methods", {}):
-            before = previous["methods"][label]
-            if "tree" not in now:  # `auto` not chosen yet: its tree is compared once it is (`_evaluate`)
-                before = {k: v for k, v in before.items() if k not in CHOSEN}
-            changed |= changes(before, now, f"method {label}")
-    if changed:
-        raise RunMismatchError(f"{out_dir} holds results made with other settings or inputs (before, now): "
-                               f"{_format_changes(changed)}; use a new out_dir, or pass --replace to discard those "
-                               "results and evaluate with these")
-    return {"settings": settings, "methods": previous.get("methods", {}) | described}
-
-
-def _format_changes(changed: dict[str, tuple[Any, Any]], limit: int = 4) -> str:
-    """`key: (before, now)` items with long values cut; the files of one checkpoint (`model_files`, a
-    method's `heads_files`) as one item naming the first file that differs."""
-    def short(v: Any) -> str:
-        text = repr(v[:12] + "..." if isinstance(v, str) and len(v) == 64 else v)  # a sha256
-        return text if len(text) <= 60 else text[:57] + "..."
-
-    items, files = [], {}
-    for k, (before, now) in changed.items():
-        group = next((k[: k.index(g) + len(g)] for g in ("model_files.", "heads_files.") if g in k), None)
-        if group:
-            files.setdefault(group.rstrip(".").replace(".heads_files", " heads_files"), []).append(
-                k.removeprefix(group))
-        else:
-            items.append(f"{k}: ({short(before)}, {short(now)})")
-    items = [f"{g}: content changed ({len(n)} file(s) differ, e.g. {n[0]})" for g, n in files.items()] + items
-    return "; ".join(items[:limit]) + (f"; and {len(items) - limit} more" if len(items) > limit else "")
-
-
-def write_run_file(out_dir: Path, run: dict[str, Any]) -> None:
-    """Process 0 records this run's settings and methods (after every process checked the old ones)."""
-    _barrier("eval-run-file")
-    if jax.process_index() == 0:
-        write_atomic(out_dir / "run.json", json.dumps(run, indent=2) + "\n")
 
 
 def _agree_on_trees(gens: dict[str, Generator], batch: int) -> None:
@@ -391,26 +258,6 @@ def _read_lines(directory: Path, label: str) -> list[str]:
             for line in p.read_text().splitlines() if line.strip()]
 
 
-def discard_run(out_dir: Path) -> None:
-    """Remove an earlier eval run's outputs (`EVAL_OUTPUTS`) from `out_dir`; other files there stay."""
-    for name in EVAL_OUTPUTS:
-        path = out_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-
-
-def _resume_note(out_dir: Path) -> str | None:
-    """The line that says an earlier run into `out_dir` is resumed (None: nothing to resume)."""
-    if not (out_dir / "run.json").is_file():
-        return None
-    done = sum(1 for p in (out_dir / "results").glob("*.jsonl") for line in p.read_text().splitlines() if line)
-    state = "finished" if (out_dir / "summary.json").is_file() else "did not finish (killed?)"
-    return (f"note: {out_dir} holds an eval run with these settings that {state}: resuming it ({done} prompt "
-            "result(s) kept, only the missing ones run); pass --replace to start over")
-
-
 def run_eval(cfg: EvalConfig, replace: bool = False) -> dict[str, Any] | None:
     """Run every method on every prompt (resuming; `replace`: discarding an earlier run in `out_dir` instead),
     then merge on process 0. Returns the summary on process 0 and None elsewhere."""
@@ -448,9 +295,10 @@ def _evaluate(cfg: EvalConfig, model_dir: str, out_dir: Path, mesh: Mesh | None,
     if jax.process_index() == 0:
         if replace:
             discard_run(out_dir)
-        elif note := _resume_note(out_dir):
+        elif note := resume_note(out_dir):
             print(note, file=sys.stderr)
-    write_run_file(out_dir, run)  # a barrier first: every process finds the directory discarded
+    _barrier("eval-run-file")  # every process has checked run.json and finds the directory discarded
+    write_run_file(out_dir, run)
     results_dir = out_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     session = _Session(cfg, base, gens, results_dir)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from amphista_jax.evals.runner import RESULT_SETTINGS
+from amphista_jax.evals.run_record import RESULT_SETTINGS
 from amphista_jax.infra.errors import UserError
 from amphista_jax.infra.figures import pyplot, save_figure
 from amphista_jax.infra.identity import changes

@@ -30,12 +30,12 @@ The kernel runs one program per (batch row, kv head, split) over the T * G query
 (G = Hq // Hkv, processed together so each cache block is loaded once per group). Flash-decoding: the committed
 prefix's `block_k`-slot blocks are dealt out to `k_splits` programs in contiguous runs; each runs an online
 softmax over its run, cut to cdiv(lengths[b], block_k) (a split past a row's length loads nothing) and, with a
-window, to the blocks some query can still reach; split 0 also folds in the T new tokens. The
-splits' (max, denominator, unnormalised output) partials are merged outside the kernel (`_combine_splits`).
+window, to the blocks some query can still reach; split 0 also folds in the T new tokens. The splits' (max,
+denominator, unnormalised output) partials are merged outside the kernel (`online_softmax.combine_splits`).
 The wrapper slices the T new slots out of the cache (cheap: T is small), so their visibility is a plain
 [T*G, T] mask with no gather inside the kernel. Query rows and new tokens are zero-padded to a power of two >= 16
 (Triton tile sizes); S needs no padding: the last block overlaps its neighbour. `KernelSettings` holds the block
-sizes and launch settings.
+sizes and launch settings (`kernel_settings.py`).
 
 One kernel body serves every platform, its compiler chosen by the backend: Triton on GPU (block_k a power of two
 >= 16, cut to the largest such power within S; head_dim >= 16 in 16-bit dtypes, refused below), Mosaic on TPU
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import jax
@@ -59,13 +58,14 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.dense_attention import apply_window, dot_product_attention, key_visibility
+from pallas_kernels.kernel_settings import KernelSettings, check_gpu_head_dim, compiler_params
+from pallas_kernels.online_softmax import NEG_INF, combine_splits, dot_nt, online_softmax_step
 
 Backend = Literal["auto", "pallas", "xla"]
 BACKENDS: tuple[str, ...] = ("auto", "pallas", "xla")
-_NEG_INF = -jnp.inf
+_DEFAULT_SETTINGS = KernelSettings()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -170,34 +170,6 @@ def tree_attention_reference(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b.T with fp32 accumulation: [M, D] x [N, D] -> [M, N]."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b with fp32 accumulation: [M, N] x [N, D] -> [M, D]."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _online_softmax_step(
-    carry: tuple[jax.Array, jax.Array, jax.Array],  # m [R, 1], l [R, 1], acc [R, Dh], all fp32
-    scores: jax.Array,  # [R, N] fp32, may hold NaN where not visible
-    visible: jax.Array,  # [R, N] bool
-    v: jax.Array,  # [N, Dh], finite (masked rows already zeroed)
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Fold one block of keys into the running (max, sum, weighted values) of a flash-style softmax."""
-    m_prev, l_prev, acc_prev = carry
-    scores = jnp.where(visible, scores, _NEG_INF)  # before any arithmetic: drops NaN from unused slots
-    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-    m_safe = jnp.where(m_next == _NEG_INF, 0.0, m_next)  # all masked so far: avoid -inf - -inf
-    alpha = jnp.exp(m_prev - m_safe)
-    p = jnp.where(visible, jnp.exp(scores - m_safe), 0.0)  # [R, N]
-    l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    acc_next = alpha * acc_prev + _dot_nn(p.astype(v.dtype), v)
-    return m_next, l_next, acc_next
-
-
 def _tree_attention_kernel(
     length_ref,  # [1] int32: lengths[b] (a [B] SMEM array on TPU: read at program_id(0))
     window_ref,  # [1] int32
@@ -236,7 +208,7 @@ def _tree_attention_kernel(
         v = jnp.where((rows >= nominal) & (rows < length), v, jnp.zeros_like(v))  # 0 * NaN = NaN otherwise
         in_window = (window <= 0) | (q_pos - cols < window)  # [R, bk]
         visible = (cols >= nominal) & (cols < length) & in_window
-        return _online_softmax_step(carry, _dot_nt(q, k) * sm_scale, visible, v)
+        return online_softmax_step(carry, dot_nt(q, k) * sm_scale, visible, v)
 
     # This split's blocks, cut to the committed prefix (blocks past it are never loaded) and, with a window, to
     # the blocks some row can still reach. A split past every row's length runs no block.
@@ -244,7 +216,7 @@ def _tree_attention_kernel(
     lo = jnp.maximum(split * blocks_per_split, jnp.where(window > 0, first_visible // block_k, 0))
     hi = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(length, block_k))
     carry = (
-        jnp.full((num_rows, 1), _NEG_INF, jnp.float32),
+        jnp.full((num_rows, 1), NEG_INF, jnp.float32),
         jnp.zeros((num_rows, 1), jnp.float32),
         jnp.zeros((num_rows, head_dim), jnp.float32),
     )
@@ -253,20 +225,8 @@ def _tree_attention_kernel(
     # The new tokens belong to split 0 (every split computes the same small step; the others see none of it).
     k_new, v_new = k_new_ref[...], v_new_ref[...]
     new_visible = (new_mask_ref[...] != 0) & (split == 0)
-    m_ref[...], l_ref[...], acc_ref[...] = _online_softmax_step(carry, _dot_nt(q, k_new) * sm_scale, new_visible,
+    m_ref[...], l_ref[...], acc_ref[...] = online_softmax_step(carry, dot_nt(q, k_new) * sm_scale, new_visible,
                                                                 v_new)
-
-
-def _combine_splits(
-    m: jax.Array,  # [..., P, R, 1] fp32: each split's running max (-inf where it saw nothing)
-    denom: jax.Array,  # [..., P, R, 1] fp32
-    acc: jax.Array,  # [..., P, R, Dh] fp32
-) -> jax.Array:  # [..., R, Dh] fp32
-    """Merge the splits' online-softmax partials into the softmax-weighted values (0 for a row that saw nothing)."""
-    m_max = jnp.max(m, axis=-3, keepdims=True)
-    weight = jnp.exp(m - jnp.where(m_max == _NEG_INF, 0.0, m_max))  # exp(-inf) = 0 for an empty split
-    total = jnp.sum(weight * denom, axis=-3)
-    return jnp.sum(weight * acc, axis=-3) / jnp.where(total == 0.0, 1.0, total)
 
 
 def _new_token_mask(
@@ -293,72 +253,6 @@ def _pad_axis(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, widths, mode=mode)
-
-
-@dataclass(frozen=True)
-class KernelSettings:
-    """Block sizes and launch settings of the Pallas kernel, checked when made.
-
-    block_k: committed cache slots per online-softmax step (a power of two >= 16 for compiled GPU kernels, Triton's
-    smallest dot). k_splits: programs that share one (batch row, kv head)'s committed prefix, each over a
-    contiguous run of blocks, merged afterwards (flash-decoding); None picks enough splits for `min_programs`
-    programs on a GPU and 1 elsewhere (a TPU core runs programs one after another; interpreted, splits only cost).
-    num_warps, num_stages: Triton's launch settings (GPU only).
-    """
-
-    block_k: int = 128
-    k_splits: int | None = None
-    min_programs: int = 132  # an H100 has 132 SMs
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("block_k", "min_programs", "num_warps", "num_stages"):
-            _check_positive(name, getattr(self, name))
-        if self.k_splits is not None:
-            _check_positive("k_splits", self.k_splits)
-
-    def block_size(self, num_slots: int, platform: str) -> int:
-        """The committed-slot block of one online-softmax step for a cache of `num_slots`: `block_k`, at most S;
-        on GPU a power of two >= 16 (Triton's tile shapes), the largest one within S."""
-        if platform != "gpu":
-            return min(self.block_k, num_slots)
-        if self.block_k < 16 or self.block_k & (self.block_k - 1):
-            raise ValueError(f"block_k={self.block_k} must be a power of two >= 16 for the compiled GPU kernel")
-        if num_slots < 16:
-            raise ValueError(f"a cache of {num_slots} slots is below the GPU kernel's smallest block (16): use the "
-                             "xla backend for caches this small")
-        return min(self.block_k, 1 << (num_slots.bit_length() - 1))
-
-    def splits(self, num_slots: int, programs: int, platform: str) -> tuple[int, int]:
-        """(k_splits, committed blocks per split) for a cache of `num_slots` and `programs` = batch * kv heads; the
-        automatic choice aims at `min_programs` programs, fewer where the blocks do not divide evenly."""
-        num_blocks = pl.cdiv(num_slots, self.block_size(num_slots, platform))
-        wanted = self.k_splits or (pl.cdiv(self.min_programs, programs) if platform == "gpu" else 1)
-        per_split = pl.cdiv(num_blocks, min(wanted, num_blocks))
-        return pl.cdiv(num_blocks, per_split), per_split
-
-
-def check_gpu_head_dim(head_dim: int, dtype: jnp.dtype) -> None:
-    """Raise ValueError where Triton's dot cannot take the head dimension: a 16-bit dot contracts over >= 16
-    elements (a smaller 16-bit head_dim compiles to wrong scores: docs/gpu/README.md)."""
-    if jnp.dtype(dtype).itemsize < 4 and head_dim < 16:
-        raise ValueError(f"head_dim={head_dim} in {jnp.dtype(dtype).name} is below the GPU kernel's smallest "
-                         "16-bit dot (16): use the xla backend, or float32")
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-def _compiler_params(platform: str, settings: KernelSettings) -> pl.CompilerParams | None:
-    """The compiler each platform runs: Triton on GPU, Mosaic on TPU (every grid axis independent)."""
-    if platform == "gpu":
-        return pl_triton.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
-    if platform == "tpu":
-        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
-    return None
 
 
 @functools.partial(jax.jit, static_argnames=("settings", "platform"))
@@ -432,10 +326,10 @@ def _tree_attention_pallas(
         out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, k_splits, padded_rows, w), jnp.float32)
                    for w in widths],
         interpret=platform == "cpu",
-        compiler_params=_compiler_params(platform, settings),
+        compiler_params=compiler_params(platform, settings),
         name="tree_attention",
     )(lengths, window, q_rows, flat(k_cache), flat(v_cache), k_new, v_new, new_mask, q_pos_rows)
-    out = _combine_splits(*partials)[:, :, :rows].astype(q.dtype)  # [B, K, T * G, Dh]
+    out = combine_splits(*partials)[:, :, :rows].astype(q.dtype)  # [B, K, T * G, Dh]
     out = out.reshape(batch, num_kv_heads, num_new, group, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(q.shape)
 
@@ -464,7 +358,7 @@ def tree_attention(
     q_positions: jax.Array,  # [B, T]
     window: int | jax.Array = 0,  # [], may be traced
     *,
-    settings: KernelSettings = KernelSettings(),
+    settings: KernelSettings = _DEFAULT_SETTINGS,
     interpret: bool | None = None,
     backend: Backend = "auto",
 ) -> jax.Array:  # [B, T, Hq, Dh]

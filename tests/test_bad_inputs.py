@@ -482,7 +482,7 @@ def test_eval_resume_refuses_heads_or_data_changed_under_the_same_path(capsys, t
 
 # --- train and pretrain-target --------------------------------------------------------------------------------
 TRAIN = ["train", "--config", "configs/medusa/code.yaml", "--set", "data.kind=text", "--set", "data.max_len=32",
-         "--set", "data.batch_size=2", "--set", "loop.steps=2", "--set", "method_settings.num_heads=2"]
+         "--set", "data.batch_size=2", "--set", "loop.steps=2", "--set", "drafter.num_heads=2"]
 PRETRAIN = ["pretrain-target", "--config", "configs/target/tiny-code.yaml", "max_files=30", "heldout_fraction=0.2",
             "vocab_size=300", "seq_len=32", "batch_size=4", "arch.hidden_size=32", "arch.intermediate_size=64",
             "arch.num_layers=2", "arch.num_heads=2", "arch.num_kv_heads=1", "eval_windows=4", "sample_tokens=8",
@@ -527,8 +527,10 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "optim.b2=1"], ["b2=1.0", "[0, 1)"]),
     (["--set", "data.batch_size=0"], ["batch_size=0", ">= 1"]),
     (["--set", "data.heldout_fraction=2"], ["heldout_fraction=2.0", "(0, 1)"]),
-    (["--set", "method=speculator"], ["'speculator'", "medusa"]),
-    (["--set", "method_settings=3"], ["method_settings", "mapping"]),
+    (["--set", "drafter.type=speculator"], ["drafter.type 'speculator' is not one of", "medusa"]),
+    (["--set", "drafter=3"], ["drafter", "expected a mapping of a type"]),
+    (["--set", "drafter={num_heads: 2}"], ["drafter: no type", "add drafter.type"]),
+    (["--set", "drafter.num_headz=2"], ["drafter: unknown key(s) ['num_headz']", "num_heads"]),
     (["--set", "loop.steps.x=1"], ["loop.steps is a value"]),
     (["--set", "model=/no/such/model"], ["/no/such/model", "does not exist"]),
     (["--set", "data.train=/no/such/data"], ["data.train /no/such/data", "matches no file"]),
@@ -537,27 +539,61 @@ def _copy_run(trained, tmp_path: Path) -> tuple[list[str], Path]:
     (["--set", "data.max_len=100000"], ["data.max_len=100000", "2048 positions"]),
     (["--set", "mesh.data=3"], ["3 devices", "device count"]),
     (["--set", "part_lrs.nothere=0.1"], ["part_lrs ['nothere']", "parameter groups"]),
-    (["--set", "method_settings.num_heads=-3"], ["num_heads=-3 must be >= 1"]),
-    (["--set", "method_settings.num_heads=0"], ["num_heads=0 must be >= 1"]),
-    (["--set", "method_settings.num_layers=-1"], ["num_layers=-1 >= 0"]),
-    (["--set", "method_settings.loss_decay=0"], ["loss_decay=0 must be in (0, 1]"]),
-    (["--set", "method_settings.num_heads='4'"], ["num_heads='4' must be an integer"]),
-    (["--set", "method_settings.num_heads=2.5"], ["num_heads=2.5 must be an integer"]),
-    (["--set", "method=bita", "--set", "method_settings={}", "--set", "data.cache_target_hidden=true"],
+    (["--set", "drafter.num_heads=-3"], ["num_heads=-3 must be an integer >= 1"]),
+    (["--set", "drafter.num_heads=0"], ["num_heads=0 must be an integer >= 1"]),
+    (["--set", "drafter.num_layers=-1"], ["num_layers=-1 must be an integer >= 0 (ResBlocks per head)"]),
+    (["--set", "drafter.loss_decay=0"], ["loss_decay=0.0 must be in (0, 1]"]),
+    (["--set", "drafter.num_heads='4'"], ["drafter.num_heads", "expected int, got '4'"]),
+    (["--set", "drafter.num_heads=2.5"], ["drafter.num_heads", "expected int, got 2.5"]),
+    (["--set", "draft_vocab_size=-1"], ["draft_vocab_size=-1 must be an integer >= 0"]),
+    (["--set", "draft_vocab_size=100000"], ["draft_vocab_size=100000 exceeds the target's"]),
+    (["--set", "drafter={type: bita}", "--set", "data.cache_target_hidden=true"],
      ["bita runs the target inside its own loss", "data.cache_target_hidden=false"]),
     (["--set", "loss.labels=model"], ["loss.labels 'model'", "data, target"]),
     (["--set", "loss.kind=kl"], ["loss.kind kl", "set loss.labels to target"]),
     (["--set", "loss.kind=mse", "--set", "loss.labels=target"], ["loss.kind 'mse'", "ce, kl"]),
     (["--set", "loss.top_k=0", "--set", "loss.labels=target"], ["loss.top_k=0", "integer >= 1"]),
-    (["--set", "method=bita", "--set", "method_settings={}", "--set", "loss.labels=target"],
+    (["--set", "drafter={type: bita}", "--set", "loss.labels=target"],
      ["bita runs the target inside its loss", "loss.labels data"]),
-    (["--set", "method=eagle3", "--set", "method_settings={}", "--set", "loss.labels=target"],
-     ["eagle3 has no LM term here", "method_settings.lm_weight > 0"]),
+    (["--set", "drafter={type: eagle3}", "--set", "loss.labels=target"],
+     ["eagle3 has no LM term here", "drafter.lm_weight > 0"]),
 ])
 def test_train_bad_settings_fail_before_any_work(capsys, tmp_path, extra, needles):
     data, out = _code(tmp_path / "code"), tmp_path / "run"
     assert_bad_input(run_cli(capsys, _train(out, data, *extra), watch=[data]), *needles)
     assert not out.exists()
+
+
+OLD_FORM = "data: {kind: text, train: x}\nmethod: eagle3\nmethod_settings: {ttt_steps: 2, draft_vocab_size: 64}\n"
+OVER_OLD_BASE = "base: old.yaml\nout_dir: runs/x\n"  # a config of today's form over a base of the old one
+OLD_RECIPE = "model: tiny\nmethods:\n  medusa: {config: %s, tokens: 64, set: [method_settings.num_heads=2]}\n"
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["train", "--config", "{dir}/old.yaml"],
+     ["old.yaml: method/method_settings are gone", "write drafter: {type: eagle3, <settings>}",
+      "draft_vocab_size: 64 at the top level", "(see configs/medusa/code.yaml)"]),
+    (["plan", "--config", "{dir}/old.yaml"], ["method/method_settings are gone", "drafter: {type: eagle3"]),
+    (["train", "--config", "{dir}/job.yaml"], ["job.yaml: method/method_settings are gone", "drafter: {type: eagle3"]),
+    (["train", "--config", "configs/medusa/code.yaml", "--set", "method_settings.num_heads=2"],
+     ["--set method_settings.num_heads=2: method_settings is gone", "write --set drafter.num_heads=2"]),
+    (["train", "--config", "configs/medusa/code.yaml", "--set", "method_settings.draft_vocab_size=64"],
+     ["method_settings is gone", "write --set draft_vocab_size=64"]),
+    (["train", "--config", "configs/medusa/code.yaml", "--set", "method=hydra"],
+     ["--set method=hydra: method is gone", "write --set drafter.type=hydra", "--set 'drafter={type: hydra}'"]),
+    (["plan", "--config", "configs/medusa/vicuna-7b.yaml", "--set", "method=eagle"],
+     ["method is gone", "--set drafter.type=eagle"]),
+    (["recipe", "--config", "{dir}/recipe.yaml"], ["method_settings is gone", "drafter.num_heads=2"]),
+])
+def test_the_config_form_before_registered_drafters_is_refused_in_one_line(capsys, tmp_path, argv, needles):
+    """`method` + `method_settings` (a file, a base of it, or `--set`) stop before any work in one line that names
+    what replaced them: `drafter: {type: <name>, <settings>}` and `--set drafter.<setting>=v`."""
+    (tmp_path / "old.yaml").write_text(OLD_FORM)
+    (tmp_path / "job.yaml").write_text(OVER_OLD_BASE)
+    (tmp_path / "recipe.yaml").write_text(OLD_RECIPE % (ROOT / "configs/medusa/code.yaml"))
+    argv = [a.replace("{dir}", str(tmp_path)) for a in argv]
+    assert_bad_input(run_cli(capsys, argv, watch=[tmp_path]), *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml", "old.yaml", "recipe.yaml"]
 
 
 def test_train_out_dir_under_a_file(capsys, tmp_path, user_files):
@@ -574,7 +610,7 @@ def test_train_rerun_of_a_finished_run_changes_nothing(capsys, trained):
 @pytest.mark.parametrize("extra, needles", [
     (["--set", "optim.lr=0.002"], ["optim.lr 0.001 -> 0.002"]),
     (["--set", "loop.steps=3"], ["loop.steps 2 -> 3"]),  # the LR schedule spans `steps`: no silent extension
-    (["--set", "method_settings.num_heads=3"], ["method_settings.num_heads 2 -> 3"]),
+    (["--set", "drafter.num_heads=3"], ["drafter.num_heads 2 -> 3"]),
     (["--set", "data.max_len=48", "--set", "data.seed=1"], ["data.max_len 32 -> 48", "data.seed 0 -> 1"]),
 ])
 def test_train_into_a_run_with_other_settings_is_refused(capsys, trained, extra, needles):

@@ -12,7 +12,8 @@ import pytest
 
 from amphista_jax.models.config import ConfigError, tiny_llama_config
 from amphista_jax.models.hf import INDEX_FILE, CheckpointError, load_params, save_params
-from amphista_jax.models.llama import init_params, split_layers
+from amphista_jax.models.llama import init_params
+from amphista_jax.models.param_layout import split_layers
 
 CONFIG = tiny_llama_config(qkv_bias=True, model_type="qwen2")
 

@@ -31,8 +31,9 @@ def test_the_spec_counts_the_tree_and_the_drafters_extras(bita):
 
 def test_generate_and_stream_allocate_the_specs_cache(bita):
     gen = bita.with_tree("small-8")
+    gen.release_programs()  # the target's one cache: empty, so the program below is this call's
     out = gen.generate(PROMPTS, max_new_tokens=12)
-    [(shape, spec, cache_size)] = list(gen.programs)
+    [(shape, spec, cache_size, _)] = list(gen.target.programs)
     assert shape[1] == bucket(max(len(gen.encode(p)) for p in PROMPTS))
     assert cache_size == spec.cache_size(shape[1])
     tokens, lengths = pad_prompts([gen.encode(PROMPTS[0])], length=bucket(len(gen.encode(PROMPTS[0]))))

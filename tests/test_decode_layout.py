@@ -16,7 +16,8 @@ import pytest
 from amphista_jax.drafters import VARIANTS
 from amphista_jax.engine.decode import decode, pad_prompts
 from amphista_jax.engine.decode_spec import DecodeSpec
-from amphista_jax.models.llama import init_params, split_layers
+from amphista_jax.models.llama import init_params
+from amphista_jax.models.param_layout import split_layers
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import chain
 from tests.helpers import CONFIG, PROMPTS

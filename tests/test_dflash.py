@@ -63,7 +63,7 @@ def test_reference_feature_layers():
 
 
 def test_bad_settings_are_one_line(target):
-    with pytest.raises(ValueError, match="block_size=1 must be >= 2"):
+    with pytest.raises(ValueError, match="block_size=1 must be an integer >= 2"):
         DFlash(block_size=1)
     with pytest.raises(ValueError, match="num_anchors=0"):
         DFlash(num_anchors=0)

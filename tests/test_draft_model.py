@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax import Generator
+from amphista_jax import Generator, LoadedTarget
 from amphista_jax.drafters.base import PrefillContext, Proposal
 from amphista_jax.drafters.draft_model import DraftModel, DraftModelError
 from amphista_jax.engine.decode import generate, pad_prompts, speculative_generate
 from amphista_jax.models.hf import save_params
-from amphista_jax.models.llama import Output, Transformer, has_split_layers, init_params, split_layers, target_model
+from amphista_jax.models.llama import Output, Transformer, init_params, target_model
+from amphista_jax.models.param_layout import has_split_layers, split_layers
 from amphista_jax.models.target import Target
 from amphista_jax.trees.growth import dynamic_tree
 from amphista_jax.trees.names import PRESETS
@@ -261,7 +262,7 @@ def test_eval_spec_names_a_model_directory(target, tmp_path):
     save_params(drafter.init(jax.random.key(1), target), SMALL, tmp_path / "draft", dtype="float32")
     method = resolve_method(f"small={tmp_path / 'draft'}@chain-2", "auto", target.config)
     assert (method.label, method.method, method.drafter, method.tree) == ("small", DRAFT_MODEL, drafter, chain(2))
-    gen = method.generator(Generator(target.config, target.params, None, ()))
+    gen = method.generator(Generator.load(LoadedTarget.from_params(target.config, target.params)))
     assert "config.json" in method.heads_files and gen.draft_params is not None
     other = dataclasses.replace(SMALL, vocab_size=128)
     save_params(init_params(other, jax.random.key(2)), other, tmp_path / "other", dtype="float32")

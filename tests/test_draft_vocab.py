@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.drafters import Amphista, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive
+from amphista_jax.drafters import Amphista, BiTA, Eagle, Gumiho, Hydra, Medusa, SemiAutoregressive
 from amphista_jax.drafters.draft_vocab import most_frequent, to_draft, to_target, token_counts
 from amphista_jax.drafters.io import load_draft, save_draft
 from amphista_jax.drafters.losses import head_metrics
@@ -192,15 +192,18 @@ def test_the_trainer_chooses_the_most_frequent_label_tokens():
     from amphista_jax.train.examples import choose_draft_vocab
 
     data = DataConfig(train="x")
-    cfg = TrainConfig(data, method="eagle", method_settings={"draft_vocab_size": 2, "num_layers": 1})
-    assert cfg.drafter() == Eagle(draft_vocab=(0, 1))  # same shapes as the chosen one: for checks and plans
+    cfg = TrainConfig(data, drafter=Eagle(num_layers=1), draft_vocab_size=2)
+    assert cfg.trained_drafter() == Eagle(draft_vocab=(0, 1))  # same shapes as the chosen one: for checks and plans
+    assert cfg.trained_drafter((3, 5)) == Eagle(draft_vocab=(3, 5)) and cfg.drafter == Eagle()
     examples = [{"tokens": np.array([5, 7, 7, 2]), "loss_mask": np.array([0, 1, 1, 1])},
                 {"tokens": np.array([9, 2, 9, 9]), "loss_mask": np.array([1, 1, 0, 0])}]
     assert choose_draft_vocab(cfg, examples, 10) == (2, 7)  # 7 7 2 | 9 2: 2 and 7 twice, 9 once
     assert choose_draft_vocab(TrainConfig(data), examples, 10) is None
-    for settings, error in (({"draft_vocab_size": 0}, "must be an integer >= 1"),
-                            ({"draft_vocab_size": 4, "draft_vocab": [1]}, "without draft_vocab")):
+    for settings, error in (({"draft_vocab_size": -1}, "draft_vocab_size=-1 must be an integer >= 0"),
+                            ({"draft_vocab_size": True}, "draft_vocab_size=True must be an integer >= 0"),
+                            ({"draft_vocab_size": 4, "drafter": Medusa(draft_vocab=(1,))},
+                             "draft_vocab_size=4 and drafter.draft_vocab both give the draft vocabulary")):
         with pytest.raises(ValueError, match=error):
-            TrainConfig(data, method="medusa", method_settings=settings)
+            TrainConfig(data, **settings)
     with pytest.raises(ValueError, match="bita drafts over the target's own logits"):
-        TrainConfig(data, method="bita", method_settings={"draft_vocab_size": 4})
+        TrainConfig(data, drafter=BiTA(), draft_vocab_size=4)

@@ -20,7 +20,8 @@ from amphista_jax.drafters.io import load_draft, save_draft
 from amphista_jax.engine.decode import prefill
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.llama import Output, Transformer, init_params, new_cache, split_layers
+from amphista_jax.models.llama import Output, Transformer, init_params, new_cache
+from amphista_jax.models.param_layout import split_layers
 from amphista_jax.models.target import Target, forward
 from amphista_jax.train.step import make_steps
 from amphista_jax.trees.growth import dynamic_tree

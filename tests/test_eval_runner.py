@@ -183,7 +183,7 @@ def test_lossless_check_fails_loudly_on_a_wrong_drafter_output(reference, prompt
 def test_rerun_with_other_settings_is_refused(reference, prompts_file, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(reference, out)
-    from amphista_jax.evals.runner import RunMismatchError
+    from amphista_jax.infra.identity import RunMismatchError
 
     with pytest.raises(RunMismatchError, match=r"max_new_tokens.*\(8, 9\).*use a new out_dir"):
         cli.main(["--debug", *_args(prompts_file, out), "--set", "max_new_tokens=9"])  # --debug: raise

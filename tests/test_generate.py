@@ -10,7 +10,8 @@ import pytest
 from amphista_jax.engine.decode import generate, pad_prompts
 from amphista_jax.engine.prompt_checks import PromptTooLongError, check_fits
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.llama import init_params, split_layers
+from amphista_jax.models.llama import init_params
+from amphista_jax.models.param_layout import split_layers
 from amphista_jax.trees.sampling import SamplingConfig, select_token, warp_logits
 
 CONFIG = tiny_llama_config()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 from pathlib import Path
 
@@ -54,23 +55,23 @@ def test_prompt_length_buckets_reuse_compiled_programs(hydra):
         for n in lengths:
             gen.generate([list(range(3, 3 + n))], max_new_tokens=8)
     assert len(compiles) == 2  # the 32 and 64 buckets
-    assert len(gen.programs) == 3
+    assert len([key for key in gen.target.programs if key[1] == gen.spec(8)]) == 3
 
 
-def test_release_if_crowded_drops_a_generators_programs(hydra):
+def test_release_if_crowded_drops_a_targets_programs(hydra):
     """An evaluation keeps every method's generator alive, and their ahead-of-time compiled programs are out of
-    `jax.clear_caches`' reach: `release_programs` drops them, its per-batch variants' too (without it a 13-method
-    MT-Bench run died at 69% with "LLVM compilation error: Cannot allocate memory")."""
-    gen = hydra.with_tree("chain-1")
-    gen.variants["chain-2"] = variant = hydra.with_tree("chain-2")
+    `jax.clear_caches`' reach: `release_programs` drops them, those every other view of the target compiled too
+    (without it a 13-method MT-Bench run died at 69% with "LLVM compilation error: Cannot allocate memory")."""
+    gen, other = hydra.with_tree("chain-1"), hydra.with_tree("chain-2")
     first = gen.generate(PROMPTS[0], max_new_tokens=8).token_ids
-    variant.generate(PROMPTS[0], max_new_tokens=8)
+    other.generate(PROMPTS[0], max_new_tokens=8)
     assert not release_if_crowded(gen.release_programs, share=1.0)  # below the limit: nothing is dropped
-    assert gen.programs and variant.programs
+    trees = {key[1].tree for key in gen.target.programs}
+    assert {gen.tree, other.tree} <= trees and other.target.programs is gen.target.programs
     assert release_if_crowded(gen.release_programs, share=0.0)
-    assert not gen.programs and not variant.programs
+    assert not gen.target.programs
     assert gen.generate(PROMPTS[0], max_new_tokens=8).token_ids == first  # compiled again on demand
-    assert len(gen.programs) == 1
+    assert len(gen.target.programs) == 1
 
 
 @pytest.mark.slow
@@ -150,8 +151,8 @@ def test_another_drafters_params_are_refused_on_the_host(hydra, door):
                 speculative_generate(hydra.params, params, tokens, lengths, jax.random.key(0), config=hydra.config,
                                      drafter=hydra.drafter, tree=hydra.tree, max_new_tokens=2, cache_size=128)
             else:
-                dataclasses.replace(hydra, draft_params=params).run(tokens, lengths,
-                                                                    hydra.spec(2, SamplingConfig()))
+                hydra.with_drafter(hydra.drafter, hydra.tree, draft_params=params).run(
+                    tokens, lengths, hydra.spec(2, SamplingConfig()))
 
 
 @pytest.mark.parametrize("prompt, lengths, message", [
@@ -186,3 +187,25 @@ def test_stop_ids_given_as_a_list_are_taken(hydra):
     listed = generate(hydra.params, tokens, lengths, jax.random.key(0), eos_ids=[2], **kw)
     np.testing.assert_array_equal(listed.tokens, generate(hydra.params, tokens, lengths, jax.random.key(0),
                                                           eos_ids=(2,), **kw).tokens)
+
+
+def test_two_drafters_on_one_target_share_its_weights_and_programs():
+    """Attaching drafters adds their params and nothing of the target's (measured over `jax.live_arrays`); every
+    view compiles into the target's one cache, so the second drafter's autoregressive baseline compiles nothing."""
+    def live_bytes() -> int:
+        gc.collect()
+        return sum(x.nbytes for x in jax.live_arrays())
+
+    ar = Generator.load()
+    before = live_bytes()
+    hydra, medusa = ar.with_drafter("hydra", tree="chain-2"), ar.with_drafter("medusa", tree="chain-2")
+    drafts = sum(x.nbytes for x in jax.tree.leaves((hydra.draft_params, medusa.draft_params)))
+    target = sum(x.nbytes for x in jax.tree.leaves(ar.params))
+    assert drafts <= live_bytes() - before < drafts + target // 10
+    assert hydra.target is medusa.target is ar.target
+    first = hydra.autoregressive().generate(PROMPTS[0], max_new_tokens=8)
+    again = medusa.autoregressive().generate(PROMPTS[0], max_new_tokens=8)
+    assert again.compile_seconds == 0 < first.compile_seconds and again.token_ids == first.token_ids
+    for gen in (hydra, medusa):
+        assert gen.generate(PROMPTS[0], max_new_tokens=8).token_ids == first.token_ids
+    assert {hydra.drafter, medusa.drafter} <= {key[1].drafter for key in ar.target.programs}

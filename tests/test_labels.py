@@ -249,7 +249,7 @@ def test_train_on_the_targets_labels_from_the_label_store(smoke_model, tmp_path)
     args = ["train", "--config", "configs/medusa/code.yaml", "--set", f"model={run_dir / 'export'}",
             "--set", "data.kind=text", "--set", f"data.train={write_code_files(tmp_path / 'code')}",
             "--set", "data.max_len=32", "--set", "data.batch_size=4", "--set", "loop.steps=2",
-            "--set", "loop.eval_every=2", "--set", "method_settings.num_heads=2",
+            "--set", "loop.eval_every=2", "--set", "drafter.num_heads=2",
             "--set", "data.cache_target_hidden=true", "--set", f"data.hidden_store={tmp_path / 'store'}",
             "--set", "loss.labels=target", "--set", "loss.kind=kl", "--set", "loss.top_k=8"]
     assert main(args + ["--set", f"out_dir={tmp_path / 'a'}"]) == 0

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax.drafters import VARIANTS
+from amphista_jax.drafters import VARIANTS, BiTA
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.llama import Transformer, init_params
 from amphista_jax.models.target import Target
@@ -71,11 +71,10 @@ def test_grouped_batches_hold_each_example_once_an_epoch_cut_at_their_longest_ro
     cfg = DataConfig(kind="sharegpt", train="x", max_len=16, batch_size=4, seed=3, length_groups=3)
     trained = iter(train_dataset(examples, lengths, cfg, slice(None)))  # what `amphista-jax train` reads
     assert [next(trained)["tokens"][:, 0].tolist() for _ in range(12)] == first
-    with pytest.raises(ValueError, match="data.length_groups=-1 must be >= 0"):
+    with pytest.raises(ValueError, match="data.length_groups=-1 must be an integer >= 0"):
         DataConfig(kind="sharegpt", train="x", length_groups=-1)
-    with pytest.raises(ValueError, match="BiTA's method_settings.train_groups cut points depend on the batch's length"):
-        TrainConfig(data=DataConfig(kind="sharegpt", train="x", length_groups=2), method="bita",
-                    method_settings={"train_groups": 8})
+    with pytest.raises(ValueError, match="BiTA's drafter.train_groups cut points depend on the batch's length"):
+        TrainConfig(data=DataConfig(kind="sharegpt", train="x", length_groups=2), drafter=BiTA(train_groups=8))
 
 
 TRAINABLE = [m for m in VARIANTS if VARIANTS[m].trainable]

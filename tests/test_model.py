@@ -9,7 +9,8 @@ import pytest
 
 from amphista_jax.models.cache import compact
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
+from amphista_jax.models.llama import Transformer, init_params, new_cache
+from amphista_jax.models.param_layout import split_layers
 from pallas_kernels.dense_attention import apply_window, dot_product_attention, key_visibility
 from tests.helpers import default_cases
 

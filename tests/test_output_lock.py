@@ -167,7 +167,7 @@ def test_two_real_train_runs_into_one_out_dir(tmp_path):
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "amphista_jax.cli", "train", "--config", "configs/medusa/code.yaml", "--set",
             "data.kind=text", "--set", f"data.train={ROOT / 'pallas_kernels'}", "--set", "data.max_len=32", "--set",
-            "data.batch_size=2", "--set", "method_settings.num_heads=2", "--set", "loop.steps=30", "--set",
+            "data.batch_size=2", "--set", "drafter.num_heads=2", "--set", "loop.steps=30", "--set",
             "loop.log_every=1", "--set", f"out_dir={out}"]
     first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

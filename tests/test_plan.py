@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from amphista_jax.assets import default_model_dir
 from amphista_jax.cli import main
+from amphista_jax.drafters import DRAFTERS, Eagle3, Medusa
 from amphista_jax.engine.decode import decode
 from amphista_jax.engine.decode_spec import DecodeSpec, scratch_slots
 from amphista_jax.engine.memory_plan import compiled_cost, decode_plan, device_bytes
@@ -37,7 +38,7 @@ DATA = DataConfig(kind="stdlib", max_len=64, batch_size=8)
 
 
 def _train_config(method: str = "medusa", microbatches: int = 1) -> TrainConfig:
-    return TrainConfig(data=dataclasses.replace(DATA, microbatches=microbatches), method=method,
+    return TrainConfig(data=dataclasses.replace(DATA, microbatches=microbatches), drafter=DRAFTERS[method](),
                        mesh=MeshConfig(data=2, fsdp=2, tensor=2))
 
 
@@ -108,7 +109,7 @@ def test_a_target_label_plan_compiles_the_step_that_reads_the_label_store():
     plan compiles that step, whose argument bytes and FLOPs are the real batch's. The step is loop-free (no target
     layers run), so its FLOPs are counted: at least the draft layer's products over every position."""
     data = dataclasses.replace(DATA, cache_target_hidden=True, hidden_store="unused")
-    cfg = TrainConfig(data=data, method="eagle3", loss=LossConfig(labels="target", kind="kl", top_k=4))
+    cfg = TrainConfig(data=data, drafter=Eagle3(), loss=LossConfig(labels="target", kind="kl", top_k=4))
     job = train_job(cfg, CONFIG)
     plan = plan_training(cfg, job, jnp.float32)
     params, _ = load_params(MODEL, dtype="float32")
@@ -165,13 +166,13 @@ def test_plan_refuses_what_it_cannot_plan(tmp_path, capsys):
 def test_plan_takes_the_model_names_train_takes(tmp_path, monkeypatch):
     """`model: tiny` is the embedded model and a registry name (`smollm2`) its fetched directory, as for `train`:
     the plan reads that directory's config.json (here a fetched directory stood in by a copy of the tiny one)."""
-    req = plan_request("tiny", TrainConfig(data=DATA, method="medusa", model="tiny"))
+    req = plan_request("tiny", TrainConfig(data=DATA, drafter=Medusa(), model="tiny"))
     assert req.source == f"{MODEL}/config.json" and req.target == CONFIG
     fetched = tmp_path / "smollm2"
     fetched.mkdir()
     (fetched / "config.json").write_text((default_model_dir() / "config.json").read_text())
     monkeypatch.setattr("amphista_jax.models.fetch.fetch", lambda name: fetched if name == "smollm2" else None)
-    req = plan_request("smollm2", TrainConfig(data=DATA, method="medusa", model="smollm2"))
+    req = plan_request("smollm2", TrainConfig(data=DATA, drafter=Medusa(), model="smollm2"))
     assert req.source == f"{fetched}/config.json" and req.target == CONFIG
 
 

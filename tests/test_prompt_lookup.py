@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from amphista_jax import Generator
+from amphista_jax import Generator, LoadedTarget
 from amphista_jax.drafters import DRAFTERS, VARIANTS
 from amphista_jax.drafters.base import DraftContext
 from amphista_jax.drafters.prompt_lookup import NothingToTrainError, PromptLookup, lookup
@@ -165,7 +165,7 @@ def test_sharded_decoding_equals_one_device():
     test_sharding.py's test_sharded_speculative_generate_equals_one_device[medusa] covers sharded speculative
     decoding against one device, and test_lookup_is_per_row_in_a_batch that prompt lookup's state is per row."""
     from amphista_jax.engine.sharding import make_mesh, on_mesh, place_for_decoding
-    from amphista_jax.models.llama import split_layers
+    from amphista_jax.models.param_layout import split_layers
 
     params = split_layers(init_params(CONFIG, jax.random.key(0)))
     tokens, lengths = pad_prompts(REPEATING + [[7, 7, 8]])
@@ -266,7 +266,7 @@ def test_eval_specs_name_it_plainly_with_its_paper_tree(target):
                               "auto", target.config)
     assert [m.label for m in methods] == ["ar", "prompt_lookup", "pl", "prompt_lookup-untrained"]
     assert [m.tree for m in methods[1:]] == [chain(4), chain(2), chain(4)]
-    gen = methods[1].generator(Generator(target.config, target.params, None, ()))
+    gen = methods[1].generator(Generator.load(LoadedTarget.from_params(target.config, target.params)))
     assert methods[2].drafter == PromptLookup(max_ngram=2) and gen.draft_params == {}
 
 
@@ -274,7 +274,7 @@ def test_train_refuses_it_in_one_line(tmp_path):
     from amphista_jax.infra.config_io import ConfigFileError, load_config
     from amphista_jax.train.config import TrainConfig
 
-    (tmp_path / "job.yaml").write_text("method: prompt_lookup\ndata: {kind: text, train: x}\n")
+    (tmp_path / "job.yaml").write_text("drafter: {type: prompt_lookup}\ndata: {kind: text, train: x}\n")
     with pytest.raises(ConfigFileError, match="nothing to train"):
         load_config(TrainConfig, tmp_path / "job.yaml")
 

@@ -108,4 +108,4 @@ def test_the_accelerator_recipe_resolves_every_method_with_its_token_budget():
     steps = {m: train_config(cfg, m, path.parent).loop.steps for m in cfg.methods}
     assert steps["eagle3"] == steps["dflash"] == 16 * 600 and steps["medusa"] == 4 * 600 and steps["bita"] == 480
     assert set(cfg.methods) == {"eagle3", "dflash", "medusa", "amphista", "hydra++", "sar", "eagle", "bita"}
-    assert train_config(cfg, "dflash", path.parent).drafter().num_layers == 5
+    assert train_config(cfg, "dflash", path.parent).drafter.num_layers == 5

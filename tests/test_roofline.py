@@ -12,7 +12,8 @@ import pytest
 
 from amphista_jax.evals.benchmarks import roofline
 from amphista_jax.models.config import tiny_llama_config
-from amphista_jax.models.llama import param_shapes, split_layers
+from amphista_jax.models.llama import param_shapes
+from amphista_jax.models.param_layout import split_layers
 
 
 def test_matmul_cost_matches_a_hand_count():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from amphista_jax.evals.runner import RESULT_SETTINGS
+from amphista_jax.evals.run_record import RESULT_SETTINGS
 from amphista_jax.evals.scale_curve import agreement_curves, main
 
 

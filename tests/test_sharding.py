@@ -24,7 +24,8 @@ from amphista_jax.engine.sharding import (
 from amphista_jax.infra.errors import UserError
 from amphista_jax.models.config import tiny_llama_config
 from amphista_jax.models.hf import load_params, save_params
-from amphista_jax.models.llama import Transformer, init_params, new_cache, split_layers
+from amphista_jax.models.llama import Transformer, init_params, new_cache
+from amphista_jax.models.param_layout import split_layers
 from amphista_jax.models.target import Target
 from amphista_jax.trees.growth import dynamic_tree
 from amphista_jax.trees.names import get_tree

@@ -236,7 +236,7 @@ def test_train_cli_end_to_end(smoke_model, tmp_path, capsys):
     args = ["train", "--config", "configs/medusa/code.yaml", "--set", f"model={run_dir / 'export'}",
             "--set", f"out_dir={out}", "--set", "data.kind=text", "--set", f"data.train={code}",
             "--set", "data.max_len=32", "--set", "data.batch_size=4", "--set", "loop.steps=4",
-            "--set", "loop.eval_every=2", "--set", "loop.log_every=1", "--set", "method_settings.num_heads=2",
+            "--set", "loop.eval_every=2", "--set", "loop.log_every=1", "--set", "drafter.num_heads=2",
             "--set", "data.cache_target_hidden=true", "--set", f"data.hidden_store={tmp_path / 'hidden'}"]
     assert main(args[:-4] + ["--store-only"]) == BAD_INPUT_EXIT  # no store to fill: one line
     assert "--store-only fills data.hidden_store: set data.cache_target_hidden=true" in capsys.readouterr().err
@@ -271,7 +271,7 @@ def test_two_processes_train_like_one(tmp_path, mesh):
     device. Only process 0 writes the shared files."""
     train = [sys.executable, "-m", "amphista_jax.cli", "train", "--config", str(ROOT / "configs/medusa/code.yaml"),
              "--set", "data.kind=text", "--set", f"data.train={write_code_files(tmp_path / 'code')}",
-             "--set", "data.max_len=16", "--set", "data.batch_size=4", "--set", "method_settings.num_heads=2",
+             "--set", "data.max_len=16", "--set", "data.batch_size=4", "--set", "drafter.num_heads=2",
              "--set", "loop.steps=2", "--set", "loop.log_every=1", "--set", "loop.eval_every=0",
              "--set", "eval_batches=1"]
     launch = [sys.executable, "-m", "amphista_jax.evals.launch_local", "-n", "2", "--"]

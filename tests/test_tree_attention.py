@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from pallas_kernels.kernel_settings import KernelSettings
 from pallas_kernels.tree_attention import (
-    KernelSettings,
     _tree_attention_pallas,
     tree_attention,
     tree_attention_reference,

@@ -1,14 +1,25 @@
-"""The train config: data, mesh and method settings of `amphista-jax train`, each checked when it is made."""
+"""The train config: data, mesh and drafter of `amphista-jax train`, each checked when it is made.
+
+The drafter is a registered `Drafter` with its settings, written `drafter: {type: medusa, num_heads: 4}` in YAML
+(`infra.config_io` builds `DRAFTERS["medusa"](num_heads=4)`) and `TrainConfig(data, drafter=Medusa(num_heads=4))` in
+Python; what only the trainer reads (`draft_vocab_size`) is a field of `TrainConfig`. Each field's simple range is
+declared beside it (`infra.ranges.setting`); `__post_init__` checks them, then what relates fields to each other.
+`load_train_config` refuses the form that came before (`method` + a `method_settings` mapping) in one line.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from amphista_jax.drafters import DRAFTERS, Drafter
+from amphista_jax.drafters import DRAFTERS, Drafter, Medusa
 from amphista_jax.drafters.draft_vocab import DraftVocab
 from amphista_jax.infra.accelerators import get_accelerator
+from amphista_jax.infra.config_io import ConfigFileError, load_config, read_yaml
 from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.ranges import check_ranges, setting
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import DTYPES
 from amphista_jax.models.shapes import known_target
@@ -30,16 +41,16 @@ class DataConfig:
     kind: str = "text"
     train: str = ""
     heldout: str = ""  # "" = hold out `heldout_fraction` of the training examples
-    heldout_fraction: float = 0.05  # kind "stdlib" with a `corpus`: the recipe's own fraction is used
+    heldout_fraction: float = setting(0.05, gt=0, lt=1)  # kind "stdlib" with a `corpus`: the recipe's own fraction
     # kind "stdlib": whose corpus: a target recipe YAML, or an exported target directory (its
     # training_summary.json); "" = the standard library alone
     corpus: str = ""
-    max_len: int = 256
-    batch_size: int = 8  # rows per step, over all processes (each process reads batch_size / processes)
+    max_len: int = setting(256, ge=2, why="a token and the next one to predict")
+    batch_size: int = setting(8, ge=1)  # rows per step, over all processes (each process reads batch_size / processes)
     # Each step runs its batch as this many sequential slices and averages their gradients weighted by their loss
     # tokens (gradient accumulation, `train.step.over_microbatches`): the same batch and step count, with
     # 1/microbatches of the activation memory.
-    microbatches: int = 1
+    microbatches: int = setting(1, ge=1)
     seed: int = 0
     cache_target_hidden: bool = False  # precompute the target's hidden states once (small targets)
     hidden_store: str = ""  # with cache_target_hidden: keep them in this directory for later runs ("": don't)
@@ -47,33 +58,25 @@ class DataConfig:
     # (`captured_layers`, as ids from 0), so that methods capturing different layers (EAGLE-3's, DFlash's) share
     # one target pass and one file; () = the method's own
     store_layers: tuple[int, ...] = ()
-    max_examples: int = 0  # at most this many examples of each data file (0: all); a held-out split comes from them
+    # at most this many examples of each data file; a held-out split comes from them
+    max_examples: int = setting(0, ge=0, why="0 = all")
     # > 0: the shuffled examples are taken this many batches at a time and sorted by length there, and each batch is
     # cut at its longest row (`data.length_grouped_dataset`): padding left out of the step's compute, one compiled
     # step per cut; 0: batches of random rows at data.max_len
-    length_groups: int = 0
+    length_groups: int = setting(0, ge=0, why="0 = batches at data.max_len")
 
     def __post_init__(self) -> None:
+        check_ranges(self, "data.")
         if self.kind not in DATA_KINDS:
             raise ValueError(f"data.kind {self.kind!r} must be one of {', '.join(DATA_KINDS)}")
         if not self.train and self.kind != "stdlib":
             raise ValueError("data.train is empty: set it to a conversations file, a directory or a glob")
-        if self.max_len < 2:
-            raise ValueError(f"data.max_len={self.max_len} must be >= 2 (a token and the next one to predict)")
-        if self.batch_size < 1:
-            raise ValueError(f"data.batch_size={self.batch_size} must be >= 1")
-        if self.microbatches < 1 or self.batch_size % self.microbatches:
+        if self.batch_size % self.microbatches:
             raise ValueError(f"data.microbatches={self.microbatches} must be >= 1 and divide data.batch_size="
                              f"{self.batch_size}")
-        if self.max_examples < 0:
-            raise ValueError(f"data.max_examples={self.max_examples} must be >= 0 (0 = all)")
-        if self.length_groups < 0:
-            raise ValueError(f"data.length_groups={self.length_groups} must be >= 0 (0 = batches at data.max_len)")
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.store_layers) or len(
                 set(self.store_layers)) != len(self.store_layers):
             raise ValueError(f"data.store_layers={list(self.store_layers)} must be distinct layer ids >= 0")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"data.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
 
 
 LABELS = ("data", "target")
@@ -90,32 +93,30 @@ class LossConfig:
 
     labels: str = "data"
     kind: str = "ce"
-    top_k: int = 32
+    top_k: int = setting(32, ge=1)
 
     def __post_init__(self) -> None:
+        check_ranges(self, "loss.")
         if self.labels not in LABELS:
             raise ValueError(f"loss.labels {self.labels!r} must be one of {', '.join(LABELS)}")
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"loss.kind {self.kind!r} must be one of {', '.join(LOSS_KINDS)}")
         if self.kind == "kl" and self.labels != "target":
             raise ValueError("loss.kind kl learns the target's distribution: set loss.labels to target")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"loss.top_k={self.top_k!r} must be an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = setting(1, ge=1)
+    fsdp: int = setting(1, ge=1)
+    tensor: int = setting(1, ge=1)
 
     def __post_init__(self) -> None:
-        for name in ("data", "fsdp", "tensor"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        check_ranges(self)
 
 
-DRAFT_VOCAB_SIZE = "draft_vocab_size"  # a method_settings key the trainer reads (no drafter field)
+DRAFT_VOCAB_SIZE = "draft_vocab_size"  # the trainer's setting (`TrainConfig.draft_vocab_size`), no drafter field
+EXAMPLE = "configs/medusa/code.yaml"  # a config of the current form, named where an old one is refused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +124,11 @@ class TrainConfig:
     data: DataConfig
     model: str = ""  # HF checkpoint directory; "" = the embedded default
     out_dir: str = "runs/heads"
-    method: str = "medusa"
-    method_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the method and its settings: in YAML `drafter: {type: medusa, num_heads: 4, ...}` (`drafters.DRAFTERS`' names)
+    drafter: Drafter = Medusa()
+    # > 0: the heads draft over the `draft_vocab_size` most frequent label tokens of the training examples
+    # (`train.examples.choose_draft_vocab`), for a drafter with a `draft_vocab` setting
+    draft_vocab_size: int = setting(0, ge=0, why="0 = the whole vocabulary")
     optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=50, b1=0.9, b2=0.999)
     loss: LossConfig = LossConfig()
     part_lrs: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -135,52 +139,44 @@ class TrainConfig:
     # checkpoint is absent; where it is present, its config.json is used and must have this shape.
     target_shape: str = ""
     accelerator: str = ""  # the device type `mesh` is for (`accelerators.ACCELERATORS`): what `plan` checks
-    eval_batches: int = 4
+    eval_batches: int = setting(4, ge=1)
 
     def __post_init__(self) -> None:
-        if self.method not in DRAFTERS:
-            raise ValueError(f"method {self.method!r} is not one of {', '.join(DRAFTERS)}")
-        if not DRAFTERS[self.method].trainable:
-            raise ValueError(f"method {self.method!r} has nothing to train: use it directly (e.g. `amphista-jax "
-                             f"generate --draft {self.method}`)")
-        known = {f.name for f in dataclasses.fields(DRAFTERS[self.method])}
-        if unknown := set(self.method_settings) - known - {DRAFT_VOCAB_SIZE}:
-            raise ValueError(f"method_settings {sorted(unknown)} are not {self.method} settings; "
-                             f"known: {', '.join(sorted(known | {DRAFT_VOCAB_SIZE}))}")
-        if DRAFT_VOCAB_SIZE in self.method_settings:
-            self._check_draft_vocab_size("draft_vocab" in known)
-        drafter = self.drafter()  # the method validates its own values
+        if not isinstance(self.drafter, Drafter):
+            raise ValueError(f"drafter={self.drafter!r} must be a drafter with its settings, e.g. Medusa(num_heads=4) "
+                             f"(in YAML: drafter: {{type: medusa, num_heads: 4}}; types: {', '.join(DRAFTERS)})")
+        check_ranges(self)
+        name = self.drafter.name
+        if not self.drafter.trainable:
+            raise ValueError(f"drafter {name} has nothing to train: use it directly (e.g. `amphista-jax generate "
+                             f"--draft {name}`)")
+        if self.draft_vocab_size:
+            self._check_draft_vocab_size()
+        drafter = self.trained_drafter()
         drafter.check_batches(bool(self.data.length_groups))
         if self.loss.labels == "target" and drafter.loss_runs_target:
-            raise ValueError(f"method {self.method} runs the target inside its loss: it trains on loss.labels data")
+            raise ValueError(f"drafter {name} runs the target inside its loss: it trains on loss.labels data")
         if self.loss.labels == "target" and self.loss.kind == "ce" and not drafter.reads_labels:
-            fix = (f"set method_settings.{drafter.lm_setting} > 0 for one" if drafter.lm_setting
+            fix = (f"set drafter.{drafter.lm_setting} > 0 for one" if drafter.lm_setting
                    else "leave loss.labels at data")
-            raise ValueError(f"method {self.method} has no LM term here to learn loss.labels target with kind ce "
+            raise ValueError(f"drafter {name} has no LM term here to learn loss.labels target with kind ce "
                              f"(its teacher term learns the target's whole distribution): {fix}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if bad := {k: v for k, v in self.part_lrs.items() if not v > 0}:
             raise ValueError(f"part_lrs {bad}: every learning rate must be > 0")
-        if self.eval_batches < 1:
-            raise ValueError(f"eval_batches={self.eval_batches} must be >= 1")
         if self.target_shape:
             known_target(self.target_shape)
         if self.accelerator:
             get_accelerator(self.accelerator)
 
-    def _check_draft_vocab_size(self, supported: bool) -> None:
-        n = self.method_settings[DRAFT_VOCAB_SIZE]
-        if not supported:
-            raise ValueError(f"method {self.method} drafts over the target's own logits: it takes no "
-                             f"{DRAFT_VOCAB_SIZE}")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or "draft_vocab" in self.method_settings:
-            raise ValueError(f"method_settings.{DRAFT_VOCAB_SIZE}={n!r} must be an integer >= 1, without draft_vocab")
-
-    @property
-    def draft_vocab_size(self) -> int:
-        """`method_settings.draft_vocab_size`: how many tokens to draft over (0: the whole vocabulary)."""
-        return self.method_settings.get(DRAFT_VOCAB_SIZE, 0)
+    def _check_draft_vocab_size(self) -> None:
+        name = self.drafter.name
+        if "draft_vocab" not in {f.name for f in dataclasses.fields(self.drafter)}:
+            raise ValueError(f"drafter {name} drafts over the target's own logits: it takes no {DRAFT_VOCAB_SIZE}")
+        if self.drafter.draft_vocab:
+            raise ValueError(f"{DRAFT_VOCAB_SIZE}={self.draft_vocab_size} and drafter.draft_vocab both give the "
+                             "draft vocabulary: set one of them")
 
     @property
     def label_store_top_k(self) -> int:
@@ -188,13 +184,45 @@ class TrainConfig:
         stored): `loss.top_k` under `loss.labels: target`."""
         return self.loss.top_k if self.loss.labels == "target" else 0
 
-    def drafter(self, draft_vocab: DraftVocab | None = None) -> Drafter:
-        """The method with its settings and `draft_vocab` (the one chosen for `draft_vocab_size`; None: ids
+    def trained_drafter(self, draft_vocab: DraftVocab | None = None) -> Drafter:
+        """`drafter` as it trains: with `draft_vocab` (the one chosen for `draft_vocab_size`; None: ids
         `0 .. draft_vocab_size - 1`, of the same shapes, for what needs no data: checks and memory plans)."""
-        settings = {k: v for k, v in self.method_settings.items() if k != DRAFT_VOCAB_SIZE}
-        if self.draft_vocab_size:
-            settings["draft_vocab"] = tuple(range(self.draft_vocab_size)) if draft_vocab is None else draft_vocab
-        return DRAFTERS[self.method].from_settings(settings)
+        if not self.draft_vocab_size:
+            return self.drafter
+        vocab = tuple(range(self.draft_vocab_size)) if draft_vocab is None else draft_vocab
+        return dataclasses.replace(self.drafter, draft_vocab=vocab)
+
+
+def old_form(data: Mapping[str, Any], overrides: Sequence[str], where: str) -> str | None:
+    """Why a train config of the form before registered drafters cannot load, naming the form that replaced it
+    (None: it is of the current form): a top-level `method` or `method_settings` in `data` (the YAML, its bases
+    merged), or an override `method=X` / `method_settings.x=v`."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        head, _, rest = key.strip().partition(".")
+        if head == "method":
+            return (f"--set {item}: method is gone: write --set drafter.type={value} (or --set 'drafter={{type: "
+                    f"{value}}}' for its default settings)")
+        if head == "method_settings":
+            new = (f"{DRAFT_VOCAB_SIZE}={value}" if rest == DRAFT_VOCAB_SIZE else f"drafter.{rest}={value}" if rest
+                   else "'drafter={type: <name>, <settings>}'")
+            return f"--set {item}: method_settings is gone: write --set {new}"
+    if "method" not in data and "method_settings" not in data:
+        return None
+    settings = data.get("method_settings")
+    moved = (f" and {DRAFT_VOCAB_SIZE}: {settings[DRAFT_VOCAB_SIZE]} at the top level"
+             if isinstance(settings, Mapping) and DRAFT_VOCAB_SIZE in settings else "")
+    return (f"{where}: method/method_settings are gone: write drafter: {{type: {data.get('method') or '<name>'}, "
+            f"<settings>}}{moved} (see {EXAMPLE})")
+
+
+def load_train_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """`path` (YAML, with its `base:` files; None: all defaults) with `overrides` applied, as `load_config` reads
+    it, after refusing the old form (`old_form`) in one line before anything else runs."""
+    data = read_yaml(path) if path is not None else {}
+    if why := old_form(data, overrides, str(path)):
+        raise ConfigFileError(why)
+    return load_config(TrainConfig, path, overrides)
 
 
 def check_target_shape(name: str, config: ModelConfig, model: str) -> None:

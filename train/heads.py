@@ -1,12 +1,13 @@
 """Train draft heads on a frozen target: `amphista-jax train --config configs/medusa/tiny-code.yaml`.
 
-Every draft method trains through here: the method comes from `DRAFTERS[method](**method_settings)` and
-only its `init` and `loss` are used. Data is ShareGPT-style conversations (chat template, assistant-only
-loss) or plain text/code; the target is sharded over a `(data, fsdp, tensor)` mesh; the loop (checkpoints,
-resume, SIGTERM, progress, JSONL metrics) is `amphista_jax.train.loop.run_loop`. At the end the heads are saved with the
-target's fingerprint (`out_dir/heads`) and the training curve is plotted (`out_dir/training_curve.png`).
+Every draft method trains through here: the config's `drafter` (a registered `Drafter`, `drafter: {type: <name>,
+<settings>}`), of which only `init` and `loss` are used. Data is ShareGPT-style conversations (chat template,
+assistant-only loss) or plain text/code; the target is sharded over a `(data, fsdp, tensor)` mesh; the loop
+(checkpoints, resume, SIGTERM, progress, JSONL metrics) is `amphista_jax.train.loop.run_loop`. At the end the heads
+are saved with the target's fingerprint (`out_dir/heads`) and the training curve is plotted
+(`out_dir/training_curve.png`).
 
-`method_settings.draft_vocab_size: N` (a trainer setting, not a drafter field) drafts over the N most frequent
+`draft_vocab_size: N` (a trainer setting, not a drafter field) drafts over the N most frequent
 label tokens of the training examples (`drafters.draft_vocab`), chosen before the heads are initialised and saved
 in their `draft_vocab` setting.
 """
@@ -47,6 +48,7 @@ from amphista_jax.engine.sharding import (
 )
 from amphista_jax.infra.accelerators import GIB
 from amphista_jax.infra.compile_cache import enable_compile_cache
+from amphista_jax.infra.config_io import to_dict
 from amphista_jax.infra.errors import OutputExistsError, check_writable_dir
 from amphista_jax.infra.figures import pyplot, save_figure
 from amphista_jax.infra.identity import target_identity
@@ -80,7 +82,7 @@ OUTPUTS = ("checkpoints", "metrics.jsonl", "heads", "summary.json", "training_cu
 
 def run_identity(cfg: TrainConfig, model_dir: str) -> dict[str, Any]:
     """What this run is: its config and digests of the target's files and of the data (`train/run_identity`)."""
-    return {"config": dataclasses.asdict(cfg),
+    return {"config": to_dict(cfg),
             "target": target_identity(model_dir),
             "data": example_source(cfg.data).identity()}
 
@@ -113,22 +115,21 @@ def preflight(cfg: TrainConfig) -> Preflight:
     check_batch_split(cfg)
     example_source(cfg.data).check()
     if cfg.draft_vocab_size > target_config.vocab_size:
-        raise TrainConfigError(f"method_settings.{DRAFT_VOCAB_SIZE}={cfg.draft_vocab_size} exceeds the target's "
+        raise TrainConfigError(f"{DRAFT_VOCAB_SIZE}={cfg.draft_vocab_size} exceeds the target's "
                                f"{target_config.vocab_size} tokens: lower it")
-    drafter = cfg.drafter()
+    drafter = cfg.trained_drafter()
     if cfg.data.cache_target_hidden and cfg.data.store_layers:
         check_store_layers(cfg.data.store_layers, drafter.captured_layers(target_config), target_config.num_layers)
     if cfg.data.cache_target_hidden and drafter.loss_runs_target:
-        raise TrainConfigError(f"method {cfg.method} runs the target inside its own loss, so cached target hidden "
+        raise TrainConfigError(f"drafter {drafter.name} runs the target inside its own loss, so cached target hidden "
                                "states would be computed and never used: set data.cache_target_hidden=false")
     try:
         heads = jax.eval_shape(lambda p: drafter.init(jax.random.key(0), Target(target_config, p)),
                                param_shapes(target_config)[0])
     except ValueError as e:
-        raise TrainConfigError(f"method {cfg.method} {cfg.method_settings} does not fit the target {model_dir}: "
-                               f"{e}") from e
+        raise TrainConfigError(f"drafter {cfg.drafter} does not fit the target {model_dir}: {e}") from e
     if unknown := set(cfg.part_lrs) - set(heads):
-        raise TrainConfigError(f"part_lrs {sorted(unknown)} are not {cfg.method} parameter groups; groups: "
+        raise TrainConfigError(f"part_lrs {sorted(unknown)} are not {drafter.name} parameter groups; groups: "
                                f"{', '.join(sorted(heads))}")
     head_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(heads))
     # checkpoints of params + Adam's two moments (one more while the oldest is replaced), and the saved heads
@@ -169,11 +170,11 @@ class TrainJob:
 
 def train_job(cfg: TrainConfig, target_config: ModelConfig, devices: list[jax.Device] | None = None,
               draft_vocab: DraftVocab | None = None) -> TrainJob:
-    """`cfg`'s job on `devices` (default: all of them), drafting over `draft_vocab` (`TrainConfig.drafter`)."""
+    """`cfg`'s job on `devices` (default: all of them), drafting over `draft_vocab` (`TrainConfig.trained_drafter`)."""
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices) if cfg.mesh else None
     target_shardings = param_shardings(target_config, mesh) if mesh else None
     model = Transformer(target_config)
-    drafter = cfg.drafter(draft_vocab)
+    drafter = cfg.trained_drafter(draft_vocab)
     optimizer = make_optimizer(cfg.optim, cfg.loop.steps, cfg.part_lrs or None)
     abstract_target = Target(target_config, param_shapes(target_config)[0])
     state_shardings = train_state_shardings(drafter, abstract_target, optimizer, mesh) if mesh else None
@@ -212,7 +213,7 @@ def plan_training(cfg: TrainConfig, job: TrainJob, target_dtype: Any, capacity: 
     if job.mesh is not None:
         batch = abstract(batch, jax.tree.map(lambda _: Step.batch_spec(job.mesh), batch))
     compiled = job.train_step.compile(state, params, batch)
-    return compiled_plan(f"train {cfg.method}", compiled, {
+    return compiled_plan(f"train {cfg.drafter.name}", compiled, {
         "target params": params, "draft params": state["params"],
         "optimizer state": (state["opt_state"], state["step"]), "batch": batch}, mesh_devices(job.mesh), capacity,
         where, count_flops=True)
@@ -315,7 +316,7 @@ def _train(cfg: TrainConfig, found: Preflight) -> dict[str, Any]:
         return mean_metrics([eval_step(state["params"], target_params, b) for b in heldout_batches])
 
     settings = dataclasses.asdict(drafter) | ({"draft_vocab": f"{n} tokens"} if (n := len(drafter.draft_vocab)) else {})
-    print(f"target {model_dir}: {target_config.num_params:,} parameters; method {cfg.method} {settings}; "
+    print(f"target {model_dir}: {target_config.num_params:,} parameters; drafter {drafter.name} {settings}; "
           f"{len(train_examples)} train / {len(heldout)} held-out examples")
     out_dir = Path(cfg.out_dir)
     if jax.process_index() == 0 and not saved_steps(out_dir / "checkpoints"):
@@ -327,13 +328,13 @@ def _train(cfg: TrainConfig, found: Preflight) -> dict[str, Any]:
         run_dir=out_dir, cfg=cfg.loop, init_state=init_state,
         train_step=lambda s, b: train_step(s, target_params, b),
         data=iter(train_dataset(train_examples, lengths, cfg.data, rows)), evaluate=evaluate,
-        tokens_per_batch=cfg.data.batch_size * cfg.data.max_len, desc=f"train {cfg.method}")
+        tokens_per_batch=cfg.data.batch_size * cfg.data.max_len, desc=f"train {drafter.name}")
     summary = {
-        "method": cfg.method, "settings": dataclasses.asdict(drafter), "model": model_dir,
+        "method": drafter.name, "settings": dataclasses.asdict(drafter), "model": model_dir,
         "steps": extra["steps"], "tokens_seen": extra["tokens_seen"], "train_seconds": round(extra["train_seconds"], 1),
         "heldout_before": before, "heldout_after": extra["eval"],
     }
-    save_draft(out_dir / "heads", cfg.method, drafter, state["params"], target_config,
+    save_draft(out_dir / "heads", drafter.name, drafter, state["params"], target_config,
                target_params=target_params)  # collective in orbax
     if jax.process_index() == 0:
         write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from amphista_jax.infra.errors import OutputExistsError
 from amphista_jax.infra.output_lock import write_atomic
+from amphista_jax.infra.ranges import check_ranges, setting
 from amphista_jax.train.checkpoint import Checkpointer, saved_steps
 
 PREEMPTED_EXIT = 143
@@ -39,18 +40,14 @@ class Preempted(SystemExit):
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-    steps: int = 1000
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    eval_every: int = 0  # 0 = only at the end
-    log_every: int = 10
+    steps: int = setting(1000, ge=1)
+    checkpoint_every: int = setting(100, ge=1)
+    keep_checkpoints: int = setting(3, ge=1, why="a run keeps at least its latest checkpoint to resume from")
+    eval_every: int = setting(0, ge=0, why="0 = only at the end")
+    log_every: int = setting(10, ge=1)
 
     def __post_init__(self) -> None:
-        for name, low, why in (("steps", 1, ""), ("checkpoint_every", 1, ""),
-                               ("keep_checkpoints", 1, ": a run keeps at least its latest checkpoint to resume from"),
-                               ("eval_every", 0, " (0 = only at the end)"), ("log_every", 1, "")):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= {low}{why}")
+        check_ranges(self)
 
 
 def maybe_initialize_distributed() -> None:

@@ -8,25 +8,21 @@ from collections.abc import Mapping
 import jax
 import optax
 
+from amphista_jax.infra.ranges import check_ranges, setting
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.999
-    weight_decay: float = 0.0
-    clip_norm: float = 1.0
+    lr: float = setting(1e-3, gt=0)
+    warmup_steps: int = setting(100, ge=0)
+    min_lr_ratio: float = setting(0.1, ge=0, le=1)
+    b1: float = setting(0.9, ge=0, lt=1)
+    b2: float = setting(0.999, ge=0, lt=1)
+    weight_decay: float = setting(0.0, ge=0)
+    clip_norm: float = setting(1.0, gt=0, why="the global gradient norm is clipped to it")
 
     def __post_init__(self) -> None:
-        checks = ((self.lr > 0, "lr", "> 0"), (self.warmup_steps >= 0, "warmup_steps", ">= 0"),
-                  (0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]"), (0 <= self.b1 < 1, "b1", "in [0, 1)"),
-                  (0 <= self.b2 < 1, "b2", "in [0, 1)"), (self.weight_decay >= 0, "weight_decay", ">= 0"),
-                  (self.clip_norm > 0, "clip_norm", "> 0 (the global gradient norm is clipped to it)"))
-        for ok, name, rule in checks:
-            if not ok:  # NaN fails every rule
-                raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
+        check_ranges(self)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int,

@@ -109,7 +109,7 @@ def plan_config(req: PlanRequest, devices: list[jax.Device], decode_batch: int =
     plans = [plan_training(cfg, job, req.dtype, *capacity),
              decode_plan(req.target, job.drafter, tree, job.mesh, req.dtype, decode_batch, prompt_len,
                          DECODE_NEW_TOKENS, *capacity)]
-    setup = {"config": req.name, "target": req.source, "params": req.target.num_params, "method": cfg.method,
+    setup = {"config": req.name, "target": req.source, "params": req.target.num_params, "method": cfg.drafter.name,
              "dtype": str(jax.numpy.dtype(req.dtype)), "mesh": dataclasses.asdict(cfg.mesh) if cfg.mesh else None,
              "devices": req.devices, "processes": processes(req.devices, accelerator),
              "batch": cfg.data.batch_size, "microbatches": cfg.data.microbatches, "max_len": cfg.data.max_len,

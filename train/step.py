@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from amphista_jax.drafters.base import Drafter
 from amphista_jax.drafters.draft_vocab import DraftVocab, project_columns, restrict
 from amphista_jax.engine.sharding import BATCH_AXES, LOGICAL_RULES, local_batch_shards
-from amphista_jax.models.llama import Output, Transformer, output_projection
+from amphista_jax.models.llama import Output, Transformer
+from amphista_jax.models.param_layout import output_projection
 from amphista_jax.models.target import Target
 from amphista_jax.train.config import LossConfig
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    Drafter,
     LogicalInit,
     PrefillContext,
     Proposal,
@@ -55,9 +56,11 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.causal_layers import at_last, block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.drafters.losses import check_loss_weights, head_losses
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, decoder_stack, logical_dense, run_stack
+from amphista_jax.models.llama import Output, decoder_stack, run_stack
+from amphista_jax.models.projections import logical_dense
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import Tree
 from amphista_jax.trees.verify import Verdict
@@ -65,32 +68,30 @@ from amphista_jax.trees.verify import Verdict
 MAX_STAGES = 4
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class Amphista(LogicalInit):
     lm_setting = "lambda_lm"
     name = "amphista"
-    num_heads: int = 4
-    adaptation_stages: int = 2  # 1 = "one adaptation layer for all heads"; up to 4 (appendix A.2.3)
+    num_heads: int = setting(4, ge=1)
+    # 1 = "one adaptation layer for all heads"; up to 4 (appendix A.2.3), and at most num_heads
+    adaptation_stages: int = setting(2, ge=1, le=MAX_STAGES)
     staged_adaptation: bool = True  # False = "w/o staged adaptation"
     sampled_token: bool = True  # False = "w/o sampled token"
     auto_embedding: bool = True  # False = "w/o auto-embedding"
     positional_encoding: bool = True  # False = "w/o position encoding"
-    auto_embedding_layers: int = 1  # 2 = Amphista-alpha
-    lm_head_rank: int = 0  # 0 = full-rank LM heads
+    auto_embedding_layers: int = setting(1, ge=1, why="auto_embedding=False removes the block")  # 2: Amphista-alpha
+    lm_head_rank: int = setting(0, ge=0, why="0 = full rank")  # the LM heads' rank
     lambda_alignment: float = 1.0  # lambda_1, Eq. 7
     lambda_lm: float = 1.0  # lambda_2, Eq. 7
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         normalise_field(self)
-        if self.num_heads < 1:
-            raise ValueError(f"{self.num_heads=} must be >= 1")
-        if not 1 <= self.adaptation_stages <= min(MAX_STAGES, self.num_heads):
-            raise ValueError(f"{self.adaptation_stages=} must be in [1, min({MAX_STAGES}, num_heads)]")
-        if self.auto_embedding_layers < 1:
-            raise ValueError(f"{self.auto_embedding_layers=} must be >= 1 (auto_embedding=False removes the block)")
-        if self.lm_head_rank < 0:
-            raise ValueError(f"{self.lm_head_rank=} must be >= 0 (0 = full rank)")
+        if self.adaptation_stages > self.num_heads:
+            raise ValueError(f"adaptation_stages={self.adaptation_stages} must be in [1, min({MAX_STAGES}, "
+                             f"num_heads={self.num_heads})]")
         check_loss_weights(lambda_lm=self.lambda_lm, lambda_alignment=self.lambda_alignment)
 
     @property

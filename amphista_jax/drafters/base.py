@@ -20,7 +20,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 import flax.linen as nn
 import jax
@@ -34,6 +34,7 @@ from amphista_jax.drafters.draft_vocab import (
     to_target,
     to_vocab,
 )
+from amphista_jax.infra.ranges import check_ranges
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
 from amphista_jax.models.target import Extras, Target
@@ -128,6 +129,10 @@ def _type_name(hint: Any) -> str:
     return names.get(hint, str(hint))
 
 
+D = TypeVar("D", bound=type)
+_REGISTERED: dict[str, type[Drafter]] = {}  # `Drafter.register`'s, by name
+
+
 class Drafter(abc.ABC):
     """A draft method: a frozen dataclass of its static settings (hashable: static under `jax.jit`).
 
@@ -142,6 +147,11 @@ class Drafter(abc.ABC):
     `draft_vocab` (`drafters.draft_vocab`): the sorted target ids a drafter's heads score (EAGLE-3's `d2t`), `()`
     for the whole vocabulary. A drafter that drafts over one declares it as a dataclass field (normalised in its
     `__post_init__` by `draft_vocab.normalise_field`); here it is the default of every other drafter.
+
+    Each setting declares its range beside it (`num_heads: int = setting(4, ge=1)`, `infra.ranges`), checked by
+    `Drafter.__post_init__`; a drafter's own `__post_init__` calls `super().__post_init__()`, then checks what
+    relates settings to each other. `@Drafter.register` makes a drafter one that `drafters.DRAFTERS` names and a
+    config builds from `drafter: {type: <name>, <settings>}` (`config_types`, read by `infra.config_io`).
     """
 
     name: ClassVar[str]
@@ -150,6 +160,24 @@ class Drafter(abc.ABC):
     trainable: ClassVar[bool] = True
     tree_kinds: ClassVar[tuple[type, ...]] = (TreeSpec,)
     draft_vocab: DraftVocab = ()
+
+    @classmethod
+    def register(cls, drafter: D) -> D:
+        """Class decorator: `drafter` under its `name`, in `config_types` (and so in `drafters.DRAFTERS`)."""
+        if _REGISTERED.get(drafter.name, drafter) is not drafter:
+            raise ValueError(f"two drafters named {drafter.name!r}: {_REGISTERED[drafter.name]} and {drafter}")
+        _REGISTERED[drafter.name] = drafter
+        return drafter
+
+    @classmethod
+    def config_types(cls) -> Mapping[str, type[Drafter]]:
+        """The registered drafters by name (sorted): what a config's `drafter: {type: <name>, ...}` builds."""
+        return types.MappingProxyType(dict(sorted(_REGISTERED.items())))
+
+    def __post_init__(self) -> None:
+        """The ranges the settings declare (`infra.ranges.check_ranges`): one `ValueError` line for the first
+        setting outside its range."""
+        check_ranges(self)
 
     @property
     def reads_labels(self) -> bool:

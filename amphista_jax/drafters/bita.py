@@ -67,6 +67,7 @@ import numpy as np
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    Drafter,
     LogicalInit,
     PrefillContext,
     Proposal,
@@ -75,6 +76,7 @@ from amphista_jax.drafters.base import (
     topk_proposal,
 )
 from amphista_jax.drafters.losses import head_metrics
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output, target_model
@@ -108,29 +110,21 @@ def mask_groups(tree: TreeArrays, lengths: jax.Array, num_masks: int) -> tuple[j
     return positions, sees_new, own_group_visibility(b, n, m)
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class BiTA(LogicalInit):
     name = "bita"
-    num_masks: int = 3  # M mask tokens: drafts up to depth M
-    num_prompt: int = 16  # P prompt tokens per layer (0: mask tokens only, the paper's ablation)
-    prompt_dropout: float = 0.1  # on the prompt keys/values in training (not used by decoding)
-    train_groups: int = 0  # G mask groups per sequence in training (consecutive cut points); 0: every cut point
+    num_masks: int = setting(3, ge=1, why="the masks draft the tree")  # M mask tokens: drafts up to depth M
+    num_prompt: int = setting(16, ge=0)  # P prompt tokens per layer (0: mask tokens only, the paper's ablation)
+    prompt_dropout: float = setting(0.1, ge=0, lt=1)  # on the prompt keys/values in training (not used by decoding)
+    # G mask groups per sequence in training (consecutive cut points); 0: every cut point
+    train_groups: int = setting(0, ge=0, why="0: a mask group at every cut point")
     remat: bool = True  # training recomputes each target layer in the backward pass (keeps one layer's activations)
     loss_runs_target = True  # the loss runs the frozen target itself (train/step.py passes no target output)
 
-    def __post_init__(self) -> None:
-        if self.num_masks < 1:
-            raise ValueError(f"BiTA {self.num_masks=} must be >= 1 (the masks draft the tree)")
-        if self.num_prompt < 0:
-            raise ValueError(f"BiTA {self.num_prompt=} must be >= 0")
-        if self.train_groups < 0:
-            raise ValueError(f"BiTA {self.train_groups=} must be >= 0 (0: a mask group at every cut point)")
-        if not 0.0 <= self.prompt_dropout < 1.0:
-            raise ValueError(f"BiTA {self.prompt_dropout=} must be in [0, 1)")
-
     def check_batches(self, length_grouped: bool) -> None:
         if length_grouped and self.train_groups:
-            raise ValueError("BiTA's method_settings.train_groups cut points depend on the batch's length, which "
+            raise ValueError("BiTA's drafter.train_groups cut points depend on the batch's length, which "
                              "data.length_groups cuts short: set one of them to 0")
 
     @property

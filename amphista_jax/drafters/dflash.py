@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    Drafter,
     LogicalInit,
     PrefillContext,
     Proposal,
@@ -52,9 +53,11 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.causal_layers import at_path, block_config
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.drafters.losses import batch_labels, head_metrics, target_kl, unstack
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.cache import KVCache, write
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import MLP, Output, RMSNorm, logical_dense
+from amphista_jax.models.llama import MLP, Output, RMSNorm
+from amphista_jax.models.projections import logical_dense
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import Tree
@@ -72,33 +75,28 @@ def reference_layer_ids(num_target_layers: int, num_features: int) -> tuple[int,
     return tuple(min(max(round(1 + i * span / (num_features - 1)), 0), top) for i in range(num_features))
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class DFlash(LogicalInit):
     name = "dflash"
-    block_size: int = 16  # B: the root and B - 1 draft slots, one forward
-    num_layers: int = 5  # draft decoder layers
+    # B: the root and B - 1 draft slots, one forward
+    block_size: int = setting(16, ge=2, why="the root and at least one draft slot")
+    num_layers: int = setting(5, ge=1, why="draft decoder layers")
     target_layer_ids: tuple[int, ...] = ()  # target layers whose outputs are fused; () = reference_layer_ids
     mask_token_id: int = -1  # the target token whose embedding initialises MASK; -1 = the mean embedding
     learned_mask: bool = True  # False: MASK is the target's embedding of mask_token_id, not trained (the reference's)
     qk_norm: bool = True  # RMSNorm on each query and key head (the reference's Qwen3 layers)
-    loss_gamma: float = 7.0  # slot k's loss weight exp(-(k - 1) / gamma); the reference's 7 for B = 16
-    num_anchors: int = 16  # training blocks per sequence
-    temperature: float = 0.0  # > 0: drafts sampled at it, passed as q (set by `sampling_at`)
+    # slot k's loss weight exp(-(k - 1) / gamma)
+    loss_gamma: float = setting(7.0, gt=0, why="the reference's 7 for block_size 16")
+    num_anchors: int = setting(16, ge=1, why="training blocks per sequence")
+    # > 0: drafts sampled at it, passed as q (set by `sampling_at`)
+    temperature: float = setting(0.0, ge=0, why="0 = top-k drafts")
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         normalise_field(self)
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if self.block_size < 2:
-            raise ValueError(f"block_size={self.block_size} must be >= 2 (the root and at least one draft slot)")
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers={self.num_layers} must be >= 1 draft layer")
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors={self.num_anchors} must be >= 1 training block per sequence")
-        if not self.loss_gamma > 0:
-            raise ValueError(f"loss_gamma={self.loss_gamma} must be > 0 (the reference's 7 for block_size 16)")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = top-k drafts)")
         if not self.learned_mask and self.mask_token_id < 0:
             raise ValueError("learned_mask=false needs mask_token_id >= 0: the target token that is MASK")
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    Drafter,
     LogicalInit,
     PrefillContext,
     Proposal,
@@ -54,17 +55,12 @@ from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.drafters.losses import head_losses
 from amphista_jax.infra import config_io
 from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
-from amphista_jax.models.llama import (
-    Output,
-    PrefixKV,
-    Transformer,
-    output_projection,
-    param_shapes,
-    target_model,
-)
+from amphista_jax.models.llama import Output, PrefixKV, Transformer, param_shapes, target_model
+from amphista_jax.models.param_layout import output_projection
 from amphista_jax.models.target import Target
 from amphista_jax.models.tokenizer import load_tokenizer
 from amphista_jax.trees.tree import Tree, TreeBudget, TreeError, TreeSpec
@@ -75,6 +71,7 @@ class DraftModelError(UserError, ValueError):
     """A draft model that cannot draft for this target, with what to change."""
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class DraftModel(LogicalInit):
     name = "draft_model"
@@ -84,20 +81,15 @@ class DraftModel(LogicalInit):
     config: ModelConfig | None = None
     # 0: top-k drafts (`q = None`); > 0 (static trees): independent draws from its distribution at this
     # temperature, passed to verification as `q` (classic speculative sampling draws at the target's temperature)
-    temperature: float = 0.0
+    temperature: float = setting(0.0, ge=0, why="0 = top-k drafts")
     # > 0 (static trees): a node's children are drafted only where the distribution they are drawn from gives its
     # most likely token at least this probability (llama.cpp's `p_min`; `FeatureDrafting.static`); 0: always
-    p_min: float = 0.0
-    layers: int = 2  # without `config`: how many of the target's decoder layers it starts from
+    p_min: float = setting(0.0, ge=0, lt=1, why="0 = draft every node of the tree")
+    layers: int = setting(2, ge=1)  # without `config`: how many of the target's decoder layers it starts from
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"{self.temperature=} must be >= 0 (0 = top-k drafts)")
-        if not 0 <= self.p_min < 1:
-            raise ValueError(f"p_min={self.p_min!r} must be in [0, 1) (0 = draft every node of the tree)")
-        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
-            raise ValueError(f"layers={self.layers!r} must be an integer >= 1")
+        super().__post_init__()
         if isinstance(self.config, dict):  # read back from draft.json
             object.__setattr__(self, "config", config_io.from_dict(ModelConfig, self.config, "draft_model config"))
         if not isinstance(self.config, ModelConfig | None):

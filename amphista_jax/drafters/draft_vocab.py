@@ -12,7 +12,7 @@ masks such positions the same way). The teacher (Amphista's alignment, Hydra++'s
 the target's logits restricted to the draft vocabulary and renormalised (`restrict`), as EAGLE-3 does.
 
 `most_frequent(token_counts(...), n)` chooses a vocabulary: the `n` most frequent label tokens of the training
-data, ties by id (`amphista-jax train` with `method_settings.draft_vocab_size: n`).
+data, ties by id (`amphista-jax train` with `draft_vocab_size: n`).
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ import optax
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    Drafter,
     LogicalInit,
     PrefillContext,
     Proposal,
@@ -58,40 +59,38 @@ from amphista_jax.drafters.causal_layers import block_config, path_hidden, run_a
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.drafters.losses import check_loss_weights, head_losses
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, logical_dense, run_stack
+from amphista_jax.models.llama import Output, PrefixKV, decoder_stack, run_stack
+from amphista_jax.models.projections import logical_dense
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import Tree, TreeBudget, TreeSpec
 from amphista_jax.trees.verify import Verdict
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class Eagle(LogicalInit):
     name = "eagle"
     paper_tree = "dynamic"  # EAGLE-2's dynamic tree
     tree_kinds = (TreeSpec, TreeBudget)
-    num_layers: int = 1  # decoder layers of the draft stack (EAGLE: 1; Gumiho's serial part: 2)
-    feature_noise: float = 0.1  # training: U(-a, a) added to the target's features
+    num_layers: int = setting(1, ge=1)  # decoder layers of the draft stack (EAGLE: 1; Gumiho's serial part: 2)
+    feature_noise: float = setting(0.1, ge=0, why="0 = no noise")  # training: U(-a, a) added to the target's features
     reg_weight: float = 1.0  # SmoothL1 regression of the next feature
     cls_weight: float = 0.1  # CE of lm_head(predicted feature) against the target's distribution
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
     input_norm: bool = True  # False: the released heads' form, attention reads the layer's input unnormalised
     # the draft layers' RoPE base; 0: the target's. Released heads keep their own config's (the reference's rule:
     # 10000 where it names none, whatever the target's is)
-    rope_theta: float = 0.0
+    rope_theta: float = setting(0.0, ge=0, why="0 = the target's RoPE base")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         normalise_field(self)
-        if self.num_layers < 1:
-            raise ValueError(f"{self.num_layers=} must be >= 1")
         if not self.input_norm and self.num_layers != 1:
             raise ValueError(f"input_norm=False (EAGLE's released one-layer form) needs num_layers=1, not "
                              f"{self.num_layers}")
-        if self.feature_noise < 0:
-            raise ValueError(f"{self.feature_noise=} must be >= 0 (0 = no noise)")
-        if not self.rope_theta >= 0:
-            raise ValueError(f"{self.rope_theta=} must be > 0, or 0 for the target's RoPE base")
         check_loss_weights(reg_weight=self.reg_weight, cls_weight=self.cls_weight)
 
     @property

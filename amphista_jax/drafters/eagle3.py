@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    Drafter,
     LogicalInit,
     PrefillContext,
     Proposal,
@@ -49,10 +50,12 @@ from amphista_jax.drafters.causal_layers import at_path, block_config, run_and_c
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.drafters.losses import check_loss_weights, head_losses
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.attention import causal_mask
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import DecoderLayer, Output, PrefixKV, RMSNorm, logical_dense, run_stack
+from amphista_jax.models.llama import DecoderLayer, Output, PrefixKV, RMSNorm, run_stack
+from amphista_jax.models.projections import logical_dense
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import Tree, TreeBudget, TreeSpec
 from amphista_jax.trees.verify import Verdict
@@ -66,6 +69,7 @@ def reference_layers(num_layers: int) -> tuple[int, ...]:
     return min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class Eagle3(LogicalInit):
     lm_setting = "lm_weight"
@@ -73,25 +77,22 @@ class Eagle3(LogicalInit):
     paper_tree = "dynamic"  # EAGLE-2's dynamic tree, as EAGLE-3 decodes
     tree_kinds = (TreeSpec, TreeBudget)
     feature_layers: tuple[int, ...] = ()  # 3 target layers whose inputs are fused; () = reference_layers(L)
-    ttt_steps: int = 7  # training-time test: steps the layer is unrolled on its own outputs
-    step_decay: float = 0.8  # step j's loss weight is step_decay ** j
+    # training-time test: steps the layer is unrolled on its own outputs
+    ttt_steps: int = setting(7, ge=1, why="1 = no unrolling: plain teacher forcing")
+    step_decay: float = setting(0.8, gt=0, le=1)  # step j's loss weight is step_decay ** j
     lm_weight: float = 0.0  # CE against the labels `loss` chooses (the data's tokens by default)
     teacher_weight: float = 1.0  # CE against the target's softmax (the reference's only term)
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py, the reference's d2t)
-    rope_theta: float = 0.0  # the draft layer's RoPE base; 0: the target's (released heads: their config's)
+    # the draft layer's RoPE base (released heads: their config's)
+    rope_theta: float = setting(0.0, ge=0, why="0 = the target's RoPE base")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         normalise_field(self)
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         if self.feature_layers and len(self.feature_layers) != NUM_FEATURES:
             raise ValueError(f"feature_layers={list(self.feature_layers)} must name {NUM_FEATURES} target layers "
                              "(low, middle, high), or be empty for the reference's 2, L // 2, L - 3")
-        if self.ttt_steps < 1:
-            raise ValueError(f"{self.ttt_steps=} must be >= 1 (1 = no unrolling: plain teacher forcing)")
-        if not 0 < self.step_decay <= 1:
-            raise ValueError(f"{self.step_decay=} must be in (0, 1]")
-        if not self.rope_theta >= 0:
-            raise ValueError(f"{self.rope_theta=} must be > 0, or 0 for the target's RoPE base")
         check_loss_weights(lm_weight=self.lm_weight, teacher_weight=self.teacher_weight)
 
     def captured_layers(self, config: ModelConfig) -> tuple[int, ...]:

@@ -42,46 +42,43 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from amphista_jax.drafters.base import DraftContext, LogicalInit, PrefillContext, Proposal
+from amphista_jax.drafters.base import DraftContext, Drafter, LogicalInit, PrefillContext, Proposal
 from amphista_jax.drafters.draft_vocab import normalise_field, project_columns, target_ids
 from amphista_jax.drafters.eagle import Eagle
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.drafters.losses import batch_labels, head_metrics, teacher_ce
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, logical_dense
+from amphista_jax.models.llama import Output
+from amphista_jax.models.projections import logical_dense
 from amphista_jax.models.target import Target
 from amphista_jax.trees.growth import Expansion, draft_dynamic_tree, extend_short_paths
 from amphista_jax.trees.tree import Tree, TreeBudget, TreeError, arrays_from_parents
 from amphista_jax.trees.verify import Verdict
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class Gumiho(LogicalInit):
     name = "gumiho"
     tree_kinds = (TreeBudget,)
     paper_tree = "dynamic-63x7x35"  # a 63-node budget: the serial part's depth 2, the MLP heads' 5, beam 35
-    serial_layers: int = 2
-    mlp_heads: int = 5
-    mlp_layers: int = 5  # residual blocks after each head's first 2D -> D block
-    top_k: int = 10  # the serial part's children and frontiers (EAGLE-2's)
+    serial_layers: int = setting(2, ge=1)
+    mlp_heads: int = setting(5, ge=1)
+    mlp_layers: int = setting(5, ge=0)  # residual blocks after each head's first 2D -> D block
+    top_k: int = setting(10, ge=1)  # the serial part's children and frontiers (EAGLE-2's)
     full_tree_attention: bool = True
-    fta_nodes: int = 16  # of the budget's nodes, set aside for FTA's extensions
-    feature_noise: float = 0.1
+    fta_nodes: int = setting(16, ge=0)  # of the budget's nodes, set aside for FTA's extensions
+    feature_noise: float = setting(0.1, ge=0, why="0 = no noise")
     reg_weight: float = 1.0
     cls_weight: float = 0.1
-    mlp_weight: float = 1 / 9
-    mlp_decay: float = 0.8
+    mlp_weight: float = setting(1 / 9, ge=0)
+    mlp_decay: float = setting(0.8, ge=0)
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         normalise_field(self)
-        for name in ("serial_layers", "mlp_heads", "top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.mlp_layers < 0 or self.fta_nodes < 0:
-            raise ValueError(f"{self.mlp_layers=} and {self.fta_nodes=} must be >= 0")
-        if min(self.mlp_weight, self.mlp_decay) < 0:
-            raise ValueError(f"{self.mlp_weight=} and {self.mlp_decay=} must be >= 0")
         self.serial  # noqa: B018 (the serial part validates its own settings)
 
     @property

@@ -41,6 +41,7 @@ import numpy as np
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    Drafter,
     LogicalInit,
     PrefillContext,
     Proposal,
@@ -53,35 +54,35 @@ from amphista_jax.drafters.base import (
 from amphista_jax.drafters.causal_layers import block_config, layer_caches, path_hidden, run_and_commit
 from amphista_jax.drafters.draft_vocab import normalise_field
 from amphista_jax.drafters.losses import check_loss_weights, head_losses
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, logical_dense, run_stack
+from amphista_jax.models.llama import Output, RMSNorm, decoder_stack, run_stack
+from amphista_jax.models.projections import logical_dense
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import Tree
 from amphista_jax.trees.verify import Verdict
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class Hydra(LogicalInit):
     lm_setting = "lm_weight"
     name = "hydra"
-    num_heads: int = 4
-    num_layers: int = 1  # MLP layers per head (Hydra++: 4)
+    num_heads: int = setting(4, ge=1)
+    # MLP layers per head (Hydra++: 4)
+    num_layers: int = setting(1, ge=1, why="the first layer maps the path to the hidden size")
     prefix_layer: bool = False  # Hydra++'s prefix-attention decoder layer
     lm_weight: float = 1.0  # CE against the ground-truth token (Hydra; Hydra++: 0)
     teacher_weight: float = 0.0  # CE against the target's softmax (Hydra++: 1)
-    alpha_noise: float = 0.0  # embedding noise in training (appendix A.1; the paper settles on 0)
+    # embedding noise in training (appendix A.1; the paper settles on 0)
+    alpha_noise: float = setting(0.0, ge=0, why="0 = no embedding noise")
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         normalise_field(self)
-        if self.num_heads < 1:
-            raise ValueError(f"{self.num_heads=} must be >= 1")
-        if self.num_layers < 1:
-            raise ValueError(f"{self.num_layers=} must be >= 1 (the first layer maps the path to the hidden size)")
         check_loss_weights(lm_weight=self.lm_weight, teacher_weight=self.teacher_weight)
-        if self.alpha_noise < 0:
-            raise ValueError(f"{self.alpha_noise=} must be >= 0 (0 = no embedding noise)")
 
     @classmethod
     def plus_plus(cls, **overrides: Any) -> Hydra:

@@ -19,7 +19,7 @@ from amphista_jax.drafters import DRAFTERS, Drafter
 from amphista_jax.infra.errors import UserError
 from amphista_jax.infra.output_lock import write_atomic
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import layer_params, projection_kernel
+from amphista_jax.models.param_layout import layer_params, projection_kernel
 from amphista_jax.models.target import Target
 
 META_FILE = "draft.json"

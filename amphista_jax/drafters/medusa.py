@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from amphista_jax.drafters.base import (
     DraftContext,
+    Drafter,
     LogicalInit,
     Projection,
     Proposal,
@@ -30,26 +31,25 @@ from amphista_jax.drafters.base import (
 )
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
 from amphista_jax.drafters.losses import head_losses
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.llama import Output
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import Tree
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class Medusa(LogicalInit):
     name = "medusa"
-    num_heads: int = 4
-    num_layers: int = 1
-    loss_decay: float = 0.8  # head k's loss weight is loss_decay ** k
+    num_heads: int = setting(4, ge=1)
+    num_layers: int = setting(1, ge=0, why="ResBlocks per head")
+    loss_decay: float = setting(0.8, gt=0, le=1)  # head k's loss weight is loss_decay ** k
     shared_lm_head: bool = False  # True: every head reads the target's frozen lm_head (no [D, V] of its own)
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         normalise_field(self)
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(f"{self.num_heads=} must be >= 1 and {self.num_layers=} >= 0 (ResBlocks per head)")
-        if not 0 < self.loss_decay <= 1:
-            raise ValueError(f"{self.loss_decay=} must be in (0, 1]")
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         d = target.config.hidden_size

@@ -31,6 +31,7 @@ import numpy as np
 
 from amphista_jax.drafters.base import DraftContext, Drafter, PrefillContext, Proposal, accepted_hidden, accepted_tokens
 from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.llama import Output
 from amphista_jax.models.target import Target
@@ -42,6 +43,7 @@ class NothingToTrainError(UserError, ValueError):
     """A method with no parameters asked to train."""
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class PromptLookup(Drafter):
     """Drafts the continuation of the longest, most recent earlier occurrence of the row's last n-gram.
@@ -57,15 +59,15 @@ class PromptLookup(Drafter):
     name = "prompt_lookup"
     trainable = False
     paper_tree = "chain-4"
-    max_ngram: int = 3
-    min_ngram: int = 1
-    branches: int = 4
+    max_ngram: int = setting(3, ge=1)
+    min_ngram: int = setting(1, ge=1)
+    branches: int = setting(4, ge=1, why="1: chains only")
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"{self.min_ngram=} and {self.max_ngram=} must satisfy 1 <= min_ngram <= max_ngram")
-        if self.branches < 1:
-            raise ValueError(f"{self.branches=} must be >= 1 (1: chains only)")
+        super().__post_init__()
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram={self.min_ngram} and max_ngram={self.max_ngram} must satisfy 1 <= min_ngram "
+                             "<= max_ngram")
 
     def rankable(self, vocab_size: int) -> int:
         """The root's children rank up to `branches` distinct matches; below them a continuation has one next

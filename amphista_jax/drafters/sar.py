@@ -44,11 +44,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from amphista_jax.drafters.base import DraftContext, LogicalInit, Proposal, draft_by_levels, logical
+from amphista_jax.drafters.base import DraftContext, Drafter, LogicalInit, Proposal, draft_by_levels, logical
 from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
 from amphista_jax.drafters.losses import head_losses
+from amphista_jax.infra.ranges import setting
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import Output, logical_dense
+from amphista_jax.models.llama import Output
+from amphista_jax.models.projections import logical_dense
 from amphista_jax.models.target import Target
 from amphista_jax.trees.tree import Tree
 
@@ -56,24 +58,23 @@ ENCODERS = ("simplified", "lstm")
 Carry = Any  # the encoder's state over a path: a pytree of `[..., H/2]` (and `[..., 1]`) arrays
 
 
+@Drafter.register
 @dataclasses.dataclass(frozen=True)
 class SemiAutoregressive(LogicalInit):
     name = "sar"
     # k: draft depths trained (Eq. 8) and the deepest tree drafted; named like the head methods' depth, which the
     # tree code (tree search, the CLI's checks) reads from every static-tree drafter
-    num_heads: int = 4
+    num_heads: int = setting(4, ge=1, why="the draft depth k")
     encoder: str = "simplified"  # h_q: "simplified" (Eq. 6) or "lstm" (Eq. 7)
-    width: int | None = None  # W, each branch of q0's hidden layer; None = H/4 (the paper's 1024 at H = 4096)
+    # W, each branch of q0's hidden layer; None = H/4 (the paper's 1024 at H = 4096)
+    width: int | None = setting(None, ge=1, why="or None for H/4")
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         normalise_field(self)
-        if self.num_heads < 1:
-            raise ValueError(f"{self.num_heads=} must be >= 1 (the draft depth k)")
         if self.encoder not in ENCODERS:
             raise ValueError(f"{self.encoder=} must be one of {ENCODERS}")
-        if self.width is not None and self.width < 1:
-            raise ValueError(f"{self.width=} must be >= 1 (or None for H/4)")
 
     def _net(self, target: ModelConfig) -> _SARNet:
         return _SARNet(self, target)

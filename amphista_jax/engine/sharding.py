@@ -20,7 +20,8 @@ from amphista_jax.drafters.base import Drafter, draft_param_shapes
 from amphista_jax.infra.errors import UserError
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import has_split_layers, param_shapes
+from amphista_jax.models.llama import param_shapes
+from amphista_jax.models.param_layout import has_split_layers
 from amphista_jax.models.target import Target
 
 MESH_AXES = ("data", "fsdp", "tensor")

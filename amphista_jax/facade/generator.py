@@ -11,11 +11,13 @@
         print(piece, end="")
 
 `Generator` is the only way in: the CLI, the demo, tree search, evaluation and the benchmarks build theirs with
-`load` and `with_drafter` and never assemble one by hand. It owns what every front-end needs:
-tokenisation with the chat template for messages, stop ids, right-padding into prompt-length buckets (so calls of
-other lengths reuse the compiled program of their bucket), caches of the size each call's `DecodeSpec` asks for, the
-tree checked against the drafter and the target before anything compiles, ahead-of-time compiled programs cached
-per shape, and placement on a mesh. Errors a caller can cause are typed (`GeneratorError` and the project's other
+`load` and `with_drafter` (weights in hand through `LoadedTarget.from_params`) and never assemble one by hand. It
+composes three parts: the loaded target (`facade/target.py`: weights, tokenizer, stop ids, mesh and the one cache of
+compiled programs), a drafter attachment (`facade/attachment.py`: its source, params and tree plan) and the view
+itself, which owns what every front-end needs: tokenisation with the chat template for messages, stop ids,
+right-padding into prompt-length buckets (so calls of other lengths reuse the compiled program of their bucket),
+caches of the size each call's `DecodeSpec` asks for, the tree checked against the drafter and the target before
+anything compiles, and streaming. Errors a caller can cause are typed (`GeneratorError` and the project's other
 `UserError`s) with one-line messages that name the fix.
 """
 
@@ -35,15 +37,15 @@ import numpy as np
 from amphista_jax.choice.calibration import calibrate
 from amphista_jax.choice.plan import TreePlan
 from amphista_jax.drafters import Drafter
-from amphista_jax.engine.decode import ARState, GenerateOutput, SpecState, advance, decode, pad_prompts, start
+from amphista_jax.engine.decode import ARState, GenerateOutput, SpecState, advance, pad_prompts, start
 from amphista_jax.engine.decode_spec import GREEDY, DecodeSpec, bucket
 from amphista_jax.engine.prompt_checks import check_decode_inputs
-from amphista_jax.facade.drafter_source import DrafterSource, choose_tree, load_draft_params, read_source
-from amphista_jax.infra.compile_cache import enable_compile_cache
+from amphista_jax.facade.attachment import Attachment
+from amphista_jax.facade.drafter_source import DrafterSource, choose_tree, read_source
+from amphista_jax.facade.target import LoadedTarget
 from amphista_jax.infra.errors import GeneratorError
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.fetch import amphista_home, resolve_model
-from amphista_jax.models.target import Target
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.trees.names import AUTO
 from amphista_jax.trees.sampling import SamplingConfig
 from amphista_jax.trees.tree import Tree
@@ -82,61 +84,47 @@ class Generation:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Generator:
-    """A loaded target, optionally a drafter with its tree, and the programs compiled for them: the only way in.
-    `Generator.load(model)` loads the target; `with_drafter(heads | method | draft model, tree=...)` attaches a
-    drafter, `with_tree` another tree and `autoregressive()` none, each a new generator sharing the loaded weights
-    (`Generator.load(model, heads, tree)` is both steps in one call). A target whose params are in hand (a test's
-    or a benchmark's random weights) is `Generator(config, params, tokenizer, eos_ids)`."""
+    """A view of a loaded target (`LoadedTarget`), optionally with a drafter attached (`Attachment`), decoding on one
+    tree: the only way in. `Generator.load(model)` loads the target; `with_drafter(heads | method | draft model,
+    tree=...)` attaches a drafter, `with_tree` puts it on another tree, `autoregressive()` drops it and
+    `for_batch(b)` gives the view at `b` rows; each is a new view sharing the target's weights and its one program
+    cache (`Generator.load(model, heads, tree)` is both steps in one call; `Generator.load(LoadedTarget.from_params(
+    config, params))` starts from weights in hand). Views are made here only."""
 
-    config: ModelConfig
-    params: dict
-    tokenizer: PreTrainedTokenizerBase | None  # None: no text (only `run`, on token ids, works without it)
-    eos_ids: tuple[int, ...]
-    drafter: Drafter | None = None
-    draft_params: Any = None
-    tree: Tree | None = None
+    target: LoadedTarget
+    attachment: Attachment | None = None  # None: autoregressive
+    tree: Tree | None = None  # the tree this view decodes on (None: autoregressive)
     tree_name: str = "-"
-    method: str = "ar"
-    model_dir: str = ""
-    heads_dir: str | None = None
-    attention: str = "xla"
-    mesh: jax.sharding.Mesh | None = None
     notes: tuple[str, ...] = ()  # what `load` / `with_drafter` chose for you, and why
-    acceptance: Path | None = None  # the drafter's acceptance statistics, if any (`auto` chooses from them)
-    policy: TreePlan | None = None  # which tree at each batch size, and why (None: AR, or a `for_batch` variant)
-    programs: dict[tuple, jax.stages.Compiled] = dataclasses.field(default_factory=dict, repr=False)
-    variants: dict[Tree | None, Generator] = dataclasses.field(default_factory=dict, repr=False)  # `for_batch`'s
+    batch: int | None = None  # the batch size `for_batch` made this view for (its tree fixed); None: per call
 
     @classmethod
-    def load(cls, model: str | Path | None = None, heads: str | Path | Drafter | DrafterSource | None = None,
-             tree: str | Tree = AUTO, *, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None,
-             attention: str = "xla", draft_model: str | Path | None = None, settings: dict[str, Any] | None = None,
+    def load(cls, model: str | Path | LoadedTarget | None = None,
+             heads: str | Path | Drafter | DrafterSource | None = None, tree: str | Tree = AUTO, *,
+             dtype: str = "float32", mesh: jax.sharding.Mesh | None = None, attention: str = "xla",
+             draft_model: str | Path | None = None, settings: dict[str, Any] | None = None,
              seed: int = 0) -> Generator:
-        """Load the target `model` (a Hugging Face directory, a fetched name such as `smollm2`, or None for the
-        embedded default) in the decode layout, then attach `heads` or `draft_model` (a directory or a fetched
-        name) with its decoding `settings` changed as `with_drafter` does (None: autoregressive; a
-        `DrafterSource`: a source read already). The drafter and its tree are read and checked
-        before any weights load."""
-        from amphista_jax.engine.sharding import param_shardings
-        from amphista_jax.models.hf import load_config, load_params
-        from amphista_jax.models.tokenizer import load_tokenizer, stop_token_ids
+        """Load the target `model` (a Hugging Face directory, a fetched name such as `smollm2`, None for the
+        embedded default, or a `LoadedTarget` already in hand) in the decode layout, then attach `heads` or
+        `draft_model` (a directory or a fetched name) with its decoding `settings` changed as `with_drafter` does
+        (None: autoregressive; a `DrafterSource`: a source read already). The drafter and its tree are read and
+        checked before any weights load."""
+        from amphista_jax.models.hf import load_config
 
-        model_dir = resolve_model(None if model is None else str(model))
-        config = load_config(model_dir)
-        enable_compile_cache(amphista_home())
         if heads is not None and draft_model is not None:
             raise GeneratorError("give heads or draft_model, not both: a draft model drafts on its own")
+        loaded = model if isinstance(model, LoadedTarget) else None
+        model_dir = loaded.model_dir if loaded else resolve_model(None if model is None else str(model))
+        config = loaded.config if loaded else load_config(model_dir)
         source = heads if draft_model is None else Path(draft_model)  # a directory or a fetched model's name
-        attach = None
+        found, plan = None, None
         if source is not None:
-            found = source if isinstance(source, DrafterSource) else read_source(source, model_dir, config, settings)
-            attach = found, choose_tree(tree, found, config.vocab_size)
-        tokenizer = load_tokenizer(model_dir)
-        shardings = param_shardings(config, mesh, split=True) if mesh is not None else None
-        params, config = load_params(model_dir, dtype=dtype, shardings=shardings, layout="split")
-        gen = cls(config, params, tokenizer, stop_token_ids(model_dir, tokenizer, config), model_dir=str(model_dir),
-                  attention=attention, mesh=mesh)
-        return gen if attach is None else gen._attach(*attach, seed)
+            found = source if isinstance(source, DrafterSource) else read_source(source, model_dir or None, config,
+                                                                                 settings)
+            plan = choose_tree(tree, found, config.vocab_size)
+        target = loaded or LoadedTarget.load(model_dir, config, dtype=dtype, mesh=mesh, attention=attention)
+        gen = cls(target)
+        return gen if found is None else gen._attach(found, plan, seed)
 
     def with_drafter(self, source: str | Path | Drafter | DrafterSource, tree: str | Tree | TreePlan = AUTO, *,
                      settings: dict[str, Any] | None = None, draft_params: Any = None, seed: int = 0) -> Generator:
@@ -146,70 +134,119 @@ class Generator:
         settings. `tree` as `drafter_source.choose_tree` reads it: a name (`auto`: chosen on this machine, per
         batch size, from the acceptance statistics shipped with the heads, else their paper's tree), a JSON file of
         paths, a tree search's policy file, a `TreeSpec` / `TreeBudget`. Drafter and tree are checked against the
-        target before any params load; the new generator shares this one's weights."""
+        target before any params load; the new view shares this one's target."""
         found = source if isinstance(source, DrafterSource) else read_source(
-            source, self.model_dir, self.config, settings, draft_params)
+            source, self.model_dir or None, self.config, settings, draft_params)
         return self._attach(found, choose_tree(tree, found, self.config.vocab_size), seed)
 
     def _attach(self, source: DrafterSource, plan: TreePlan, seed: int) -> Generator:
-        drafter, draft_params = load_draft_params(source, Target(self.config, self.params), self.model_dir,
-                                                  self.dtype, seed)
-        if self.mesh is not None:
-            from amphista_jax.engine.sharding import place_for_decoding
+        attachment = Attachment.attach(self.target, source, plan, seed)
+        return self._on(attachment, (source.note,) if source.note else ())
 
-            draft_params = place_for_decoding(self.mesh, self.config, self.params, drafter, draft_params)[1]
-        gen = dataclasses.replace(self, drafter=drafter, draft_params=draft_params, method=source.method,
-                                  heads_dir=source.path, acceptance=source.acceptance)
-        return gen._with_plan(plan, (source.note,) if source.note else ())
-
-    def _with_plan(self, plan: TreePlan, notes: tuple[str, ...]) -> Generator:
-        """This generator's drafter on `plan`, with `notes` and the plan's; a plan chosen here (`auto` with
-        acceptance statistics) is priced by this machine's step costs (`calibration.calibrate`: at batch 1 now, at
-        other batch sizes on first use)."""
-        gen = dataclasses.replace(self, tree=plan.tree, tree_name=plan.name, policy=plan, programs={},
-                                  notes=(*notes, plan.note) if plan.note else notes, variants={})
+    def _on(self, attachment: Attachment, notes: tuple[str, ...]) -> Generator:
+        """The view of `attachment` on its plan's tree, with `notes` and the plan's; a plan chosen here (`auto` with
+        acceptance statistics) is first priced by this machine's step costs (`calibration.calibrate`: at batch 1
+        now, at other batch sizes on first use), timed on the attachment's views."""
+        plan = attachment.plan
+        notes = (*notes, plan.note) if plan.note else notes
         if not plan.chooses_here:
-            return gen
+            return Generator(self.target, attachment, plan.tree, plan.name, notes)
+        unpriced = Generator(self.target, attachment, plan.tree, plan.name, notes)
         stats = plan.acceptance
-        plan = plan.priced(lambda batch: calibrate(gen, stats, batch))
-        return dataclasses.replace(gen, tree=plan.at(1), tree_name=plan.label(1), policy=plan,
-                                   notes=(*gen.notes, plan.describe(1)))
+        attachment = attachment.on_plan(plan.priced(lambda batch: calibrate(unpriced, stats, batch)))
+        plan = attachment.plan
+        return Generator(self.target, attachment, plan.at(1), plan.label(1), (*notes, plan.describe(1)))
+
+    # -- what this view is ------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.target.config
+
+    @property
+    def params(self) -> dict:
+        return self.target.params
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self.target.tokenizer
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.target.eos_ids
+
+    @property
+    def model_dir(self) -> str:
+        return self.target.model_dir
+
+    @property
+    def attention(self) -> str:
+        return self.target.attention
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh | None:
+        return self.target.mesh
 
     @property
     def dtype(self) -> str:
         """The target's parameter dtype (`float32`, `bfloat16`)."""
-        return jax.tree.leaves(self.params)[0].dtype.name
+        return self.target.dtype
 
     @property
     def pad_id(self) -> int:
-        return self.config.pad_token_id or 0
+        return self.target.pad_id
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return None if self.attachment is None else self.attachment.drafter
+
+    @property
+    def draft_params(self) -> Any:
+        return None if self.attachment is None else self.attachment.params
+
+    @property
+    def method(self) -> str:
+        return "ar" if self.attachment is None else self.attachment.method
+
+    @property
+    def heads_dir(self) -> str | None:
+        return None if self.attachment is None else self.attachment.heads_dir
+
+    @property
+    def acceptance(self) -> Path | None:
+        """The drafter's acceptance statistics, if any (`auto` chooses from them)."""
+        return None if self.attachment is None else self.attachment.acceptance
+
+    @property
+    def policy(self) -> TreePlan | None:
+        """Which tree at each batch size, and why (None: autoregressive, or a `for_batch` view)."""
+        return None if self.attachment is None or self.batch is not None else self.attachment.plan
+
+    # -- other views of the same target -----------------------------------------------------------------------
 
     def autoregressive(self) -> Generator:
         """The plain autoregressive decoder of the same target (the baseline every speed-up is measured on)."""
-        return dataclasses.replace(self, drafter=None, draft_params=None, tree=None, tree_name="-", method="ar",
-                                   heads_dir=None, notes=(), policy=None, acceptance=None, programs={}, variants={})
+        return Generator(self.target)
 
     def with_tree(self, tree: str | Tree) -> Generator:
-        """The same target and drafter on another tree (`drafter_source.choose_tree`, checked against both)."""
-        if self.drafter is None:
+        """The same target, drafter and params on another tree (`drafter_source.choose_tree`, checked against
+        both)."""
+        if self.attachment is None:
             raise GeneratorError("autoregressive decoding has no tree: load heads or a draft model")
-        source = DrafterSource(self.method, self.drafter, self.heads_dir, acceptance=self.acceptance)
-        return self._with_plan(choose_tree(tree, source, self.config.vocab_size), ())
+        return self._on(self.attachment.on_plan(choose_tree(tree, self.attachment.source, self.config.vocab_size)),
+                        ())
 
     def for_batch(self, batch: int) -> Generator:
         """This generator as it decodes `batch` rows: under a tree policy (`tree="auto"` chosen on this machine, or a
         policy file) the same drafter on the tree picked for that batch size, or the autoregressive decoder where
-        none is predicted to beat it; without one, itself. Each is made once and keeps its compiled programs."""
+        none is predicted to beat it; without one, itself. Every view compiles into the target's one cache."""
         if isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1:
             raise GeneratorError(f"for_batch({batch!r}): the batch size is a whole number of rows, at least 1")
         if self.policy is None or ((tree := self.policy.at(batch)) == self.tree and tree is not None):
             return self
-        if tree not in self.variants:
-            name = self.policy.label(batch)
-            plain = self.autoregressive() if tree is None else dataclasses.replace(
-                self, tree=tree, notes=(), policy=None, programs={}, variants={})
-            self.variants[tree] = dataclasses.replace(plain, tree_name=name)
-        return self.variants[tree]
+        name = self.policy.label(batch)
+        attachment = None if tree is None else self.attachment
+        return Generator(self.target, attachment, tree, name, batch=int(batch))
 
     # -- prompts ----------------------------------------------------------------------------------------------
 
@@ -264,25 +301,15 @@ class Generator:
     def program(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, cache_size: int | None = None
                 ) -> tuple[jax.stages.Compiled, float]:
         """(the compiled `decode` program for the shape of `tokens [B, T]`, this spec and cache size (default:
-        `spec.cache_size(T)`), seconds spent compiling it now: 0 when cached). Call it as `program(params,
-        draft_params or None, tokens, lengths, rng)` (`run`)."""
-        cache_size = cache_size or spec.cache_size(tokens.shape[1])
-        key = (tokens.shape, spec, cache_size)
-        if key in self.programs:
-            return self.programs[key], 0.0
-        t0 = time.perf_counter()
-        with self.on_mesh():
-            lowered = decode.lower(self.params, self._draft_params(spec), tokens, lengths, jax.random.key(0),
-                                   spec=spec, cache_size=cache_size)
-            self.programs[key] = lowered.compile()
-        return self.programs[key], time.perf_counter() - t0
+        `spec.cache_size(T)`), from the target's cache; seconds spent compiling it now: 0 when cached). Call it as
+        `program(params, draft_params or None, tokens, lengths, rng)` (`run`)."""
+        return self.target.program(tokens, lengths, spec, self._draft_params(spec),
+                                   cache_size or spec.cache_size(tokens.shape[1]))
 
     def release_programs(self) -> None:
-        """Drop the programs this generator and its per-batch variants compiled (`compiled_programs`: a process
-        holding many runs out of memory mappings); each compiles again when next needed."""
-        self.programs.clear()
-        for variant in self.variants.values():
-            variant.release_programs()
+        """Drop the programs compiled on this generator's target, by every view of it (`LoadedTarget.
+        release_programs`)."""
+        self.target.release_programs()
 
     def run(self, tokens: np.ndarray, lengths: np.ndarray, spec: DecodeSpec, rng: jax.Array | int = 0,
             cache_size: int | None = None) -> tuple[GenerateOutput, float, float]:
@@ -299,9 +326,7 @@ class Generator:
         return jax.device_get(out), seconds, compile_s
 
     def on_mesh(self) -> contextlib.AbstractContextManager:
-        from amphista_jax.engine.sharding import on_mesh
-
-        return on_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        return self.target.on_mesh()
 
     # -- generation -------------------------------------------------------------------------------------------
 
@@ -373,7 +398,7 @@ class Generator:
         rng = jax.random.key(rng) if isinstance(rng, int) else rng
         with self.on_mesh():
             draft_params = None if spec.drafter is None else jax.jit(spec.drafter.decode_params)(
-                self.draft_params, Target(self.config, self.params))
+                self.draft_params, self.target.view)
             return draft_params, start(self.params, draft_params, tokens, lengths, rng, spec=spec,
                                        cache_size=cache_size or spec.cache_size(tokens.shape[1]))
 

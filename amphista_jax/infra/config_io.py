@@ -1,4 +1,10 @@
-"""YAML -> frozen, typed dataclasses, with `a.b=value` overrides from the command line."""
+"""YAML -> frozen, typed dataclasses, with `a.b=value` overrides from the command line.
+
+A field whose annotation is a class with a `config_types()` classmethod (name -> subclass: a registry, as levanter's
+registered config subclasses) is written as a mapping with a `type`, the registered name, beside the fields of that
+subclass: `drafter: {type: medusa, num_heads: 4}` builds `config_types()["medusa"](num_heads=4)`. `to_dict` writes
+a config back in that form.
+"""
 
 from __future__ import annotations
 
@@ -39,8 +45,32 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
         raise ConfigFileError(f"{label}: {e}") from e
 
 
+def _registry(hint: Any) -> Mapping[str, type] | None:
+    """The registered subclasses of a field's class by name, where it keeps a registry (`config_types`)."""
+    types_of = getattr(hint, "config_types", None) if isinstance(hint, type) else None
+    return types_of() if callable(types_of) else None
+
+
+def _from_registry(hint: type, registry: Mapping[str, type], value: Any, where: str) -> Any:
+    """`{type: name, **fields}` -> `registry[name]` built from `fields` (a value already built passes as it is)."""
+    if isinstance(value, hint):
+        return value
+    names = ", ".join(registry)
+    if not isinstance(value, Mapping):
+        raise ConfigFileError(f"{where}: expected a mapping of a type ({names}) and its settings, e.g. "
+                              f"{{type: {next(iter(registry))}}}, got {value!r}")
+    name = value.get("type")
+    if name is None:
+        raise ConfigFileError(f"{where}: no type: add {where.rpartition(': ')[2]}.type, one of {names}")
+    if not isinstance(name, str) or name not in registry:
+        raise ConfigFileError(f"{where}.type {name!r} is not one of {names}")
+    return from_dict(registry[name], {k: v for k, v in value.items() if k != "type"}, where + ".")
+
+
 def _convert(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
+    if (registry := _registry(hint)) is not None:
+        return _from_registry(hint, registry, value, where)
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, where + ".")
     if origin in (typing.Union, types.UnionType):
@@ -70,6 +100,21 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
                               "empty string)")
     if hint in (int, float, str, bool) and not isinstance(value, hint):
         raise ConfigFileError(f"{where}: expected {hint.__name__}, got {value!r}")
+    return value
+
+
+def to_dict(value: Any) -> Any:
+    """A config as the plain data `from_dict` reads back (tuples stay tuples): each dataclass a mapping of its
+    fields, with the `type` it is registered under (`config_types`) first where its class keeps a registry."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: to_dict(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        registry = _registry(type(value)) or {}
+        name = next((n for n, cls in registry.items() if cls is type(value)), None)
+        return fields if name is None else {"type": name} | fields
+    if isinstance(value, tuple | list):
+        return type(value)(to_dict(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: to_dict(v) for k, v in value.items()}
     return value
 
 

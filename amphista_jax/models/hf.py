@@ -165,7 +165,7 @@ def load_params(
 
     `dtype`: "checkpoint" keeps each tensor's stored dtype; "bfloat16" / "float32" / "float16" cast.
     `shardings`: a tree like the params of `jax.sharding.Sharding`s; each device then reads only its slice.
-    `layout`: "stacked" (the layers on one leading axis: training) or "split" (`llama.split_layers`' one tree
+    `layout`: "stacked" (the layers on one leading axis: training) or "split" (`param_layout.split_layers`' one tree
     per layer: decoding), read straight into that layout.
     """
     if dtype not in DTYPES:

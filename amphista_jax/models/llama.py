@@ -17,14 +17,12 @@ One forward serves prefill, single-token decode, tree verification and training:
 Parameters carry logical axis names (`vocab`, `embed`, `heads`, `kv_heads`, `mlp`, `norm`, `layers`);
 `amphista_jax.engine.sharding` maps them to a mesh. Layers are stacked on a leading `layers` axis (`nn.scan`), so
 the model compiles once whatever its depth; decoding reads them in the `split_layers` layout (one tree per layer,
-each projection's `weight [out, in]`).
+each projection's `weight [out, in]`: `param_layout`, `projections`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -35,6 +33,8 @@ from flax import struct
 from amphista_jax.models.attention import AttentionBackend, causal_mask
 from amphista_jax.models.cache import KVCache, write, write_layer
 from amphista_jax.models.config import ModelConfig
+from amphista_jax.models.param_layout import has_split_layers
+from amphista_jax.models.projections import rows_product, target_projection
 from amphista_jax.models.rope import apply_rope, inverse_frequencies
 from pallas_kernels.dense_attention import apply_window, dot_product_attention, key_visibility
 from pallas_kernels.tree_attention import tree_attention
@@ -67,77 +67,6 @@ class Output:
     # [B, T, C * D] the inputs of the `captures` layers (the residual stream before each), concatenated in order,
     # when asked for (EAGLE-3's low / middle / high features)
     captured: jax.Array | None = None
-
-
-def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
-                  kernel_init: Callable = nn.linear.default_kernel_init, use_bias: bool = True,
-                  param_dtype: Dtype = jnp.float32) -> nn.Dense:
-    """An `nn.Dense` whose kernel `[in, out]` has logical `axes` (its bias: `axes[1]`); the drafters' layers use
-    it too, so that their params shard like the target's."""
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        kernel_init=nn.with_logical_partitioning(kernel_init, axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
-        param_dtype=param_dtype,
-        name=name,
-    )
-
-
-# The most rows `rows_product` multiplies with the weight as the left operand (a decode or verify step's); more rows
-# (a prefill's, a training batch's, a batch-64 decode step's) take the plain product. Where the two cross on XLA:CPU
-# is measured by `evals/benchmarks/query_rows.py` (docs/results, "A verify forward's cost at T rows").
-FEW_ROWS = 32
-
-
-def rows_product(weight: jax.Array, x: jax.Array) -> jax.Array:
-    """`x [..., in] @ weight.T` for an out-major `weight [out, in]`, as `[..., out]`.
-
-    For a few rows the product is formed as `weight @ x.T` `[out, rows]` and transposed after: XLA:CPU then reads
-    the weight once for all the rows, where `x @ kernel` over `[in, out]` kernels reads it at 8-16 GB/s from 2 rows
-    on against 28 GB/s for one (`evals/benchmarks/query_rows.py`). The barrier keeps XLA from folding the
-    transpose back into the product."""
-    dtype = jnp.result_type(x, weight)
-    x, weight = x.astype(dtype), weight.astype(dtype)
-    rows = math.prod(x.shape[:-1])
-    if rows > FEW_ROWS:
-        return x @ weight.T
-    y = jax.lax.dot_general(weight, x.reshape(rows, x.shape[-1]), (((1,), (1,)), ((), ())))  # [out, rows]
-    return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], weight.shape[0])
-
-
-class OutMajorDense(nn.Module):
-    """A target projection in decoding's layout: `weight [out, in]` (Hugging Face's orientation) applied by
-    `rows_product`, and `bias [out]`; the same map as an `nn.Dense` whose kernel is `weight.T`."""
-
-    features: int
-    axes: tuple[str | None, str | None]  # the [in, out] logical axes, as `logical_dense`'s
-    use_bias: bool
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes[::-1]),
-                            (self.features, x.shape[-1]), self.param_dtype)
-        y = rows_product(weight, x)
-        if self.use_bias:
-            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), self.axes[1:]),
-                              (self.features,), self.param_dtype)
-            y = y + bias.astype(y.dtype)
-        return y
-
-
-def target_projection(features: int, axes: tuple[str, str], use_bias: bool, name: str, param_dtype: Dtype,
-                      out_major: bool = False) -> nn.Module:
-    """The target's projections (normal(0.02) init): `kernel [in, out]`, or `weight [out, in]` (`out_major`)."""
-    if out_major:
-        return OutMajorDense(features, axes, use_bias, param_dtype, name=name)
-    return logical_dense(features, axes, name, nn.initializers.normal(0.02), use_bias, param_dtype)
-
-
-def projection_kernel(projection: dict) -> jax.Array:
-    """A target projection's `[in, out]` kernel from its params in either layout."""
-    return projection["kernel"] if "kernel" in projection else projection["weight"].T
 
 
 class RMSNorm(nn.Module):
@@ -397,54 +326,9 @@ class Transformer(nn.Module):
         return out.astype(jnp.float32)
 
 
-def out_major(tree: dict) -> dict:
-    """`tree` with every projection's `kernel [in, out]` as its `weight [out, in]`."""
-    return {("weight" if k == "kernel" else k): v.T if k == "kernel" else out_major(v) if isinstance(v, dict) else v
-            for k, v in tree.items()}
-
-
-def split_layers(params: dict) -> dict:
-    """The stacked layers `params["layers"]` as one parameter tree per layer (`layer_0`, ...), each projection
-    out-major (`OutMajorDense`), for `Transformer(split=True)`: the same model without a loop over layers.
-
-    Decoding reads the target in this layout (`hf.load_params(layout="split")` reads it without a stacked copy):
-    under XLA:CPU a scanned stack's per-layer slice is a copy of that layer's weights made on every decode step,
-    which halved the decode speed (docs/ar_decode.md). Training keeps the stacked layout (one compiled body).
-    """
-    stacked = params["layers"]
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    return out_major({k: v for k, v in params.items() if k != "layers"} | {
-        f"layer_{i}": jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(n)})
-
-
-def has_split_layers(params: dict) -> bool:
-    """Whether the target params are in the `split_layers` layout (else stacked on a `layers` axis)."""
-    return "layers" not in params
-
-
-def layer_params(params: dict, i: int) -> dict:
-    """Layer `i`'s params (negative counts from the last) in either layout."""
-    if not has_split_layers(params):
-        return jax.tree.map(lambda p: p[i], params["layers"])
-    n = sum(k.startswith("layer_") for k in params)
-    return params[f"layer_{i % n}"]
-
-
 def target_model(config: ModelConfig, params: dict, attention: str = "xla", remat: bool = False) -> Transformer:
     """The `Transformer` that applies `params` in their layout (stacked or `split_layers`)."""
     return Transformer(config, attention=attention, split=has_split_layers(params), remat=remat)
-
-
-def input_embeddings(params: dict, tokens: jax.Array) -> jax.Array:
-    """`[..., D]` the input embeddings of `tokens [...]` (any shape), in the params' dtype."""
-    return params["embed"]["embedding"][tokens]
-
-
-def output_projection(params: dict) -> jax.Array:
-    """The `[D, V]` vocabulary projection (the transposed input embedding when the two are tied)."""
-    if "lm_head" in params:
-        return projection_kernel(params["lm_head"])
-    return params["embed"]["embedding"].T
 
 
 def init_params(config: ModelConfig, rng: jax.Array, param_dtype: Dtype = jnp.float32) -> dict:

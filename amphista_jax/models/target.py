@@ -11,10 +11,8 @@ from flax import struct
 
 from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.llama import (
-    Output,
-    PrefixKV,
-    Transformer,
+from amphista_jax.models.llama import Output, PrefixKV, Transformer
+from amphista_jax.models.param_layout import (
     has_split_layers,
     input_embeddings,
     layer_params,

@@ -60,6 +60,7 @@ from amphista_jax.evals.benchmarks.common import nbytes, write_report
 from amphista_jax.evals.benchmarks.decode_profile import decode_program, weight_moves
 from amphista_jax.evals.benchmarks.step_time import random_target
 from amphista_jax.facade.generator import Generator
+from amphista_jax.facade.target import LoadedTarget
 from amphista_jax.infra.accelerators import ACCELERATORS, Accelerator
 from amphista_jax.infra.output_lock import write_atomic
 from amphista_jax.models.llama import param_shapes
@@ -148,7 +149,7 @@ def ar_step_stage(sizes: Sizes, out: Path, bandwidth: float | None) -> None:
         for layout in ("split", "stacked"):
             if layout not in gens:
                 params, config = random_target(sizes.target, "bfloat16", layout)
-                gens[layout] = Generator(config, params, None, ())
+                gens[layout] = Generator.load(LoadedTarget.from_params(config, params))
             gen = gens[layout]
             clock = StepClock.for_trees([gen], prompt, [], sizes.new_tokens, sizes.runs, batch)
             step_s = clock.ar_step_seconds(gen)

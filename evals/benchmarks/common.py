@@ -17,7 +17,8 @@ from amphista_jax.infra.timing import median_seconds
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import load_params
-from amphista_jax.models.llama import init_params, split_layers
+from amphista_jax.models.llama import init_params
+from amphista_jax.models.param_layout import split_layers
 
 __all__ = ["SIZES", "benchmark_parser", "load_target", "median_seconds", "model_config", "nbytes", "random_target",
            "write_report"]

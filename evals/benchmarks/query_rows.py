@@ -8,7 +8,7 @@ layout, fp32) over T new tokens under a causal mask after `--committed` tokens, 
 without the output projection (`return_logits=False`); their difference is the output projection over T rows. T = 1
 is an AR step's forward, T = N + 1 a verify forward of an N-node tree. Part 2: the matrix products that read the MLP
 weights of every layer (`gate_proj`, `up_proj`, `down_proj`) at T rows, all in one program, so the weights stream
-from memory as in a forward: as decoding forms them (`llama.rows_product` over the out-major `[F, D]` weights the
+from memory as in a forward: as decoding forms them (`projections.rows_product` over the out-major `[F, D]` weights the
 target holds) and as `[T, D] @ [D, F]` over the `[in, out]` kernels (their transposed copies, training's layout):
 the rate at which T rows read them beside one row's.
 Each time is the fastest of `--runs` calls after a warm-up (noise on a shared machine only adds time). Writes
@@ -28,7 +28,8 @@ from amphista_jax.engine.decode import ar_init
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, write_report
 from amphista_jax.infra.timing import wall_times
 from amphista_jax.models.attention import causal_mask
-from amphista_jax.models.llama import rows_product, target_model
+from amphista_jax.models.llama import target_model
+from amphista_jax.models.projections import rows_product
 from amphista_jax.models.target import forward
 
 MLP_WEIGHTS = ("gate_proj", "up_proj", "down_proj")

@@ -31,6 +31,7 @@ from amphista_jax.engine.decode import generate, pad_prompts, speculative_genera
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.evals.benchmarks.common import benchmark_parser, load_target, median_seconds, write_report
 from amphista_jax.facade.generator import Generator
+from amphista_jax.facade.target import LoadedTarget
 from amphista_jax.models.llama import new_cache, target_model
 from amphista_jax.models.target import Target
 from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer
@@ -122,8 +123,8 @@ def main() -> None:
         drafters.append((method if len(args.heads) == 1 else f"{method} ({path})", drafter, draft_params, path))
     if not drafters:
         drafters = [("untrained medusa", Medusa(), Medusa().init(jax.random.key(0), Target(config, params)), None)]
-    e2e = end_to_end(Generator(config, params, tok, (), model_dir=model), drafters, args.trees, args.new_tokens,
-                     args.runs)
+    base = Generator.load(LoadedTarget.from_params(config, params, tok, model_dir=model))
+    e2e = end_to_end(base, drafters, args.trees, args.new_tokens, args.runs)
     cost = verify_cost(params, config, (1, 8, 16, 32, 64), committed=256, runs=args.runs)
 
     lines = [f"model: {model}; heads: {', '.join(args.heads) or 'untrained medusa'}; backend: {jax.default_backend()}",

@@ -38,10 +38,12 @@ from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.io import cast_floating, load_draft
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.facade.generator import Generator
+from amphista_jax.facade.target import LoadedTarget
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import load_params
-from amphista_jax.models.llama import init_params, split_layers
+from amphista_jax.models.llama import init_params
+from amphista_jax.models.param_layout import split_layers
 from amphista_jax.models.shapes import KNOWN_TARGETS
 from amphista_jax.models.target import Target
 from amphista_jax.models.tokenizer import encode_prompt, load_tokenizer
@@ -141,7 +143,7 @@ def main() -> None:
     runs = [(b, a) for b in args.batch for a in args.attention]
     with tqdm(total=len(runs) * (1 + sum(why is None for *_, why in pairs)), desc="step time", unit="step") as bar:
         for batch, attention in runs:
-            base = Generator(config, params, tokenizer, (), attention=attention)
+            base = Generator.load(LoadedTarget.from_params(config, params, tokenizer, attention=attention))
             drawable = {m: [n for m2, n, why in pairs if m2 == m and why is None] for m in drafters}
             on = {m: base.with_drafter(d, trees[drawable[m][0]], draft_params=dp)
                   for m, (d, dp, _) in drafters.items() if drawable[m]}

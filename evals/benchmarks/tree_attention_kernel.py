@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from amphista_jax.evals.benchmarks.common import benchmark_parser, median_seconds, write_report
-from pallas_kernels.tree_attention import KernelSettings, tree_attention, tree_attention_reference
+from pallas_kernels.kernel_settings import KernelSettings
+from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
 
 def random_inputs(batch: int, nodes: int, context: int, q_heads: int, kv_heads: int, head_dim: int,

@@ -1,0 +1,85 @@
+"""The linear layers of the target and the drafters, with logical axis names on their params.
+
+Two orientations of one map: `logical_dense` (an `nn.Dense`, `kernel [in, out]`: training's stacked target and every
+drafter layer) and `OutMajorDense` (`weight [out, in]`, Hugging Face's orientation: decoding's `split_layers` layout),
+applied by `rows_product`, which reads the weight once for a step's few rows. `target_projection` builds the
+target's projections in either one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+
+
+def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
+                  kernel_init: Callable = nn.linear.default_kernel_init, use_bias: bool = True,
+                  param_dtype: Dtype = jnp.float32) -> nn.Dense:
+    """An `nn.Dense` whose kernel `[in, out]` has logical `axes` (its bias: `axes[1]`); the drafters' layers use
+    it too, so that their params shard like the target's."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        kernel_init=nn.with_logical_partitioning(kernel_init, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
+        param_dtype=param_dtype,
+        name=name,
+    )
+
+
+# The most rows `rows_product` multiplies with the weight as the left operand (a decode or verify step's); more rows
+# (a prefill's, a training batch's, a batch-64 decode step's) take the plain product. Where the two cross on XLA:CPU
+# is measured by `evals/benchmarks/query_rows.py` (docs/results, "A verify forward's cost at T rows").
+FEW_ROWS = 32
+
+
+def rows_product(weight: jax.Array, x: jax.Array) -> jax.Array:
+    """`x [..., in] @ weight.T` for an out-major `weight [out, in]`, as `[..., out]`.
+
+    For a few rows the product is formed as `weight @ x.T` `[out, rows]` and transposed after: XLA:CPU then reads
+    the weight once for all the rows, where `x @ kernel` over `[in, out]` kernels reads it at 8-16 GB/s from 2 rows
+    on against 28 GB/s for one (`evals/benchmarks/query_rows.py`). The barrier keeps XLA from folding the
+    transpose back into the product."""
+    dtype = jnp.result_type(x, weight)
+    x, weight = x.astype(dtype), weight.astype(dtype)
+    rows = math.prod(x.shape[:-1])
+    if rows > FEW_ROWS:
+        return x @ weight.T
+    y = jax.lax.dot_general(weight, x.reshape(rows, x.shape[-1]), (((1,), (1,)), ((), ())))  # [out, rows]
+    return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class OutMajorDense(nn.Module):
+    """A target projection in decoding's layout: `weight [out, in]` (Hugging Face's orientation) applied by
+    `rows_product`, and `bias [out]`; the same map as an `nn.Dense` whose kernel is `weight.T`."""
+
+    features: int
+    axes: tuple[str | None, str | None]  # the [in, out] logical axes, as `logical_dense`'s
+    use_bias: bool
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes[::-1]),
+                            (self.features, x.shape[-1]), self.param_dtype)
+        y = rows_product(weight, x)
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), self.axes[1:]),
+                              (self.features,), self.param_dtype)
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+def target_projection(features: int, axes: tuple[str, str], use_bias: bool, name: str, param_dtype: Dtype,
+                      out_major: bool = False) -> nn.Module:
+    """The target's projections (normal(0.02) init): `kernel [in, out]`, or `weight [out, in]` (`out_major`)."""
+    if out_major:
+        return OutMajorDense(features, axes, use_bias, param_dtype, name=name)
+    return logical_dense(features, axes, name, nn.initializers.normal(0.02), use_bias, param_dtype)
