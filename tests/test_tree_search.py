@@ -142,7 +142,7 @@ def test_generator_and_eval_follow_a_policy_file_by_batch(tmp_path):
     assert one.tree == path and two.tree == f"{path}: no speculation at batch 2" and two.tau == [1.0, 1.0]
     ar = gen.autoregressive().generate(prompts[0], max_new_tokens=12)
     assert two.token_ids[0] == one.token_ids[0] == ar.token_ids[0]
-    assert gen.for_batch(3).tree is gen.for_batch(2).tree is None and gen.for_batch(1) is gen  # batch 3: the last entry's
+    assert gen.for_batch(3).tree is gen.for_batch(2).tree is None and gen.for_batch(1) is gen  # batch 3: as 2
     assert gen.for_batch(2).target is gen.target  # one program cache for every batch size's view
     assert "".join(gen.stream(prompts[0], max_new_tokens=12)) == one.texts[0]
     assert resolve_method(f"{heads}@{path}", "auto", batch=1).tree == PRESETS["small-8"]
