@@ -262,3 +262,36 @@ def test_acceptance_statistics_are_measured_on_held_out_prompts():
     assert nodes == sorted(nodes) and stats.candidates[-1].tree == get_tree(gen.drafter.paper_tree)
     assert all(c.name.startswith("grown-") for c in stats.candidates[:-1]) and len(stats.rates) == 4
     assert all(1.0 <= c.tau <= 1 + c.tree.depth for c in stats.candidates) and stats.method == "medusa"
+
+
+def test_a_fetched_pairs_shipped_statistics_let_auto_turn_drafting_off(tmp_path, monkeypatch):
+    """The acceptance statistics shipped for a fetched target's paired draft model (`assets/<target>-heads/
+    draft_model`) reach `auto`, for that pair only; where they say drafting loses on this machine (every candidate's
+    tau near 1), `auto` decodes autoregressively, with AR's tokens. Stand-ins: the embedded model and its shipped
+    draft sibling, marked as complete fetches of the Qwen2.5-Coder entries (as test_demo does)."""
+    from amphista_jax import Generator
+    from amphista_jax.assets import default_model_dir, draft_model_dir
+    from amphista_jax.facade.drafter_source import read_source
+    from amphista_jax.models.fetch import MARKER, REGISTRY, _marker
+
+    monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))  # step costs measured and cached afresh
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for name, source, where in (("qwen2.5-coder-1.5b", default_model_dir(), target),
+                                ("qwen2.5-coder-0.5b", draft_model_dir(), draft)):
+        shutil.copytree(source, where)
+        (where / MARKER).write_text(json.dumps(_marker(REGISTRY[name])))
+    (draft / ACCEPTANCE_FILE).unlink()  # a fetch holds no statistics: the pair's are shipped
+    stats = tmp_path / "assets" / "qwen2.5-coder-1.5b-heads" / "draft_model" / ACCEPTANCE_FILE
+    stats.parent.mkdir(parents=True)
+    Acceptance("draft_model", "synthetic", (Candidate("chain-1", chain(1), 1.01),
+                                            Candidate("chain-4", chain(4), 1.02))).write(stats)
+    monkeypatch.setattr("amphista_jax.assets.shipped_heads_root", lambda name: tmp_path / "assets" / f"{name}-heads")
+    assert read_source(draft, target, None).acceptance == stats
+    own = read_source(draft_model_dir(), target, None).acceptance  # not the pair's fetch: its own statistics
+    assert own == draft_model_dir() / ACCEPTANCE_FILE
+    assert read_source(draft, default_model_dir(), None).acceptance is None  # not the pair's target
+    gen = Generator.load(target, draft_model=draft, tree="auto")
+    assert gen.tree is None and gen.policy.chooses_here
+    out = gen.generate(PROMPTS, max_new_tokens=12)
+    assert out.tau == [1.0, 1.0] and "no speculation" in out.tree
+    assert out.token_ids == gen.autoregressive().generate(PROMPTS, max_new_tokens=12).token_ids

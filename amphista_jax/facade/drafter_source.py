@@ -51,12 +51,13 @@ class DrafterSource:
 def read_source(source: str | Path | Drafter, model_dir: str | Path | None, config: ModelConfig | None,
                 settings: dict[str, Any] | None = None, params: Any = None) -> DrafterSource:
     """The `DrafterSource` of `source`: a `Drafter` (with `params`, or initialised at load); a directory holding
-    `draft.json` (trained heads) or `config.json` (a draft model sharing the target's vocabulary), or a fetched
-    model's name (`qwen2.5-coder-0.5b`: a draft model, fetched on first use); a method name
-    (`hydra`, `hydra++`): the heads shipped for the target at `model_dir`, else that method's untrained heads (with
-    a note); `<method>:untrained`: its untrained heads. `settings` change the drafter's decoding settings (checked
-    by the method). Without `model_dir` nothing shipped is looked for; without `config` a draft model's vocabulary
-    is checked when it loads. A `GeneratorError` names what is wrong."""
+    `draft.json` (trained heads) or `config.json` (a draft model sharing the target's vocabulary, with the acceptance
+    statistics beside it, else those shipped for its pair: `paired_acceptance`), or a fetched model's name
+    (`qwen2.5-coder-0.5b`: a draft model, fetched on first use); a method name (`hydra`, `hydra++`): the heads
+    shipped for the target at `model_dir`, else that method's untrained heads (with a note); `<method>:untrained`:
+    its untrained heads. `settings` change the drafter's decoding settings (checked by the method). Without
+    `model_dir` nothing shipped is looked for; without `config` a draft model's vocabulary is checked when it
+    loads. A `GeneratorError` names what is wrong."""
     if isinstance(source, Drafter):
         return DrafterSource(source.name, with_settings(source, settings), params=params)
     from amphista_jax.assets import shipped_heads, shipped_heads_dir, shipped_heads_root
@@ -79,7 +80,7 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
             if config is not None:
                 check_vocabularies(draft_config, config, name)
             return DrafterSource(DraftModel.name, with_settings(DraftModel(draft_config), settings), str(path),
-                                 acceptance=acceptance_file(path))
+                                 acceptance=acceptance_file(path) or paired_acceptance(path, model_dir))
         raise GeneratorError(f"{name} is not a draft-head checkpoint (no {META_FILE}) nor a model (no config.json): "
                              "pass the heads/ directory `amphista-jax train` wrote or a Hugging Face model directory")
     target, shipped = shipped_target(model_dir) if model_dir else None, method.replace("++", "-plus")
@@ -102,6 +103,18 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
                 if method != DraftModel.name else "no trained draft model for this model: drafting with its first "
                 f"{drafter.layers} layers, untrained")
     return DrafterSource(drafter.name, with_settings(drafter, settings), note=note, acceptance=stats)
+
+
+def paired_acceptance(draft_dir: str | Path, model_dir: str | Path | None) -> Path | None:
+    """The acceptance statistics shipped for a fetched target's paired draft model (`assets/<target>-heads/
+    draft_model/acceptance.json`), where `draft_dir` is that pair's draft model as fetched; else None."""
+    from amphista_jax.assets import shipped_heads_root
+    from amphista_jax.models.fetch import fetched_as, paired_draft_model
+
+    target = fetched_as(model_dir) if model_dir else None
+    if target is None or paired_draft_model(model_dir) != fetched_as(draft_dir):
+        return None
+    return acceptance_file(shipped_heads_root(target) / DraftModel.name)
 
 
 def with_settings(drafter: Drafter, settings: dict[str, Any] | None) -> Drafter:
