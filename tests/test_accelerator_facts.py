@@ -41,9 +41,10 @@ def facts(tmp_path_factory) -> dict:
 
 def test_every_stage_has_a_status_and_the_run_is_named(facts):
     assert {name: stage["status"] for name, stage in facts["stages"].items()} == STATUSES
-    # a stage's children run inside its limit; reading their reports afterwards takes a moment more
+    # a stage's children run inside its limit; reading their reports afterwards takes a moment more (a child that
+    # fails at once rounds to 0.0 s)
     late = {name: (stage["wall_s"], stage["limit_s"]) for name, stage in facts["stages"].items()
-            if not 0 < stage["wall_s"] <= stage["limit_s"] + 5}
+            if not 0 <= stage["wall_s"] <= stage["limit_s"] + 5}
     assert not late, f"stages past their limit (wall s, limit s): {late}"
     assert facts["device"] == "cpu" and facts["machine"]["backend"] == "cpu" and facts["jax"]
     assert facts["command"].endswith("--small --budget-s 1800")
