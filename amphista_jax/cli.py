@@ -208,6 +208,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from amphista_jax.infra.output_lock import file_lock, lock_beside
 
     heads = Path(args.heads) if Path(args.heads).is_dir() else args.heads
+    if args.draft_vocab is not None:  # before `read_source`, which reads the settings file this replaces
+        return _choose_draft_vocab(args)
     found = read_source(heads, args.model, None)
     if not args.acceptance:
         if found.acceptance is None:
@@ -232,7 +234,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     with file_lock(lock_beside(out), "calibrate"):
         gen = Generator.load(args.model, heads, found.drafter.paper_tree)  # each candidate is set in turn
         print_notes(gen)
-        prompts, where = calibration_prompts(gen, args.prompts)
+        prompts, where = calibration_prompts(gen, args.prompts, args.prompt_set)
         measured_on = f"{len(prompts)} {where}, {args.max_new_tokens} new tokens, greedy"
         with tqdm(desc="acceptance statistics", unit="prompt") as bar:
             stats = measure_acceptance(gen, prompts, args.max_new_tokens, measured_on, progress=bar.update,
@@ -240,6 +242,43 @@ def _calibrate(args: argparse.Namespace) -> int:
         stats.write(out)
     print("\n".join(f"{c.name}: {c.nodes} draft nodes, tau {c.tau:.3f}" for c in stats.candidates))
     print(f"wrote {out} ({measured_on})")
+    return 0
+
+
+DRAFT_VOCAB_CONVERSATIONS = 3000  # ShareGPT conversations from the file's start `calibrate --draft-vocab` counts
+
+
+def _choose_draft_vocab(args: argparse.Namespace) -> int:
+    """`calibrate --draft-vocab N`: a draft model's draft vocabulary (`train.examples.answer_vocabulary`) written
+    to its settings file (`drafter_source.SETTINGS_FILE`), which decoding then reads."""
+    import json
+    from pathlib import Path
+
+    from amphista_jax.drafters.io import META_FILE
+    from amphista_jax.facade.drafter_source import SETTINGS_FILE
+    from amphista_jax.infra.output_lock import write_atomic
+    from amphista_jax.models.fetch import MODELS
+    from amphista_jax.models.tokenizer import load_tokenizer
+    from amphista_jax.train.examples import answer_vocabulary
+
+    if args.draft_vocab < 1:
+        raise UsageError(f"--draft-vocab {args.draft_vocab}: must be >= 1 (a few times 10,000 for a large "
+                         "vocabulary)")
+    draft = Path(resolve_model(args.heads) if args.heads in MODELS and not Path(args.heads).exists() else args.heads)
+    if not (draft / "config.json").is_file() or (draft / META_FILE).is_file():
+        raise UsageError(f"--draft-vocab chooses a draft model's vocabulary; {args.heads} is not a draft model's "
+                         "directory nor a fetched one (heads choose theirs when they train: `draft_vocab_size`)")
+    out = Path(args.out) if args.out else draft / SETTINGS_FILE
+    if out.exists() and not args.replace:
+        raise UsageError(f"{out} exists: pass --replace to choose again and replace it, or --out another file")
+    check_writable_dir(out.parent, "--out")
+    tok = load_tokenizer(resolve_model(args.model))
+    data = resolve_data("sharegpt")
+    vocab, covered = answer_vocabulary(data, tok, args.draft_vocab, DRAFT_VOCAB_CONVERSATIONS)
+    chosen = (f"the {len(vocab)} most frequent answer tokens of the first {DRAFT_VOCAB_CONVERSATIONS} ShareGPT "
+              f"conversations through the target's chat template, {covered:.2%} of those answers' tokens")
+    write_atomic(out, json.dumps({"settings": {"draft_vocab": list(vocab)}, "chosen": chosen}) + "\n")
+    print(f"wrote {out}: {chosen}")
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable, Mapping
 
 from amphista_jax.assets import REAL_TARGET, shipped_heads
+from amphista_jax.choice.acceptance import PROMPT_SETS
 from amphista_jax.drafters import DRAFTERS
 from amphista_jax.models.attention import AttentionBackend
 from amphista_jax.models.fetch import DEFAULT_MODEL_ENV, default_model
@@ -152,12 +153,18 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     cal.add_argument("--remeasure", action="store_true", help="measure again, replacing this machine's cached costs")
     cal.add_argument("--acceptance", action="store_true", help="instead: measure the heads' acceptance statistics "
                      "(each candidate tree's tau on held-out calibration prompts) and write <heads>/acceptance.json")
-    cal.add_argument("--prompts", type=int, default=32, help="with --acceptance: calibration prompts (held-out "
-                     "ShareGPT first turns for a chat model, HumanEval 100-163 otherwise)")
+    cal.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="instead: choose a draft model's "
+                     "draft vocabulary, the N most frequent answer tokens of the first 3000 ShareGPT conversations "
+                     "(through the target's chat template), and write <heads>/settings.json, which decoding reads")
+    cal.add_argument("--prompts", type=int, default=32, help="with --acceptance: calibration prompts (held-out)")
+    cal.add_argument("--prompt-set", choices=PROMPT_SETS, default=None, help="with --acceptance: ShareGPT first "
+                     "turns, HumanEval 100-163 (through a chat model's template) or half each (default: sharegpt for "
+                     "a chat model, humaneval otherwise)")
     cal.add_argument("--max-new-tokens", type=int, default=64, help="with --acceptance: tokens per prompt")
-    cal.add_argument("--out", default=None, help="with --acceptance: the statistics' file (default: "
-                     "<heads>/acceptance.json)")
-    cal.add_argument("--replace", action="store_true", help="with --acceptance: replace an existing file")
+    cal.add_argument("--out", default=None, help="with --acceptance or --draft-vocab: the file written (default: "
+                     "<heads>/acceptance.json, <heads>/settings.json)")
+    cal.add_argument("--replace", action="store_true", help="with --acceptance or --draft-vocab: replace an existing "
+                     "file")
     cal.set_defaults(func=commands["calibrate"])
 
     c = sub.add_parser("convert", help="re-save a HF checkpoint (or, with --heads, draft heads) in another dtype "

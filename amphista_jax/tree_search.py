@@ -32,6 +32,7 @@ import numpy as np
 
 from amphista_jax.choice.acceptance import (
     CANDIDATE_NODES,
+    PROMPT_SETS,
     Acceptance,
     Candidate,
     candidate_trees,
@@ -43,7 +44,7 @@ from amphista_jax.choice.step_clock import StepClock
 from amphista_jax.engine.decode import pad_prompts
 from amphista_jax.facade.drafter_source import DrafterSource, read_source
 from amphista_jax.facade.generator import Generator
-from amphista_jax.infra.errors import UserError
+from amphista_jax.infra.errors import UsageError, UserError
 from amphista_jax.infra.figures import pyplot, save_figure
 from amphista_jax.infra.machine import this_machine
 from amphista_jax.infra.output_lock import write_atomic
@@ -168,20 +169,41 @@ def measured_tau(gen: Generator, prompts: Sequence[Sequence[int]], max_new_token
 HELD_OUT_PROMPT_TOKENS = 256  # calibration prompts longer than this are skipped
 
 
-def calibration_prompts(gen: Generator, n: int) -> tuple[list[list[int]], str]:
+def calibration_prompts(gen: Generator, n: int, prompt_set: str | None = None) -> tuple[list[list[int]], str]:
     """(token ids of `n` calibration prompts, what they are in words), kept apart from training, regeneration and
-    every evaluation set: for a chat target the last ShareGPT first turns (the first user turn of each conversation,
-    from the end of the file) of at most `HELD_OUT_PROMPT_TOKENS` tokens (heads train on and answers are regenerated
-    from the file's start), through the chat template; otherwise HumanEval tasks 100 onwards (evaluations use the
-    first ones)."""
+    every evaluation set. `prompt_set` (default: `sharegpt` for a chat target, else `humaneval`): `sharegpt`, the
+    last ShareGPT first turns (the first user turn of each conversation, from the end of the file) of at most
+    `HELD_OUT_PROMPT_TOKENS` tokens (heads train on and answers are regenerated from the file's start), through
+    the chat template; `humaneval`, HumanEval tasks 100 onwards (evaluations use the first ones), through the chat
+    template for a chat target; `both`, half of each (the ShareGPT half rounded up), for a chat target that is
+    asked code and prose alike."""
+    from amphista_jax.prompts import humaneval_prompts
+
+    chat = is_chat_target(gen.model_dir, gen.tokenizer)
+    prompt_set = prompt_set or ("sharegpt" if chat else "humaneval")
+    if prompt_set not in PROMPT_SETS or (prompt_set != "humaneval" and not chat):
+        raise UsageError(f"calibration prompts {prompt_set!r}: choose one of {', '.join(PROMPT_SETS)} (ShareGPT's "
+                         "need a chat target)")
+    code = n // 2 if prompt_set == "both" else n if prompt_set == "humaneval" else 0
+    ids = _sharegpt_prompts(gen, n - code)
+    ids += [gen.encode(p, chat=chat) for p in humaneval_prompts(100, min(100 + code, 164))] if code else []
+    where = {"sharegpt": "ShareGPT first turns from the end of the file (held out)",
+             "humaneval": "HumanEval prompts from task 100",
+             "both": "ShareGPT first turns from the end of the file (held out) and HumanEval prompts from task 100, "
+                     "half each"}[prompt_set]
+    return ids, where + (", through the chat template" if chat else "")
+
+
+def _sharegpt_prompts(gen: Generator, n: int) -> list[list[int]]:
+    """The token ids of the last `n` ShareGPT first turns of at most `HELD_OUT_PROMPT_TOKENS` tokens through the
+    chat template, from the end of the file."""
     import json
 
     from amphista_jax.models.fetch import resolve_data
-    from amphista_jax.prompts import humaneval_prompts
 
-    if not is_chat_target(gen.model_dir, gen.tokenizer):
-        return [gen.encode(p) for p in humaneval_prompts(100, min(100 + n, 164))], "HumanEval prompts from task 100"
     ids: list[list[int]] = []
+    if n == 0:
+        return ids
     for line in reversed(Path(resolve_data("sharegpt")).read_text(encoding="utf-8").splitlines()):
         try:
             turns = json.loads(line).get("conversations") or []
@@ -193,7 +215,7 @@ def calibration_prompts(gen: Generator, n: int) -> tuple[list[list[int]], str]:
             ids.append(prompt)
         if len(ids) == n:
             break
-    return ids, "ShareGPT first turns from the end of the file (held out), through the chat template"
+    return ids
 
 
 def measure_acceptance(gen: Generator, prompts: Sequence[Sequence[int]], max_new_tokens: int, measured_on: str, *,

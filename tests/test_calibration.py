@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from amphista_jax.assets import shipped_heads_dir
@@ -264,6 +265,23 @@ def test_acceptance_statistics_are_measured_on_held_out_prompts():
     assert all(1.0 <= c.tau <= 1 + c.tree.depth for c in stats.candidates) and stats.method == "medusa"
 
 
+def _stand_in_pair(tmp_path, monkeypatch):
+    """(target, draft): the embedded model and its shipped draft sibling, marked as complete fetches of the
+    Qwen2.5-Coder entries (as test_demo does), with what is shipped for the pair read from `tmp_path/assets`."""
+    from amphista_jax.assets import default_model_dir, draft_model_dir
+    from amphista_jax.models.fetch import MARKER, REGISTRY, _marker
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for name, source, where in (("qwen2.5-coder-1.5b", default_model_dir(), target),
+                                ("qwen2.5-coder-0.5b", draft_model_dir(), draft)):
+        shutil.copytree(source, where)
+        (where / MARKER).write_text(json.dumps(_marker(REGISTRY[name])))
+    (draft / ACCEPTANCE_FILE).unlink()  # a fetch holds no statistics: the pair's are shipped
+    (tmp_path / "assets" / "qwen2.5-coder-1.5b-heads" / "draft_model").mkdir(parents=True)
+    monkeypatch.setattr("amphista_jax.assets.shipped_heads_root", lambda name: tmp_path / "assets" / f"{name}-heads")
+    return target, draft
+
+
 def test_a_fetched_pairs_shipped_statistics_let_auto_turn_drafting_off(tmp_path, monkeypatch):
     """The acceptance statistics shipped for a fetched target's paired draft model (`assets/<target>-heads/
     draft_model`) reach `auto`, for that pair only; where they say drafting loses on this machine (every candidate's
@@ -272,20 +290,12 @@ def test_a_fetched_pairs_shipped_statistics_let_auto_turn_drafting_off(tmp_path,
     from amphista_jax import Generator
     from amphista_jax.assets import default_model_dir, draft_model_dir
     from amphista_jax.facade.drafter_source import read_source
-    from amphista_jax.models.fetch import MARKER, REGISTRY, _marker
 
     monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))  # step costs measured and cached afresh
-    target, draft = tmp_path / "target", tmp_path / "draft"
-    for name, source, where in (("qwen2.5-coder-1.5b", default_model_dir(), target),
-                                ("qwen2.5-coder-0.5b", draft_model_dir(), draft)):
-        shutil.copytree(source, where)
-        (where / MARKER).write_text(json.dumps(_marker(REGISTRY[name])))
-    (draft / ACCEPTANCE_FILE).unlink()  # a fetch holds no statistics: the pair's are shipped
+    target, draft = _stand_in_pair(tmp_path, monkeypatch)
     stats = tmp_path / "assets" / "qwen2.5-coder-1.5b-heads" / "draft_model" / ACCEPTANCE_FILE
-    stats.parent.mkdir(parents=True)
     Acceptance("draft_model", "synthetic", (Candidate("chain-1", chain(1), 1.01),
                                             Candidate("chain-4", chain(4), 1.02))).write(stats)
-    monkeypatch.setattr("amphista_jax.assets.shipped_heads_root", lambda name: tmp_path / "assets" / f"{name}-heads")
     assert read_source(draft, target, None).acceptance == stats
     own = read_source(draft_model_dir(), target, None).acceptance  # not the pair's fetch: its own statistics
     assert own == draft_model_dir() / ACCEPTANCE_FILE
@@ -295,3 +305,92 @@ def test_a_fetched_pairs_shipped_statistics_let_auto_turn_drafting_off(tmp_path,
     out = gen.generate(PROMPTS, max_new_tokens=12)
     assert out.tau == [1.0, 1.0] and "no speculation" in out.tree
     assert out.token_ids == gen.autoregressive().generate(PROMPTS, max_new_tokens=12).token_ids
+
+
+def test_a_draft_models_settings_file_sets_its_draft_vocabulary_and_decoding_stays_ar(tmp_path, monkeypatch):
+    """A draft model's `settings.json` (what `calibrate --draft-vocab` writes) sets its drafter's settings: the one
+    beside it wins over the one shipped for its pair, the pair's reaches only that pair, and the user's settings win
+    over both. Drafting over the draft vocabulary (its projection's columns cut once per generation) keeps greedy
+    decoding AR's token for token; a malformed file is one line naming the fix."""
+    from amphista_jax import Generator
+    from amphista_jax.assets import default_model_dir
+    from amphista_jax.facade.drafter_source import SETTINGS_FILE, read_source
+    from amphista_jax.infra.errors import GeneratorError
+
+    target, draft = _stand_in_pair(tmp_path, monkeypatch)
+    shipped = tmp_path / "assets" / "qwen2.5-coder-1.5b-heads" / "draft_model" / SETTINGS_FILE
+    evens = list(range(0, 512, 2))
+    shipped.write_text(json.dumps({"settings": {"draft_vocab": evens}, "chosen": "test"}))
+    assert read_source(draft, target, None).drafter.draft_vocab == tuple(evens)
+    assert read_source(draft, default_model_dir(), None).drafter.draft_vocab == ()  # not the pair's target
+    assert read_source(draft, target, None, {"draft_vocab": [1, 2]}).drafter.draft_vocab == (1, 2)
+    (draft / SETTINGS_FILE).write_text(json.dumps({"settings": {"draft_vocab": list(range(300))}}))
+    assert read_source(draft, target, None).drafter.draft_vocab == tuple(range(300))
+    gen = Generator.load(target, draft_model=draft, tree="chain-4")
+    out = gen.generate(PROMPTS, max_new_tokens=16)
+    assert out.token_ids == gen.autoregressive().generate(PROMPTS, max_new_tokens=16).token_ids
+    assert max(out.tau) > 1.0  # it drafted, and some drafts were accepted
+    (draft / SETTINGS_FILE).write_text(json.dumps({"draft_vocab": [1, 2]}))  # not under `settings`
+    with pytest.raises(GeneratorError, match="not a draft model's settings file.*--draft-vocab N --replace"):
+        read_source(draft, target, None)
+
+
+def test_a_draft_vocabulary_is_the_most_frequent_answer_tokens(tmp_path):
+    """`answer_vocabulary`: the n most frequent tokens of the first conversations' answers (assistant turns through
+    the chat template; prompts and later conversations not counted), with the share of answer tokens it covers."""
+    from amphista_jax.drafters.draft_vocab import most_frequent, token_counts
+    from amphista_jax.train.corpus import train_tokenizer
+    from amphista_jax.train.data import render_with_mask
+    from amphista_jax.train.examples import answer_vocabulary
+
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n", "print('hello world')\n"] * 50, vocab_size=300)
+
+    def chat(question: str, answer: str) -> dict:
+        return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+
+    records = [chat("hello world", "def f(x):\n    return x + 1"), chat("print", "return x + 1"),
+               chat("later", "print('hello world')")]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records))
+    counted = [render_with_mask(tok, [{"role": "user", "content": r["conversations"][0]["value"]},
+                                      {"role": "assistant", "content": r["conversations"][1]["value"]}], 64)
+               for r in records[:2]]
+    counts = token_counts(np.concatenate([t for t, _ in counted]), np.concatenate([m for _, m in counted]), len(tok))
+    vocab, covered = answer_vocabulary(data, tok, 3, conversations=2)
+    assert vocab == most_frequent(counts, 3) and len(vocab) == 3
+    assert covered == pytest.approx(counts[list(vocab)].sum() / counts.sum()) and 0 < covered < 1
+    assert answer_vocabulary(data, tok, 10_000, conversations=2)[1] == 1.0  # every answer token kept
+
+
+def test_choosing_a_draft_vocabulary_is_refused_in_one_line_before_any_counting(tmp_path, capsys):
+    """`calibrate --draft-vocab`: heads (they choose theirs when they train), a count below 1, and an existing file
+    without --replace (here one that is no settings file) are each one line naming the fix; nothing is
+    overwritten."""
+    from amphista_jax.assets import draft_model_dir
+    from amphista_jax.cli import main
+    from amphista_jax.facade.drafter_source import SETTINGS_FILE
+
+    draft = tmp_path / "draft"
+    shutil.copytree(draft_model_dir(), draft)
+    (draft / SETTINGS_FILE).write_text("kept")
+    for argv, says in ((["--heads", "medusa", "--draft-vocab", "8"], "is not a draft model"),
+                       (["--heads", str(draft), "--draft-vocab", "0"], "must be >= 1"),
+                       (["--heads", str(draft), "--draft-vocab", "8"], "pass --replace")):
+        assert main(["calibrate", "--model", "tiny", *argv]) != 0
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert (draft / SETTINGS_FILE).read_text() == "kept"
+
+
+def test_calibration_prompts_half_code_half_chat_need_a_chat_target():
+    """`calibrate --prompt-set both` (ShareGPT and HumanEval halves) needs a chat target: on the embedded code model
+    it is one line; its default stays HumanEval from task 100."""
+    from amphista_jax import Generator
+    from amphista_jax.infra.errors import UsageError
+    from amphista_jax.tree_search import calibration_prompts
+
+    gen = Generator.load()
+    assert calibration_prompts(gen, 2, "humaneval")[1] == calibration_prompts(gen, 2)[1]
+    for prompt_set in ("both", "sharegpt", "prose"):
+        with pytest.raises(UsageError, match="choose one of sharegpt, humaneval, both"):
+            calibration_prompts(gen, 2, prompt_set)

@@ -51,6 +51,20 @@ def choose_draft_vocab(cfg: TrainConfig, examples: list[dict], vocab_size: int) 
     return most_frequent(token_counts(tokens, mask, vocab_size), cfg.draft_vocab_size)
 
 
+def answer_vocabulary(path: str | Path, tok: Any, n: int, conversations: int, max_len: int = 2048
+                      ) -> tuple[DraftVocab, float]:
+    """A draft model's draft vocabulary: the `n` most frequent tokens of the answers (assistant turns through the
+    chat template, `conversation_examples`) of the first `conversations` conversations of `path`, ties by id, with
+    the share of those answer tokens it covers. Calibration prompts come from the file's end (held out)."""
+    examples, _ = conversation_examples(path, tok, max_len, limit=conversations)
+    if not examples:
+        raise DataError(f"{path} holds no conversation with an answer to choose a draft vocabulary from")
+    tokens = np.concatenate([e["tokens"] for e in examples])
+    counts = token_counts(tokens, np.concatenate([e["loss_mask"] for e in examples]), len(tok))
+    vocab = most_frequent(counts, min(n, len(counts)))
+    return vocab, float(counts[list(vocab)].sum() / counts.sum())
+
+
 @dataclasses.dataclass(frozen=True)
 class ExampleSource(abc.ABC):
     """Where a run's examples come from (`data.kind`, chosen once by `example_source`): checked before slow

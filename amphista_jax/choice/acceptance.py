@@ -130,6 +130,9 @@ def mean_tau(new_tokens: np.ndarray, steps: np.ndarray) -> float:
     return float((np.sum(new_tokens) - np.size(new_tokens)) / max(int(np.sum(steps)), 1))
 
 
+PROMPT_SETS = ("sharegpt", "humaneval", "both")  # held-out calibration prompts (`tree_search.calibration_prompts`)
+
+
 def is_chat_target(model_dir: str | Path, tokenizer: Any) -> bool:
     """Whether the target answers chat turns (a chat template, and not the embedded code model, which completes
     code): what its demo, calibration and acceptance prompts look like."""

@@ -213,9 +213,20 @@ class DraftModel(LogicalInit):
         """Draft log-probabilities `[..., V_d]` of the model's final-norm hidden states `[..., D]`."""
         return jax.nn.log_softmax(self._logits(params, hidden), axis=-1)
 
+    def decode_params(self, params: dict, target: Target) -> dict:
+        """With a draft vocabulary, its projection's columns cut once per generation (`draft_lm_head`, `[D, V_d]`):
+        each drafted depth then reads `V_d x D` weights, not the whole projection and a gather of it."""
+        if not self.draft_vocab:
+            return params
+        return params | {"draft_lm_head": project_columns(output_projection(params), self.draft_vocab)}
+
     def _logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """`[..., V_d]` its own vocabulary projection of `hidden [..., D]`, at the draft vocabulary's columns."""
-        return hidden @ project_columns(output_projection(params), self.draft_vocab).astype(jnp.float32)
+        """`[..., V_d]` its own vocabulary projection of `hidden [..., D]`, at the draft vocabulary's columns (cut
+        by `decode_params` when decoding, here when training)."""
+        head = params.get("draft_lm_head")
+        if head is None:
+            head = project_columns(output_projection(params), self.draft_vocab)
+        return hidden @ head.astype(jnp.float32)
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output | None) -> tuple[jax.Array, dict]:
         """Its depth-1 drafts scored like a head's (`head0/...`: at position t, the token t + 2, read from its own

@@ -12,6 +12,7 @@ a source through `read_source` too, and attach it through them.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,9 @@ from amphista_jax.trees.names import AUTO, get_tree, read_policy, resolve_tree
 from amphista_jax.trees.tree import Tree, TreeError
 
 UNTRAINED = ":untrained"  # `<method>:untrained`: the method's freshly initialised heads
+# Beside a draft model (or shipped for a fetched pair): `{"settings": {...}, "chosen": "..."}`, the decoding settings
+# chosen for it (`model_settings`)
+SETTINGS_FILE = "settings.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +56,12 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
                 settings: dict[str, Any] | None = None, params: Any = None) -> DrafterSource:
     """The `DrafterSource` of `source`: a `Drafter` (with `params`, or initialised at load); a directory holding
     `draft.json` (trained heads) or `config.json` (a draft model sharing the target's vocabulary, with the acceptance
-    statistics beside it, else those shipped for its pair: `paired_acceptance`), or a fetched model's name
-    (`qwen2.5-coder-0.5b`: a draft model, fetched on first use); a method name (`hydra`, `hydra++`): the heads
-    shipped for the target at `model_dir`, else that method's untrained heads (with a note); `<method>:untrained`:
-    its untrained heads. `settings` change the drafter's decoding settings (checked by the method). Without
-    `model_dir` nothing shipped is looked for; without `config` a draft model's vocabulary is checked when it
-    loads. A `GeneratorError` names what is wrong."""
+    statistics and settings beside it, else those shipped for its pair: `paired_dir`, `model_settings`), or a
+    fetched model's name (`qwen2.5-coder-0.5b`: a draft model, fetched on first use); a method name (`hydra`,
+    `hydra++`): the heads shipped for the target at `model_dir`, else that method's untrained heads (with a note);
+    `<method>:untrained`: its untrained heads. `settings` change the drafter's decoding settings (checked by the
+    method). Without `model_dir` nothing shipped is looked for; without `config` a draft model's vocabulary is
+    checked when it loads. A `GeneratorError` names what is wrong."""
     if isinstance(source, Drafter):
         return DrafterSource(source.name, with_settings(source, settings), params=params)
     from amphista_jax.assets import shipped_heads, shipped_heads_dir, shipped_heads_root
@@ -79,8 +83,10 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
             draft_config = load_config(path)
             if config is not None:
                 check_vocabularies(draft_config, config, name)
-            return DrafterSource(DraftModel.name, with_settings(DraftModel(draft_config), settings), str(path),
-                                 acceptance=acceptance_file(path) or paired_acceptance(path, model_dir))
+            paired = paired_dir(path, model_dir)
+            drafter = with_settings(with_settings(DraftModel(draft_config), model_settings(path, paired)), settings)
+            return DrafterSource(DraftModel.name, drafter, str(path),
+                                 acceptance=acceptance_file(path) or (acceptance_file(paired) if paired else None))
         raise GeneratorError(f"{name} is not a draft-head checkpoint (no {META_FILE}) nor a model (no config.json): "
                              "pass the heads/ directory `amphista-jax train` wrote or a Hugging Face model directory")
     target, shipped = shipped_target(model_dir) if model_dir else None, method.replace("++", "-plus")
@@ -105,16 +111,34 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
     return DrafterSource(drafter.name, with_settings(drafter, settings), note=note, acceptance=stats)
 
 
-def paired_acceptance(draft_dir: str | Path, model_dir: str | Path | None) -> Path | None:
-    """The acceptance statistics shipped for a fetched target's paired draft model (`assets/<target>-heads/
-    draft_model/acceptance.json`), where `draft_dir` is that pair's draft model as fetched; else None."""
+def paired_dir(draft_dir: str | Path, model_dir: str | Path | None) -> Path | None:
+    """What is shipped for a fetched target's paired draft model (`assets/<target>-heads/draft_model/`: its
+    acceptance statistics and settings), where `draft_dir` is that pair's draft model as fetched; else None."""
     from amphista_jax.assets import shipped_heads_root
     from amphista_jax.models.fetch import fetched_as, paired_draft_model
 
     target = fetched_as(model_dir) if model_dir else None
     if target is None or paired_draft_model(model_dir) != fetched_as(draft_dir):
         return None
-    return acceptance_file(shipped_heads_root(target) / DraftModel.name)
+    return shipped_heads_root(target) / DraftModel.name
+
+
+def model_settings(draft_dir: str | Path, paired: Path | None) -> dict[str, Any]:
+    """The decoding settings chosen for a draft model (`SETTINGS_FILE`, e.g. its draft vocabulary from
+    `amphista-jax calibrate --draft-vocab`): those beside it, else those shipped for its pair (`paired`), else {}."""
+    for folder in (Path(draft_dir), paired):
+        if folder is not None and (path := folder / SETTINGS_FILE).is_file():
+            try:
+                kept = json.loads(path.read_text())["settings"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise GeneratorError(f"{path} is not a draft model's settings file ({type(e).__name__}: {e}): "
+                                     "write it again with `amphista-jax calibrate --draft-vocab N --replace`, "
+                                     "or delete it") from None
+            if not isinstance(kept, dict):
+                raise GeneratorError(f"{path}: `settings` must be an object of the draft model's settings; write "
+                                     "it again with `amphista-jax calibrate --draft-vocab N --replace`")
+            return kept
+    return {}
 
 
 def with_settings(drafter: Drafter, settings: dict[str, Any] | None) -> Drafter:
