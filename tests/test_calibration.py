@@ -330,6 +330,9 @@ def test_a_draft_models_settings_file_sets_its_draft_vocabulary_and_decoding_sta
     out = gen.generate(PROMPTS, max_new_tokens=16)
     assert out.token_ids == gen.autoregressive().generate(PROMPTS, max_new_tokens=16).token_ids
     assert max(out.tau) > 1.0  # it drafted, and some drafts were accepted
+    (draft / SETTINGS_FILE).write_text(json.dumps({"settings": {"draft_vocab": [151645]}}))  # another model's
+    with pytest.raises(GeneratorError, match="outside the target's 4096 tokens.*chosen for another model"):
+        read_source(draft, target, None)
     (draft / SETTINGS_FILE).write_text(json.dumps({"draft_vocab": [1, 2]}))  # not under `settings`
     with pytest.raises(GeneratorError, match="not a draft model's settings file.*--draft-vocab N --replace"):
         read_source(draft, target, None)

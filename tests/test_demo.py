@@ -93,10 +93,15 @@ def test_a_target_with_a_paired_draft_model_drafts_with_it(tmp_path, monkeypatch
     """A fetched target whose registry entry names its draft model (the Qwen2.5-Coder 1.5B: the 0.5B): the demo
     drafts with that model, fetched into AMPHISTA_HOME on first use, and stays lossless. Stand-ins: the embedded
     model and its shipped draft sibling, marked as complete fetches of the two entries."""
+    from amphista_jax import assets
     from amphista_jax.assets import draft_model_dir
 
     home = tmp_path / "home"
     monkeypatch.setenv("AMPHISTA_HOME", str(home))
+    # the pair's shipped statistics and settings are Qwen's: the stand-ins have none
+    shipped = assets.shipped_heads_root
+    monkeypatch.setattr("amphista_jax.assets.shipped_heads_root",
+                        lambda name: tmp_path / f"{name}-heads" if name.startswith("qwen") else shipped(name))
     target = tmp_path / "target"
     shutil.copytree(default_model_dir(), target)
     (target / MARKER).write_text(json.dumps(_marker(REGISTRY["qwen2.5-coder-1.5b"])))

@@ -22,6 +22,7 @@ from amphista_jax.choice.acceptance import Acceptance, AcceptanceError, acceptan
 from amphista_jax.choice.plan import TreePlan
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
+from amphista_jax.drafters.draft_vocab import check_fits
 from amphista_jax.drafters.io import META_FILE, load_draft, params_fit, read_draft_meta
 from amphista_jax.infra.errors import GeneratorError
 from amphista_jax.models.config import ModelConfig
@@ -85,6 +86,11 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
                 check_vocabularies(draft_config, config, name)
             paired = paired_dir(path, model_dir)
             drafter = with_settings(with_settings(DraftModel(draft_config), model_settings(path, paired)), settings)
+            try:
+                check_fits(drafter.draft_vocab, draft_config.vocab_size)
+            except ValueError as e:
+                raise GeneratorError(f"{name}: {e} (its {SETTINGS_FILE} was chosen for another model: choose "
+                                     "again with `amphista-jax calibrate --draft-vocab N --replace`)") from None
             return DrafterSource(DraftModel.name, drafter, str(path),
                                  acceptance=acceptance_file(path) or (acceptance_file(paired) if paired else None))
         raise GeneratorError(f"{name} is not a draft-head checkpoint (no {META_FILE}) nor a model (no config.json): "
