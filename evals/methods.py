@@ -153,7 +153,8 @@ def resolve_method(spec: str, default_tree: str, config: ModelConfig | None = No
             tree_name = found.drafter.paper_tree
         vocab = config.vocab_size if config is not None else None
         choice = choose_tree(tree_name or default_tree, found, vocab)
-        if choice.acceptance is not None and not found.is_model_dir:  # chosen here once the target has loaded
+        # chosen here once the target has loaded (a draft model's drafts then stay top-k: lossless at any temperature)
+        if choice.acceptance is not None:
             drafter = with_settings(found.drafter, parse_settings(spec, overrides))
             return Method(_label(label, name, untrained, tree_name), spec, name,
                           dataclasses.replace(found, drafter=drafter, note=None), None, AUTO, _identity(found), choice)
