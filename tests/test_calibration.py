@@ -285,10 +285,12 @@ def _stand_in_pair(tmp_path, monkeypatch):
 def test_a_fetched_pairs_shipped_statistics_let_auto_turn_drafting_off(tmp_path, monkeypatch):
     """The acceptance statistics shipped for a fetched target's paired draft model (`assets/<target>-heads/
     draft_model`) reach `auto`, for that pair only; where they say drafting loses on this machine (every candidate's
-    tau near 1), `auto` decodes autoregressively, with AR's tokens. Stand-ins: the embedded model and its shipped
+    tau near 1), `auto` decodes autoregressively, with AR's tokens, and the evaluation's `@auto` chooses the same.
+    Stand-ins: the embedded model and its shipped
     draft sibling, marked as complete fetches of the Qwen2.5-Coder entries (as test_demo does)."""
     from amphista_jax import Generator
     from amphista_jax.assets import default_model_dir, draft_model_dir
+    from amphista_jax.evals.methods import resolve_method
     from amphista_jax.facade.drafter_source import read_source
 
     monkeypatch.setenv("AMPHISTA_HOME", str(tmp_path / "home"))  # step costs measured and cached afresh
@@ -305,6 +307,8 @@ def test_a_fetched_pairs_shipped_statistics_let_auto_turn_drafting_off(tmp_path,
     out = gen.generate(PROMPTS, max_new_tokens=12)
     assert out.tau == [1.0, 1.0] and "no speculation" in out.tree
     assert out.token_ids == gen.autoregressive().generate(PROMPTS, max_new_tokens=12).token_ids
+    method = resolve_method(f"pair={draft}@auto", "auto", gen.config, str(target))  # the evaluation chooses alike
+    assert method.chosen(method.generator(gen.autoregressive()), 1).tree_name == "auto: none"
 
 
 def test_a_draft_models_settings_file_sets_its_draft_vocabulary_and_decoding_stays_ar(tmp_path, monkeypatch):
