@@ -245,21 +245,16 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-DRAFT_VOCAB_CONVERSATIONS = 3000  # ShareGPT conversations from the file's start `calibrate --draft-vocab` counts
-
-
 def _choose_draft_vocab(args: argparse.Namespace) -> int:
-    """`calibrate --draft-vocab N`: a draft model's draft vocabulary (`train.examples.answer_vocabulary`) written
+    """`calibrate --draft-vocab N`: a draft model's draft vocabulary (`train.examples.sharegpt_draft_vocab`) written
     to its settings file (`drafter_source.SETTINGS_FILE`), which decoding then reads."""
-    import json
     from pathlib import Path
 
     from amphista_jax.drafters.io import META_FILE
-    from amphista_jax.facade.drafter_source import SETTINGS_FILE
-    from amphista_jax.infra.output_lock import write_atomic
+    from amphista_jax.facade.drafter_source import SETTINGS_FILE, write_model_settings
     from amphista_jax.models.fetch import MODELS
     from amphista_jax.models.tokenizer import load_tokenizer
-    from amphista_jax.train.examples import answer_vocabulary
+    from amphista_jax.train.examples import sharegpt_draft_vocab
 
     if args.draft_vocab < 1:
         raise UsageError(f"--draft-vocab {args.draft_vocab}: must be >= 1 (a few times 10,000 for a large "
@@ -272,13 +267,8 @@ def _choose_draft_vocab(args: argparse.Namespace) -> int:
     if out.exists() and not args.replace:
         raise UsageError(f"{out} exists: pass --replace to choose again and replace it, or --out another file")
     check_writable_dir(out.parent, "--out")
-    tok = load_tokenizer(resolve_model(args.model))
-    data = resolve_data("sharegpt")
-    vocab, covered = answer_vocabulary(data, tok, args.draft_vocab, DRAFT_VOCAB_CONVERSATIONS)
-    chosen = (f"the {len(vocab)} most frequent answer tokens of the first {DRAFT_VOCAB_CONVERSATIONS} ShareGPT "
-              f"conversations through the target's chat template, {covered:.2%} of those answers' tokens")
-    write_atomic(out, json.dumps({"settings": {"draft_vocab": list(vocab)}, "chosen": chosen}) + "\n")
-    print(f"wrote {out}: {chosen}")
+    vocab, chosen = sharegpt_draft_vocab(load_tokenizer(resolve_model(args.model)), args.draft_vocab)
+    print(f"wrote {write_model_settings(out, {'draft_vocab': list(vocab)}, chosen)}: {chosen}")
     return 0
 
 

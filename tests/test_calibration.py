@@ -318,7 +318,7 @@ def test_a_draft_models_settings_file_sets_its_draft_vocabulary_and_decoding_sta
     decoding AR's token for token; a malformed file is one line naming the fix."""
     from amphista_jax import Generator
     from amphista_jax.assets import default_model_dir
-    from amphista_jax.facade.drafter_source import SETTINGS_FILE, read_source
+    from amphista_jax.facade.drafter_source import SETTINGS_FILE, read_source, write_model_settings
     from amphista_jax.infra.errors import GeneratorError
 
     target, draft = _stand_in_pair(tmp_path, monkeypatch)
@@ -328,7 +328,7 @@ def test_a_draft_models_settings_file_sets_its_draft_vocabulary_and_decoding_sta
     assert read_source(draft, target, None).drafter.draft_vocab == tuple(evens)
     assert read_source(draft, default_model_dir(), None).drafter.draft_vocab == ()  # not the pair's target
     assert read_source(draft, target, None, {"draft_vocab": [1, 2]}).drafter.draft_vocab == (1, 2)
-    (draft / SETTINGS_FILE).write_text(json.dumps({"settings": {"draft_vocab": list(range(300))}}))
+    write_model_settings(draft / SETTINGS_FILE, {"draft_vocab": list(range(300))}, "the first 300 ids")
     assert read_source(draft, target, None).drafter.draft_vocab == tuple(range(300))
     gen = Generator.load(target, draft_model=draft, tree="chain-4")
     out = gen.generate(PROMPTS, max_new_tokens=16)

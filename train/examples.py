@@ -65,6 +65,16 @@ def answer_vocabulary(path: str | Path, tok: Any, n: int, conversations: int, ma
     return vocab, float(counts[list(vocab)].sum() / counts.sum())
 
 
+DRAFT_VOCAB_CONVERSATIONS = 3000  # the ShareGPT conversations, from the file's start, `sharegpt_draft_vocab` counts
+
+
+def sharegpt_draft_vocab(tok: Any, n: int) -> tuple[DraftVocab, str]:
+    """(`answer_vocabulary` of ShareGPT's first `DRAFT_VOCAB_CONVERSATIONS` conversations, what it is in words)."""
+    vocab, covered = answer_vocabulary(resolve_data("sharegpt"), tok, n, DRAFT_VOCAB_CONVERSATIONS)
+    return vocab, (f"the {len(vocab)} most frequent answer tokens of the first {DRAFT_VOCAB_CONVERSATIONS} ShareGPT "
+                   f"conversations through the target's chat template, {covered:.2%} of those answers' tokens")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExampleSource(abc.ABC):
     """Where a run's examples come from (`data.kind`, chosen once by `example_source`): checked before slow

@@ -25,6 +25,7 @@ from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
 from amphista_jax.drafters.draft_vocab import check_fits
 from amphista_jax.drafters.io import META_FILE, load_draft, params_fit, read_draft_meta
 from amphista_jax.infra.errors import GeneratorError
+from amphista_jax.infra.output_lock import write_atomic
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.target import Target
 from amphista_jax.trees.names import AUTO, get_tree, read_policy, resolve_tree
@@ -145,6 +146,12 @@ def model_settings(draft_dir: str | Path, paired: Path | None) -> dict[str, Any]
                                      "it again with `amphista-jax calibrate --draft-vocab N --replace`")
             return kept
     return {}
+
+
+def write_model_settings(path: str | Path, settings: dict[str, Any], chosen: str) -> Path:
+    """Write a draft model's settings file (`SETTINGS_FILE`, read by `model_settings`) whole, with `chosen`: how
+    they were chosen, in words."""
+    return write_atomic(path, json.dumps({"settings": settings, "chosen": chosen}) + "\n")
 
 
 def with_settings(drafter: Drafter, settings: dict[str, Any] | None) -> Drafter:
