@@ -251,15 +251,14 @@ def _choose_draft_vocab(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from amphista_jax.drafters.io import META_FILE
-    from amphista_jax.facade.drafter_source import SETTINGS_FILE, write_model_settings
-    from amphista_jax.models.fetch import MODELS
+    from amphista_jax.facade.drafter_source import SETTINGS_FILE, fetched_draft_model, write_model_settings
     from amphista_jax.models.tokenizer import load_tokenizer
     from amphista_jax.train.examples import sharegpt_draft_vocab
 
     if args.draft_vocab < 1:
         raise UsageError(f"--draft-vocab {args.draft_vocab}: must be >= 1 (a few times 10,000 for a large "
                          "vocabulary)")
-    draft = Path(resolve_model(args.heads) if args.heads in MODELS and not Path(args.heads).exists() else args.heads)
+    draft = fetched_draft_model(args.heads) or Path(args.heads)
     if not (draft / "config.json").is_file() or (draft / META_FILE).is_file():
         raise UsageError(f"--draft-vocab chooses a draft model's vocabulary; {args.heads} is not a draft model's "
                          "directory nor a fetched one (heads choose theirs when they train: `draft_vocab_size`)")

@@ -96,6 +96,8 @@ class DraftModel(LogicalInit):
             raise ValueError(f"draft_model config={self.config!r} must be a model's config (omit it to make the "
                              "draft model from the target's first `layers` layers)")
         normalise_field(self)
+        if self.config is not None:  # made from the target: `init_boxed` checks it against the target's
+            check_fits(self.draft_vocab, self.config.vocab_size)
 
     @property
     def reads_labels(self) -> bool:

@@ -22,7 +22,6 @@ from amphista_jax.choice.acceptance import Acceptance, AcceptanceError, acceptan
 from amphista_jax.choice.plan import TreePlan
 from amphista_jax.drafters import VARIANTS, Drafter
 from amphista_jax.drafters.draft_model import DraftModel, check_vocabularies
-from amphista_jax.drafters.draft_vocab import check_fits
 from amphista_jax.drafters.io import META_FILE, load_draft, params_fit, read_draft_meta
 from amphista_jax.infra.errors import GeneratorError
 from amphista_jax.infra.output_lock import write_atomic
@@ -67,13 +66,12 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
     if isinstance(source, Drafter):
         return DrafterSource(source.name, with_settings(source, settings), params=params)
     from amphista_jax.assets import shipped_heads, shipped_heads_dir, shipped_heads_root
-    from amphista_jax.models.fetch import MODELS, resolve_model, shipped_target
+    from amphista_jax.models.fetch import shipped_target
     from amphista_jax.models.hf import load_config
 
     name = str(source)
-    if name in MODELS and not Path(name).exists():  # a fetched model drafting (fetched on first use)
-        source = Path(resolve_model(name))
-        name = str(source)
+    if (fetched := fetched_draft_model(name)) is not None:
+        source, name = fetched, str(fetched)
     untrained, method = name.endswith(UNTRAINED), name.removesuffix(UNTRAINED)
     if isinstance(source, Path) or (method not in VARIANTS and Path(name).is_dir()):  # a method name wins over ./name
         path = Path(name)
@@ -86,13 +84,12 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
             if config is not None:
                 check_vocabularies(draft_config, config, name)
             paired = paired_dir(path, model_dir)
-            drafter = with_settings(with_settings(DraftModel(draft_config), model_settings(path, paired)), settings)
             try:
-                check_fits(drafter.draft_vocab, draft_config.vocab_size)
-            except ValueError as e:
-                raise GeneratorError(f"{name}: {e} (its {SETTINGS_FILE} was chosen for another model: choose "
-                                     "again with `amphista-jax calibrate --draft-vocab N --replace`)") from None
-            return DrafterSource(DraftModel.name, drafter, str(path),
+                drafter = with_settings(DraftModel(draft_config), model_settings(path, paired))
+            except GeneratorError as e:
+                raise GeneratorError(f"{name}: {e} (its {SETTINGS_FILE} holds settings chosen for another model: "
+                                     "choose again with `amphista-jax calibrate --draft-vocab N --replace`)") from None
+            return DrafterSource(DraftModel.name, with_settings(drafter, settings), str(path),
                                  acceptance=acceptance_file(path) or (acceptance_file(paired) if paired else None))
         raise GeneratorError(f"{name} is not a draft-head checkpoint (no {META_FILE}) nor a model (no config.json): "
                              "pass the heads/ directory `amphista-jax train` wrote or a Hugging Face model directory")
@@ -118,6 +115,14 @@ def read_source(source: str | Path | Drafter, model_dir: str | Path | None, conf
     return DrafterSource(drafter.name, with_settings(drafter, settings), note=note, acceptance=stats)
 
 
+def fetched_draft_model(name: str) -> Path | None:
+    """The directory of the fetched model `name` names (fetched on first use), unless a path of that name exists;
+    else None."""
+    from amphista_jax.models.fetch import MODELS, resolve_model
+
+    return Path(resolve_model(name)) if name in MODELS and not Path(name).exists() else None
+
+
 def paired_dir(draft_dir: str | Path, model_dir: str | Path | None) -> Path | None:
     """What is shipped for a fetched target's paired draft model (`assets/<target>-heads/draft_model/`: its
     acceptance statistics and settings), where `draft_dir` is that pair's draft model as fetched; else None."""
@@ -137,13 +142,12 @@ def model_settings(draft_dir: str | Path, paired: Path | None) -> dict[str, Any]
         if folder is not None and (path := folder / SETTINGS_FILE).is_file():
             try:
                 kept = json.loads(path.read_text())["settings"]
+                if not isinstance(kept, dict):
+                    raise TypeError("`settings` is not an object of the draft model's settings")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise GeneratorError(f"{path} is not a draft model's settings file ({type(e).__name__}: {e}): "
                                      "write it again with `amphista-jax calibrate --draft-vocab N --replace`, "
                                      "or delete it") from None
-            if not isinstance(kept, dict):
-                raise GeneratorError(f"{path}: `settings` must be an object of the draft model's settings; write "
-                                     "it again with `amphista-jax calibrate --draft-vocab N --replace`")
             return kept
     return {}
 

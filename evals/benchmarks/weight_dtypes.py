@@ -18,12 +18,13 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.infra.timing import wall_times
 
 # name -> (the weights' dtype, the product over activations x [T, D] and weights w [D, V])
-PRODUCTS: dict[str, tuple[jnp.dtype, Callable[[jax.Array, jax.Array], jax.Array]]] = {
+PRODUCTS: dict[str, tuple[DTypeLike, Callable[[jax.Array, jax.Array], jax.Array]]] = {
     "fp32": (jnp.float32, lambda x, w: x @ w),
     "bf16": (jnp.bfloat16, lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)),
     "f16 -> fp32 in the product": (jnp.float16, lambda x, w: x @ w.astype(jnp.float32)),
