@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from amphista_jax.drafters import VARIANTS
@@ -117,3 +118,43 @@ def test_stacked_head_projections_are_not_read_inside_the_decode_loop(method):
     assert in_loop, "no while loop found in the compiled program"
     assert shape in hlo  # the parameter itself, split before the loop
     assert [name for name in in_loop if shape in comps[name]] == []
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # one row, a few (the fused form), more than FEW_ROWS (a plain product)
+def test_an_int8_projection_is_its_dequantized_weights_product(rows):
+    """`int8_rows` rounds each weight to within half its row's step, and `rows_product` over the int8 weight and its
+    scales equals the product with the dequantized weight; `int8_projections` quantizes each projection once."""
+    import numpy as np
+
+    from amphista_jax.models.projections import int8_projections, int8_rows, rows_product
+
+    weight = jax.random.normal(jax.random.key(0), (48, 24)).at[3].set(0.0)  # a zero row keeps a zero scale
+    q = int8_rows(weight)
+    dequantized = np.asarray(q["weight"], np.float32) * np.asarray(q["weight_scale"])[:, None]
+    assert np.all(np.abs(dequantized - np.asarray(weight)) <= np.asarray(q["weight_scale"])[:, None] / 2 + 1e-7)
+    x = jax.random.normal(jax.random.key(1), (1, rows, 24))
+    np.testing.assert_allclose(np.asarray(rows_product(q["weight"], x, q["weight_scale"])),
+                               np.asarray(x) @ dequantized.T, rtol=1e-5, atol=1e-5)
+    tree = {"proj": {"weight": weight, "bias": jnp.ones(48)}, "embed": {"embedding": weight}}
+    once = int8_projections(tree)
+    assert once["proj"]["weight"].dtype == jnp.int8 and once["embed"]["embedding"].dtype == jnp.float32
+    assert jax.tree.map(lambda a, b: a is b, int8_projections(once), once) == jax.tree.map(lambda a: True, once)
+
+
+def test_int8_draft_weights_are_read_where_they_lie():
+    """A draft model drafting from int8 projections (`weights="int8"`): the decode loop reads every projection's int8
+    weight itself, not a widened fp32 copy hoisted out of the loop (which would read four times the bytes the int8
+    weights hold, every step). Without `rows_product`'s barrier XLA hoists every one, so this can fail."""
+    from amphista_jax.drafters.draft_model import DraftModel
+
+    params = split_layers(init_params(CONFIG, jax.random.key(0)))
+    drafter = DraftModel(CONFIG, weights="int8")
+    layer = params["layer_0"]
+    shapes = {f"{p['weight'].shape[0]},{p['weight'].shape[1]}]" for p in (*layer["attn"].values(),
+                                                                        *layer["mlp"].values())}
+    tokens, lengths = pad_prompts(PROMPTS[:1])
+    hlo = decode.lower(params, drafter.kept_params(params), tokens, lengths, jax.random.key(0),
+                       spec=DecodeSpec(CONFIG, drafter, chain(3), 8), cache_size=tokens.shape[1] + 16
+                       ).compile().as_text()
+    comps, in_loop = computations(hlo), loop_computations(hlo)
+    assert all(any(f"s8[{s}" in comps[name] for name in in_loop) for s in shapes)

@@ -64,6 +64,32 @@ def test_the_target_as_its_own_draft_model_is_accepted_whole(target, tree, made)
     assert int(spec.steps) == 40 // (PRESETS[tree].depth + 1), int(spec.steps)  # the prefill makes token 1
 
 
+@pytest.mark.parametrize("vocab", [(), tuple(range(0, CONFIG.vocab_size, 2))])
+def test_int8_draft_weights_are_lossless_and_draft_as_the_weights_they_quantize(target, vocab):
+    """The target drafting for itself from int8 copies of its projections (`weights="int8"`), over the whole
+    vocabulary and a draft vocabulary: decoding reads every projection as int8 (the embedding as loaded), its greedy
+    output equals AR's, and nearly every draft is still accepted (the copies draft as the weights they quantize)."""
+    split = target.params if has_split_layers(target.params) else split_layers(target.params)
+    drafter = DraftModel(CONFIG, draft_vocab=vocab, weights="int8")
+    kept = drafter.kept_params(split)
+    decoded = drafter.decode_params(kept, target)
+    dtypes = {jax.tree_util.keystr(k): v.dtype for k, v in jax.tree_util.tree_leaves_with_path(decoded)}
+    assert all(d == jnp.int8 for k, d in dtypes.items() if k.endswith("['weight']")), dtypes
+    assert dtypes["['embed']['embedding']"] == jnp.float32 and "['lm_head']['weight']" not in dtypes
+    assert decoded["draft_lm_head"]["weight"].shape == (len(vocab) or CONFIG.vocab_size, CONFIG.hidden_size)
+    assert_greedy_lossless(target, drafter, kept, PRESETS["chain-4"], trained=False)
+    tokens, lengths = pad_prompts(PROMPTS[1:2])
+    ar = generate(target.params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=41, cache_size=64)
+    on_vocab = np.isin(np.asarray(ar.tokens[0]), vocab or np.arange(CONFIG.vocab_size)).mean()
+    spec = speculative_generate(target.params, split, tokens, lengths, jax.random.key(0), config=CONFIG,
+                                drafter=drafter, tree=PRESETS["chain-4"], max_new_tokens=41, cache_size=160)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))  # quantized per generation
+    if on_vocab == 1.0:
+        assert int(spec.steps) <= 12, int(spec.steps)  # all accepted: 8 steps of 5 tokens; AR takes 40
+    with pytest.raises(DraftModelError, match="weights='bf16': choose one of float32, int8"):
+        DraftModel(CONFIG, weights="bf16")
+
+
 @pytest.mark.parametrize("tree", ["chain-4", pytest.param("small-8", marks=pytest.mark.slow)])
 def test_the_confidence_stop_is_lossless_and_saves_unsure_depths(tree):
     """The target (sharpened) drafting for itself with `p_min`: greedy output equal to AR's, and the stop both

@@ -53,3 +53,27 @@ def test_a_reference_engine_decodes_our_heads_as_we_do(tmp_path, engine):
         assert a["accept_lengths"] == b["accept_lengths"] and sum(a["accept_lengths"]) == len(greedy) - 1
         accepted += a["accept_lengths"]
     assert engine != "medusa" or max(accepted) > 1  # trained heads: the equal counts include accepted drafts
+
+
+def test_the_torch_sides_sample_alike_and_assisted_greedy_is_greedy(hf_model):
+    """transformers' sides on one shared model: assisted by a draft model (here the model itself), greedy decoding
+    gives plain greedy's tokens; sampled sides are seeded alike for every call."""
+    model, _ = hf_model
+    ids = [3, 17, 29, 4, 88, 9, 12]
+    plain, assisted = peers.TorchSide(model, 0.0)(ids, 16), peers.TorchSide(model, 0.0, assistant=model)(ids, 16)
+    assert plain["ids"] == assisted["ids"] and plain["ids"]
+    sampled = [peers.TorchSide(model, 1.0)(ids, 16)["ids"] for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0] != plain["ids"]
+
+
+def test_engines_are_refused_for_another_target_in_one_line(tmp_path):
+    """The reference engines decode SmolLM2's heads: named for another `--model`, one line before anything loads;
+    by default they and the shipped methods are left out there."""
+    import argparse
+
+    args = argparse.Namespace(model="qwen2.5-coder-1.5b", engines=["medusa"], methods=None,
+                              **{f"{name}_heads": engine.heads for name, engine in peers.ENGINES.items()})
+    with pytest.raises(SystemExit, match="the engines decode SmolLM2's heads; with --model qwen2.5-coder-1.5b leave"):
+        peers.check_sides(args, str(tmp_path / "qwen2.5-coder-1.5b"))
+    assert peers.check_sides(argparse.Namespace(**vars(args) | {"engines": None}),
+                             str(tmp_path / "qwen2.5-coder-1.5b")) == ([], [])

@@ -27,7 +27,10 @@ on hand (SmolLM2-135M is its family's smallest) gets one made from itself, as se
 vocabulary projection, then trained as a whole on the heads' data, distilled from the target's next-token
 distribution (the target frozen; its hidden states may come from the heads' store). With a `draft_vocab` it
 scores only those tokens' rows of its projection, which cuts each drafted depth's read of a large vocabulary as
-for the heads (`draft_vocab.py`).
+for the heads (`draft_vocab.py`). With `weights="int8"` it drafts from int8 copies of its decoder projections and
+vocabulary projection, one scale per output row (`projections.int8_rows`): a quarter of the bytes each drafted token
+reads, made once at load (`kept_params`) or per generation (`decode_params`). The draft's weights only change which
+tokens it proposes (its acceptance), never the output: the target verifies every one.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.models.llama import Output, PrefixKV, Transformer, param_shapes, target_model
 from amphista_jax.models.param_layout import output_projection
+from amphista_jax.models.projections import int8_projections, rows_product
 from amphista_jax.models.target import Target
 from amphista_jax.models.tokenizer import load_tokenizer
 from amphista_jax.trees.tree import Tree, TreeBudget, TreeError, TreeSpec
@@ -87,9 +91,13 @@ class DraftModel(LogicalInit):
     p_min: float = setting(0.0, ge=0, lt=1, why="0 = draft every node of the tree")
     layers: int = setting(2, ge=1)  # without `config`: how many of the target's decoder layers it starts from
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
+    # how decoding holds its projections: "float32" as loaded, or "int8" with a scale per output row (`WEIGHTS`)
+    weights: str = "float32"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weights not in WEIGHTS:
+            raise DraftModelError(f"draft_model weights={self.weights!r}: choose one of {', '.join(WEIGHTS)}")
         if isinstance(self.config, dict):  # read back from draft.json
             object.__setattr__(self, "config", config_io.from_dict(ModelConfig, self.config, "draft_model config"))
         if not isinstance(self.config, ModelConfig | None):
@@ -139,9 +147,18 @@ class DraftModel(LogicalInit):
         return target_model(self.arch(target), params)
 
     def param_trees(self, target: Target) -> tuple[Any, ...]:
-        """Decoding's (split) layout and the checkpoint's stacked one: `target_model` reads either."""
+        """Decoding's (split) layout, as loaded and as `kept_params` keeps it, and the checkpoint's stacked one:
+        `target_model` reads each."""
         arch = self.arch(target.config)
-        return param_shapes(arch, split=True)[0], param_shapes(arch)[0]
+        split = param_shapes(arch, split=True)[0]
+        kept = (jax.eval_shape(self.kept_params, split),) if self.weights == "int8" else ()
+        return (split, *kept, param_shapes(arch)[0])
+
+    def kept_params(self, params: dict) -> dict:
+        """Decoding-layout params as a decoder keeps them between generations: with int8 `weights`, its decoder and
+        vocabulary projections as `int8_rows` (made once, at load; the embedding stays as loaded, a row read per
+        token); as they are otherwise."""
+        return int8_projections(params) if self.weights == "int8" else params
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:
         """Its weights in decoding's layout: with its own `config`, random (tests; real use loads a checkpoint:
@@ -216,19 +233,26 @@ class DraftModel(LogicalInit):
         return jax.nn.log_softmax(self._logits(params, hidden), axis=-1)
 
     def decode_params(self, params: dict, target: Target) -> dict:
-        """With a draft vocabulary, its projection's columns cut once per generation (`draft_lm_head`, `[D, V_d]`):
-        each drafted depth then reads `V_d x D` weights, not the whole projection and a gather of it."""
-        if not self.draft_vocab:
+        """Decoding-layout params as one generation reads them: with a draft vocabulary, its projection's rows cut
+        once per generation (`draft_lm_head`, out-major `[V_d, D]`): each drafted depth then reads `V_d x D`
+        weights, not the whole projection and a gather of it; with int8 `weights`, the decoder and vocabulary
+        projections as `int8_rows` (as `kept_params` made them at load, else made here)."""
+        if not self.draft_vocab and self.weights == "float32":
             return params
-        return params | {"draft_lm_head": project_columns(output_projection(params), self.draft_vocab)}
+        head = params["lm_head"] if "lm_head" in params else {"weight": params["embed"]["embedding"]}  # [V, D]
+        if self.draft_vocab:
+            ids = jnp.asarray(self.draft_vocab)
+            head = {k: v[ids] for k, v in head.items()}  # the rows of a quantized head are its rows' quantization
+        body = {k: v for k, v in params.items() if k != "lm_head"}  # the head is read as `draft_lm_head`
+        return self.kept_params(body | {"draft_lm_head": head})
 
     def _logits(self, params: dict, hidden: jax.Array) -> jax.Array:
-        """`[..., V_d]` its own vocabulary projection of `hidden [..., D]`, at the draft vocabulary's columns (cut
-        by `decode_params` when decoding, here when training)."""
+        """`[..., V_d]` its own vocabulary projection of `hidden [..., D]`, at the draft vocabulary's rows (cut by
+        `decode_params` when decoding, here when training)."""
         head = params.get("draft_lm_head")
         if head is None:
-            head = project_columns(output_projection(params), self.draft_vocab)
-        return hidden @ head.astype(jnp.float32)
+            return hidden @ project_columns(output_projection(params), self.draft_vocab).astype(jnp.float32)
+        return rows_product(head["weight"], hidden.astype(jnp.float32), head.get("weight_scale"))
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output | None) -> tuple[jax.Array, dict]:
         """Its depth-1 drafts scored like a head's (`head0/...`: at position t, the token t + 2, read from its own
@@ -243,6 +267,9 @@ class DraftModel(LogicalInit):
         teacher = None if target_out is None else target_out.logits
         return head_losses(logits, batch, [float(teacher is None)], teacher, 1.0, teacher_name="distill",
                            draft_vocab=self.draft_vocab)
+
+
+WEIGHTS = ("float32", "int8")  # `DraftModel.weights`
 
 
 def _has_tokenizer(path: str | Path) -> bool:

@@ -218,14 +218,16 @@ def load_draft_params(source: DrafterSource, target: Target, model_dir: str | Pa
                       ) -> tuple[Drafter, Any]:
     """(drafter, params) of `source` for the loaded `target`: params in hand as they are; a checkpoint's restored
     and checked against the target (settings that change the params' shapes refused); a draft model's read in
-    `dtype`; otherwise initialised from the target with `seed`."""
+    `dtype` and kept as its settings say (`DraftModel.kept_params`); otherwise initialised from the target with
+    `seed`."""
     if source.params is not None:
         return source.drafter, source.params
     if source.path is None:
         return source.drafter, jax.jit(source.drafter.init)(jax.random.key(seed), target)  # one compile beats eager
     if source.is_model_dir:
         drafter, params = DraftModel.from_pretrained(source.path, target.config, model_dir, dtype)
-        return with_settings(drafter, _settings_of(source.drafter, drafter)), params
+        drafter = with_settings(drafter, _settings_of(source.drafter, drafter))
+        return drafter, drafter.kept_params(params)  # int8 weights made once, at load
     _, _, params = load_draft(source.path, target.config, target.params)
     if not params_fit(source.drafter, params, target):
         raise GeneratorError(f"the settings given change the parameters of the heads in {source.path}: change only "

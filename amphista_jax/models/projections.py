@@ -4,6 +4,10 @@ Two orientations of one map: `logical_dense` (an `nn.Dense`, `kernel [in, out]`:
 drafter layer) and `OutMajorDense` (`weight [out, in]`, Hugging Face's orientation: decoding's `split_layers` layout),
 applied by `rows_product`, which reads the weight once for a step's few rows. `target_projection` builds the
 target's projections in either one.
+
+An out-major projection may hold its weight as int8 with a scale per output row (`weight` int8 `[out, in]`,
+`weight_scale [out]`: `int8_rows`, `int8_projections`), a quarter of the bytes a product reads; a drafter's decode
+params only (a draft's weights change which tokens it proposes, never what the target accepts).
 """
 
 from __future__ import annotations
@@ -40,20 +44,56 @@ def logical_dense(features: int, axes: tuple[str | None, str | None], name: str,
 FEW_ROWS = 32
 
 
-def rows_product(weight: jax.Array, x: jax.Array) -> jax.Array:
-    """`x [..., in] @ weight.T` for an out-major `weight [out, in]`, as `[..., out]`.
+def rows_product(weight: jax.Array, x: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """`x [..., in] @ weight.T` for an out-major `weight [out, in]`, as `[..., out]`; with `scale [out]`, of the
+    int8 `weight` times its row scales (`int8_rows`).
 
     For a few rows the product is formed as `weight @ x.T` `[out, rows]` and transposed after: XLA:CPU then reads
     the weight once for all the rows, where `x @ kernel` over `[in, out]` kernels reads it at 8-16 GB/s from 2 rows
     on against 28 GB/s for one (`evals/benchmarks/query_rows.py`). The barrier keeps XLA from folding the
-    transpose back into the product."""
-    dtype = jnp.result_type(x, weight)
-    x, weight = x.astype(dtype), weight.astype(dtype)
+    transpose back into the product. An int8 weight's few-row product is a multiply and a sum over `in`, which XLA:CPU
+    fuses into one pass over the int8 weight (a `dot` would first write a widened fp32 copy of it); its scales
+    multiply the result."""
+    dtype = jnp.result_type(x, jnp.float32 if scale is not None else weight)
+    x = x.astype(dtype)
     rows = math.prod(x.shape[:-1])
     if rows > FEW_ROWS:
-        return x @ weight.T
-    y = jax.lax.dot_general(weight, x.reshape(rows, x.shape[-1]), (((1,), (1,)), ((), ())))  # [out, rows]
-    return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], weight.shape[0])
+        y = x @ weight.astype(dtype).T
+    elif scale is not None:  # one fused multiply-reduce over the int8 weight where it lies (a dot widens a copy)
+        weight, x = jax.lax.optimization_barrier((weight, x))  # a loop's step widens no invariant copy before it
+        x2 = x.reshape(rows, x.shape[-1])
+        w = weight.astype(dtype)
+        # one row as a 2-D product (XLA:CPU's fused form of a 3-D one takes ~80x longer for one row)
+        y = jnp.sum(w * x2[0], axis=-1)[None] if rows == 1 else jnp.sum(w[:, None] * x2[None], axis=-1).T
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+    else:
+        y = jax.lax.dot_general(weight.astype(dtype), x.reshape(rows, x.shape[-1]), (((1,), (1,)), ((), ())))
+        y = jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], weight.shape[0])  # from [out, rows]
+    return y if scale is None else y * scale.astype(dtype)
+
+
+def int8_rows(weight: jax.Array) -> dict[str, jax.Array]:
+    """An out-major `weight [out, in]` as int8 with one symmetric scale per output row: `{"weight": int8 [out, in],
+    "weight_scale": [out]}` (fp32), each row's largest magnitude at 127. Cutting rows of both cuts the quantized
+    rows."""
+    weight = weight.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(weight), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return {"weight": jnp.round(weight / safe[:, None]).astype(jnp.int8), "weight_scale": scale}
+
+
+def int8_projections(tree: dict) -> dict:
+    """`tree` with every out-major projection (a dict holding a 2-D float `weight`) as `int8_rows`, its other
+    entries (a bias) kept; projections already int8 are kept as they are."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            value = int8_projections(value)
+        elif key == "weight" and value.ndim == 2 and value.dtype != jnp.int8:
+            out |= int8_rows(value)
+            continue
+        out[key] = value
+    return out
 
 
 class OutMajorDense(nn.Module):
@@ -69,7 +109,8 @@ class OutMajorDense(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes[::-1]),
                             (self.features, x.shape[-1]), self.param_dtype)
-        y = rows_product(weight, x)
+        scale = self.get_variable("params", "weight_scale") if weight.dtype == jnp.int8 else None
+        y = rows_product(weight, x, scale)
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros_init(), self.axes[1:]),
                               (self.features,), self.param_dtype)
