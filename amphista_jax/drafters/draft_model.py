@@ -53,7 +53,7 @@ from amphista_jax.drafters.base import (
     accepted_tokens,
 )
 from amphista_jax.drafters.causal_layers import run_and_commit
-from amphista_jax.drafters.draft_vocab import check_fits, normalise_field, project_columns
+from amphista_jax.drafters.draft_vocab import check_fits, normalise_field
 from amphista_jax.drafters.feature_drafting import FeatureDrafting
 from amphista_jax.drafters.losses import head_losses
 from amphista_jax.infra import config_io
@@ -63,7 +63,6 @@ from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.models.llama import Output, PrefixKV, Transformer, param_shapes, target_model
-from amphista_jax.models.param_layout import output_projection
 from amphista_jax.models.projections import int8_projections, rows_product
 from amphista_jax.models.target import Target
 from amphista_jax.models.tokenizer import load_tokenizer
@@ -239,19 +238,26 @@ class DraftModel(LogicalInit):
         projections as `int8_rows` (as `kept_params` made them at load, else made here)."""
         if not self.draft_vocab and self.weights == "float32":
             return params
-        head = params["lm_head"] if "lm_head" in params else {"weight": params["embed"]["embedding"]}  # [V, D]
-        if self.draft_vocab:
-            ids = jnp.asarray(self.draft_vocab)
-            head = {k: v[ids] for k, v in head.items()}  # the rows of a quantized head are its rows' quantization
         body = {k: v for k, v in params.items() if k != "lm_head"}  # the head is read as `draft_lm_head`
-        return self.kept_params(body | {"draft_lm_head": head})
+        return self.kept_params(body | {"draft_lm_head": self._vocabulary_rows(params)})
+
+    def _vocabulary_rows(self, params: dict) -> dict:
+        """Its vocabulary projection out-major at the draft vocabulary's rows, `{"weight": [V_d, D]}` (with its
+        `weight_scale [V_d]` where int8), from params in either layout (the tied embedding where there is no
+        `lm_head`). The rows of a quantized projection are those rows' quantization."""
+        head = params.get("lm_head", {"weight": params["embed"]["embedding"]})
+        if "kernel" in head:  # the stacked layout's [D, V]
+            head = {"weight": head["kernel"].T}
+        if not self.draft_vocab:
+            return head
+        check_fits(self.draft_vocab, head["weight"].shape[0])
+        ids = jnp.asarray(self.draft_vocab)
+        return {k: v[ids] for k, v in head.items()}
 
     def _logits(self, params: dict, hidden: jax.Array) -> jax.Array:
         """`[..., V_d]` its own vocabulary projection of `hidden [..., D]`, at the draft vocabulary's rows (cut by
-        `decode_params` when decoding, here when training)."""
-        head = params.get("draft_lm_head")
-        if head is None:
-            return hidden @ project_columns(output_projection(params), self.draft_vocab).astype(jnp.float32)
+        `decode_params` once per generation when decoding, here when training)."""
+        head = params.get("draft_lm_head") or self._vocabulary_rows(params)
         return rows_product(head["weight"], hidden.astype(jnp.float32), head.get("weight_scale"))
 
     def loss(self, params: dict, target: Target, batch: dict, target_out: Output | None) -> tuple[jax.Array, dict]:
