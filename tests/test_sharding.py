@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from amphista_jax.drafters import VARIANTS
+from amphista_jax.drafters.draft_model import DraftModel
 from amphista_jax.engine.decode import generate, pad_prompts, spec_init, speculative_generate
 from amphista_jax.engine.decode_spec import DecodeSpec, scratch_slots
 from amphista_jax.engine.sharding import (
@@ -131,3 +132,36 @@ def test_sharded_speculative_generate_equals_one_device(method):
             sharded_ar = generate(sharded_params, tokens, lengths, jax.random.key(0), **ar)
         np.testing.assert_array_equal(np.asarray(sharded_ar.tokens),
                                       np.asarray(generate(params, tokens, lengths, jax.random.key(0), **ar).tokens))
+
+
+def test_int8_draft_model_on_a_mesh_is_sharded_like_its_projections_and_decodes_as_one_device():
+    """A draft model keeping int8 projections (`weights="int8"`, kept as at load) placed over (data=2, fsdp=2,
+    tensor=2): each int8 weight sharded as the projection it quantizes, its row scales as its rows; greedy, batch 4,
+    the tokens of one device, which are AR's."""
+    params = split_layers(init_params(CONFIG, jax.random.key(0)))
+    drafter = DraftModel(layers=1, weights="int8")
+    kept = drafter.kept_params(drafter.init(jax.random.key(1), Target(CONFIG, params)))
+    tree = get_tree("chain-3")
+    tokens, lengths = pad_prompts(PROMPTS4)
+    kw = dict(config=CONFIG, drafter=drafter, tree=tree, max_new_tokens=12,
+              cache_size=tokens.shape[1] + 12 + scratch_slots(drafter, tree))
+    one = speculative_generate(params, kept, tokens, lengths, jax.random.key(0), **kw)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded_params, sharded_draft = place_for_decoding(mesh, CONFIG, params, drafter, kept)
+    projections = [p for p in _dicts(sharded_draft) if "weight_scale" in p]
+    assert projections and all(p["weight"].dtype == jnp.int8 for p in projections)
+    assert not all(p["weight"].sharding.is_fully_replicated for p in projections)
+    for p in projections:
+        rows = p["weight"].sharding.spec[0] if p["weight"].sharding.spec else None
+        assert p["weight_scale"].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(rows)), 1)
+    with on_mesh(mesh):
+        out = speculative_generate(sharded_params, sharded_draft, tokens, lengths, jax.random.key(0), **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
+    ar = generate(params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=12,
+                  cache_size=tokens.shape[1] + 12)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+
+
+def _dicts(tree: dict) -> list[dict]:
+    """Every dict in a nested dict of params, itself first."""
+    return [tree, *(d for v in tree.values() if isinstance(v, dict) for d in _dicts(v))]

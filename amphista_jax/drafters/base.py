@@ -280,6 +280,11 @@ class Drafter(abc.ABC):
         """Run the method's own layers over the prompt (fill its caches); returns the state."""
         return state
 
+    def kept_params(self, params: Any) -> Any:
+        """Params as a decoder keeps them between generations, made once at load from those read or initialised
+        (`init`'s layout): as they are by default (a draft model with int8 `weights` keeps int8 projections)."""
+        return params
+
     def decode_params(self, params: Any, target: Target) -> Any:
         """The layout `propose` and `commit` read, made once per generation before the decode loop (from the
         drafter's params and, where it reads the target's, `target`'s)."""

@@ -154,9 +154,8 @@ class DraftModel(LogicalInit):
         return (split, *kept, param_shapes(arch)[0])
 
     def kept_params(self, params: dict) -> dict:
-        """Decoding-layout params as a decoder keeps them between generations: with int8 `weights`, its decoder and
-        vocabulary projections as `int8_rows` (made once, at load; the embedding stays as loaded, a row read per
-        token); as they are otherwise."""
+        """With int8 `weights`, its decoder and vocabulary projections as `int8_rows` (made once, at load; the
+        embedding stays as loaded, a row read per token); as they are otherwise."""
         return int8_projections(params) if self.weights == "int8" else params
 
     def init_boxed(self, rng: jax.Array, target: Target) -> dict:

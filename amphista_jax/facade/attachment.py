@@ -13,7 +13,7 @@ from typing import Any
 
 from amphista_jax.choice.plan import TreePlan
 from amphista_jax.drafters import Drafter
-from amphista_jax.facade.drafter_source import DrafterSource, load_draft_params
+from amphista_jax.facade.drafter_source import DrafterSource, draft_model_key, load_draft_params, on_settings_of
 from amphista_jax.facade.target import LoadedTarget
 
 
@@ -30,12 +30,20 @@ class Attachment:
     @classmethod
     def attach(cls, target: LoadedTarget, source: DrafterSource, plan: TreePlan, seed: int = 0) -> Attachment:
         """`source`'s drafter on `target`: its params read, checked or initialised with `seed`
-        (`drafter_source.load_draft_params`), then placed on the target's mesh."""
-        drafter, params = load_draft_params(source, target.view, target.model_dir, target.dtype, seed)
-        if target.mesh is not None:
-            from amphista_jax.engine.sharding import place_for_decoding
+        (`drafter_source.load_draft_params`), then placed on the target's mesh. A draft model's are read once per
+        target and kept there, shared by every attachment of it (`drafter_source.draft_model_key`)."""
+        key = draft_model_key(source, target.dtype)
+        if key is not None and key in target.draft_models:
+            drafter, params = target.draft_models[key]
+            drafter = on_settings_of(source, drafter)
+        else:
+            drafter, params = load_draft_params(source, target.view, target.model_dir, target.dtype, seed)
+            if target.mesh is not None:
+                from amphista_jax.engine.sharding import place_for_decoding
 
-            params = place_for_decoding(target.mesh, target.config, target.params, drafter, params)[1]
+                params = place_for_decoding(target.mesh, target.config, target.params, drafter, params)[1]
+            if key is not None:
+                target.draft_models[key] = drafter, params
         loaded = DrafterSource(source.method, drafter, source.path, source.note, acceptance=source.acceptance)
         return cls(target, loaded, params, plan)
 

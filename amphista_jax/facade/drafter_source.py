@@ -226,13 +226,29 @@ def load_draft_params(source: DrafterSource, target: Target, model_dir: str | Pa
         return source.drafter, jax.jit(source.drafter.init)(jax.random.key(seed), target)  # one compile beats eager
     if source.is_model_dir:
         drafter, params = DraftModel.from_pretrained(source.path, target.config, model_dir, dtype)
-        drafter = with_settings(drafter, _settings_of(source.drafter, drafter))
+        drafter = on_settings_of(source, drafter)
         return drafter, drafter.kept_params(params)  # int8 weights made once, at load
     _, _, params = load_draft(source.path, target.config, target.params)
     if not params_fit(source.drafter, params, target):
         raise GeneratorError(f"the settings given change the parameters of the heads in {source.path}: change only "
                              "decoding settings")
     return source.drafter, params
+
+
+def draft_model_key(source: DrafterSource, dtype: str) -> tuple[str, str, str] | None:
+    """What a draft model's params as decoding keeps them depend on: its directory, the dtype it is read in and its
+    `weights` (`DraftModel.kept_params`); not its other settings (`p_min`, `temperature`, `draft_vocab`, cut once per
+    generation) nor its trees. Drafters of one draft model on one target share one copy of the params under this key
+    (`LoadedTarget.draft_models`). None for other sources (heads, params in hand)."""
+    if not source.is_model_dir or source.params is not None:
+        return None
+    return str(Path(source.path).resolve()), dtype, source.drafter.weights
+
+
+def on_settings_of(source: DrafterSource, drafter: Drafter) -> Drafter:
+    """`drafter` (a draft model as read from `source`'s directory, or as another source of it read it) with
+    `source`'s settings."""
+    return with_settings(drafter, _settings_of(source.drafter, drafter))
 
 
 def _settings_of(drafter: Drafter, base: Drafter) -> dict[str, Any]:

@@ -63,7 +63,7 @@ Prompt = str | Sequence[dict[str, str]] | Sequence[int]  # text, chat messages, 
 class Generation:
     """The results of one `Generator.generate` call, one entry per prompt."""
 
-    texts: list[str]  # the completions (special tokens dropped)
+    texts: list[str] | None  # the completions (special tokens dropped); None without a tokenizer (ids only)
     token_ids: list[list[int]]  # the generated ids, a stop token included
     tau: list[float]  # tokens committed per decoding forward (the prefill's token not counted); 1.0 for AR
     stop_reasons: list[str]  # "eos" (a stop token) or "length" (max_new_tokens)
@@ -362,7 +362,8 @@ class Generator:
         rows = range(out.tokens.shape[0])
         ids = [[int(t) for t in out.tokens[r, : int(out.num_tokens[r])]] for r in rows]
         return Generation(
-            texts=[self.tokenizer.decode(i, skip_special_tokens=True) for i in ids], token_ids=ids,
+            texts=None if self.tokenizer is None else [self.tokenizer.decode(i, skip_special_tokens=True) for i in ids],
+            token_ids=ids,
             tau=[float(t) for t in out.tau], stop_reasons=["eos" if i and i[-1] in eos_ids else "length" for i in ids],
             drafted=[[bool(d) for d in out.drafted[r, : len(ids[r])]] for r in rows], seconds=seconds,
             compile_seconds=compile_s, output=out, tree=self.tree_name)

@@ -7,7 +7,8 @@ compiled programs that every drafter and tree attached to it shares.
 
 A program is keyed by everything that shapes it: the prompt shape, the `DecodeSpec` (drafter settings and tree
 included), the cache size and the abstract shapes of the draft params. Two drafters on one target therefore share the
-target's weights and reuse each other's autoregressive programs; `release_programs` drops the whole cache.
+target's weights and reuse each other's autoregressive programs; `release_programs` drops the whole cache. A draft
+model's params are kept here too, read once for all its trees and decoding settings (`draft_models`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from amphista_jax.drafters.base import Drafter
 from amphista_jax.engine.decode import decode
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.infra.compile_cache import enable_compile_cache
@@ -46,6 +48,9 @@ class LoadedTarget:
     attention: str = "xla"
     mesh: jax.sharding.Mesh | None = None
     programs: dict[tuple, jax.stages.Compiled] = dataclasses.field(default_factory=dict, repr=False)
+    # draft models' (drafter, params) as read once and kept, by `drafter_source.draft_model_key`: shared by every
+    # attachment of one (its trees and decoding settings)
+    draft_models: dict[tuple, tuple[Drafter, Any]] = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: ModelConfig, *, dtype: str = "float32",

@@ -233,13 +233,10 @@ def check_sides(args: Any, model_dir: str) -> tuple[list[str], list[str]]:
 
 
 def draft_model_sides(ar: Generator, name: str, trees: list[str], temperature: float) -> dict[str, OurSide]:
-    """Ours with the draft model `name` on each of `trees`, one copy of its params shared by them."""
-    source = read_source(name, ar.model_dir, ar.config)
-    drafter, params = load_draft_params(source, Target(ar.config, ar.params), ar.model_dir, "float32")
-    shared = dataclasses.replace(source, drafter=drafter, params=params)
-    label = Path(str(source.path)).name
-    views = [ar.with_drafter(shared, tree).for_batch(1) for tree in trees]
-    return {f"ours {label} ({view.tree_name})": OurSide(view, temperature) for view in views}
+    """Ours with the draft model `name` on each of `trees` (one copy of its params, shared by the target's
+    attachments of it)."""
+    views = [ar.with_drafter(name, tree).for_batch(1) for tree in trees]
+    return {f"ours {Path(str(view.heads_dir)).name} ({view.tree_name})": OurSide(view, temperature) for view in views}
 
 
 def main() -> None:
