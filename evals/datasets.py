@@ -56,7 +56,9 @@ class DatasetConfig:
         if self.limit < 0 or self.per_category < 0:
             raise ValueError(f"dataset.limit={self.limit} and dataset.per_category={self.per_category} must be >= 0 "
                              "(0 = all prompts)")
-        if isinstance(self.categories, str) or not all(isinstance(c, str) and c for c in self.categories):
+        if self.categories is None:  # `--set dataset.categories=`
+            object.__setattr__(self, "categories", ())
+        if not isinstance(self.categories, list | tuple) or not all(isinstance(c, str) and c for c in self.categories):
             raise ValueError(f"dataset.categories={self.categories!r} must be a list of category names, e.g. "
                              "[writing, reasoning, coding]")
         object.__setattr__(self, "categories", tuple(self.categories))
@@ -119,13 +121,16 @@ def dataset_file(cfg: DatasetConfig) -> Path:
 
 
 def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
-    """The prompts of `cfg` in file order (the first `cfg.per_category` of each category, then the first
-    `cfg.limit`), each with its first `cfg.turns` user turns, and what was skipped, by line number."""
+    """The prompts of `cfg` in file order (those of `cfg.categories`, the first `cfg.per_category` of each category,
+    then the first `cfg.limit`), each with its first `cfg.turns` user turns, and what was skipped, by line number. A
+    category asked for that no record of the file has is a `DataError` naming those it has."""
     path = dataset_file(cfg)
+    if cfg.categories and (missing := [c for c in cfg.categories if c not in (found := _categories(path))]):
+        raise DataError(f"{path} has no prompt of category {', '.join(map(repr, missing))}: choose "
+                        f"dataset.categories from {', '.join(sorted(found))}")
     report = DataReport(str(path))
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    present: set[str] = set()  # the categories of the file's prompts read
     for line, record in _records(path, report):
         try:
             prompt = _parse(cfg.kind, record, line)
@@ -135,7 +140,6 @@ def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
         if prompt.id in seen:
             report.skip(line, f"duplicate id {prompt.id!r}")
             continue
-        present.add(prompt.category)
         if cfg.categories and prompt.category not in cfg.categories:
             continue
         if cfg.per_category and sum(p.category == prompt.category for p in prompts) == cfg.per_category:
@@ -145,15 +149,16 @@ def load_prompts(cfg: DatasetConfig) -> tuple[list[Prompt], DataReport]:
         report.kept += 1
         if cfg.limit and len(prompts) == cfg.limit:
             break
-    else:
-        if missing := [c for c in cfg.categories if c not in present]:
-            raise DataError(f"{path} has no prompt of category {', '.join(map(repr, missing))}: choose "
-                            f"dataset.categories from {', '.join(sorted(present))}")
     if not prompts:
         first = report.problems[0] if report.problems else "the file is empty"
         raise DataError(f"{path} yields no prompt ({first}; {sum(report.skipped.values())} lines skipped): fix the "
                         f"file or point dataset.path at another {cfg.kind} file")
     return prompts, report
+
+
+def _categories(path: Path) -> set[str]:
+    """The categories of every record of `path` (a record without one: "-")."""
+    return {str(r.get("category", "-")) for _, r in _records(path, DataReport(str(path))) if isinstance(r, dict)}
 
 
 def _records(path: Path, report: DataReport) -> Iterator[tuple[int, Any]]:

@@ -382,8 +382,12 @@ def test_a_draft_model_is_read_once_per_target_for_all_its_trees_and_decoding_se
     assert (plain.drafter.p_min, sure.drafter.p_min, len(sure.drafter.draft_vocab)) == (0.0, 0.3, 128)
     assert (plain.tree, sure.tree) == (chain(3), chain(2)) and quarter.drafter.weights == "int8"
     plain_leaves, sure_leaves = jax.tree.leaves(plain.draft_params), jax.tree.leaves(sure.draft_params)
-    assert len(plain_leaves) == len(sure_leaves) and all(a is b for a, b in zip(plain_leaves, sure_leaves))
+    assert all(a is b for a, b in zip(plain_leaves, sure_leaves, strict=True))
     assert not any(a is b for a in plain_leaves for b in jax.tree.leaves(quarter.draft_params))
     want = ar.generate(PROMPTS, max_new_tokens=12).token_ids
     for gen in (plain, sure, quarter):
         assert gen.generate(PROMPTS, max_new_tokens=12).token_ids == want
+    ar.target.release_draft_models()  # read again after
+    again = jax.tree.leaves(ar.with_drafter(path, tree="chain-3").draft_params)
+    assert not any(a is b for a, b in zip(plain_leaves, again, strict=True))
+    jax.tree.map(np.testing.assert_array_equal, plain_leaves, again)

@@ -62,8 +62,10 @@ def test_categories_keep_only_those_in_file_order_and_name_the_file_s_where_one_
     assert [(p.id, p.category) for p in pick] == [("0", "a"), ("2", "c"), ("3", "a"), ("5", "c"), ("6", "a")]
     both = load_prompts(DatasetConfig(kind="mt_bench", path=str(path), categories=("b", "c"), per_category=1))[0]
     assert [p.id for p in both] == ["1", "2"]
-    with pytest.raises(DataError, match=r"no prompt of category 'writing': choose dataset.categories from a, b, c"):
-        load_prompts(DatasetConfig(kind="mt_bench", path=str(path), categories=("a", "writing")))
+    for limit in (0, 1):  # named before any prompt is read, a limit reached or not
+        with pytest.raises(DataError, match=r"no prompt of category 'writing': choose dataset.categories from a, b, c"):
+            load_prompts(DatasetConfig(kind="mt_bench", path=str(path), categories=("a", "writing"), limit=limit))
+    assert DatasetConfig(kind="mt_bench", path=str(path), categories=None).categories == ()  # `--set ...categories=`
     with pytest.raises(ValueError, match="must be a list of category names"):
         DatasetConfig(kind="mt_bench", path=str(path), categories="writing")
 

@@ -281,8 +281,9 @@ class Drafter(abc.ABC):
         return state
 
     def kept_params(self, params: Any) -> Any:
-        """Params as a decoder keeps them between generations, made once at load from those read or initialised
-        (`init`'s layout): as they are by default (a draft model with int8 `weights` keeps int8 projections)."""
+        """Params in `init`'s layout as a decoder keeps them between generations: as they are by default; a draft
+        model's directory read with int8 `weights` is kept with int8 projections, made once at load
+        (`drafter_source.load_draft_params`)."""
         return params
 
     def decode_params(self, params: Any, target: Target) -> Any:

@@ -97,9 +97,9 @@ def place_for_decoding(mesh: Mesh, config: ModelConfig, params: dict, drafter: D
     """(target params, draft params) on `mesh` by their logical axes, for `generate` / `speculative_generate` under
     `on_mesh(mesh)`: the target in its layout (decoding's per-layer one, or stacked), the drafter's params by its
     `init_boxed` axes (replicated without). Without `drafter` (AR) the draft params come back as None. Arrays already
-    placed so are not copied again (one target serves every drafter). Draft params kept in another layout than
-    `init`'s (`Drafter.kept_params`: a draft model's int8 projections and their scales) are placed as XLA shards
-    that layout when it makes it from `init`'s placed by their logical axes."""
+    placed so are not copied again (one target serves every drafter). Draft params in the layout `Drafter.kept_params`
+    makes of `init`'s (a draft model's int8 projections with their row scales) are placed as XLA shards the output of
+    `kept_params` when its input is placed by its logical axes; any other layout is a `MeshError` naming both."""
     params = jax.device_put(params, param_shardings(config, mesh, rules, split=has_split_layers(params)))
     if drafter is None:
         return params, None
@@ -108,6 +108,9 @@ def place_for_decoding(mesh: Mesh, config: ModelConfig, params: dict, drafter: D
     if jax.tree.structure(draft_params) != jax.tree.structure(shardings):
         shapes = draft_param_shapes(drafter, target)[0]
         shardings = jax.jit(drafter.kept_params, in_shardings=(shardings,)).lower(shapes).compile().output_shardings
+        if jax.tree.structure(draft_params) != jax.tree.structure(shardings):
+            raise MeshError(f"the {type(drafter).__name__} params given are neither in its init layout nor as it "
+                            "keeps them (kept_params): pass them as the drafter loads them")
     return params, jax.device_put(draft_params, shardings)
 
 

@@ -240,7 +240,7 @@ def draft_model_key(source: DrafterSource, dtype: str) -> tuple[str, str, str] |
     `weights` (`DraftModel.kept_params`); not its other settings (`p_min`, `temperature`, `draft_vocab`, cut once per
     generation) nor its trees. Drafters of one draft model on one target share one copy of the params under this key
     (`LoadedTarget.draft_models`). None for other sources (heads, params in hand)."""
-    if not source.is_model_dir or source.params is not None:
+    if not source.is_model_dir or source.params is not None or not isinstance(source.drafter, DraftModel):
         return None
     return str(Path(source.path).resolve()), dtype, source.drafter.weights
 

@@ -114,6 +114,11 @@ class LoadedTarget:
         memory mappings); each compiles again when next needed."""
         self.programs.clear()
 
+    def release_draft_models(self) -> None:
+        """Drop the draft models' params kept for this target (`draft_models`); the generators attached hold theirs,
+        and the next attachment of a draft model reads its directory again."""
+        self.draft_models.clear()
+
 
 def signature(params: Any) -> ParamsSignature:
     """What a compiled program fixes of `params`: their tree structure and each leaf's shape and dtype."""
