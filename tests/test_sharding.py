@@ -109,12 +109,7 @@ def test_sharded_speculative_generate_equals_one_device(method):
     drafter = VARIANTS[method]
     draft = drafter.init(jax.random.key(1), Target(CONFIG, params))
     tree = SPEC_TREES.get(method, get_tree("chain-3" if method.startswith("sar") else "small-8"))
-    tokens, lengths = pad_prompts(PROMPTS4)
-    kw = dict(config=CONFIG, drafter=drafter, tree=tree, max_new_tokens=12,
-              cache_size=tokens.shape[1] + 12 + scratch_slots(drafter, tree))
-    one = speculative_generate(params, draft, tokens, lengths, jax.random.key(0), **kw)
-    mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    sharded_params, sharded_draft = place_for_decoding(mesh, CONFIG, params, drafter, draft)
+    tokens, lengths, kw, one, mesh, sharded_params, sharded_draft = _one_device_and_placed(params, drafter, draft, tree)
     assert not sharded_params["layer_0"]["attn"]["q_proj"]["weight"].sharding.is_fully_replicated
     assert not max(jax.tree.leaves(sharded_draft), key=lambda x: x.size).sharding.is_fully_replicated
     with on_mesh(mesh):
@@ -142,12 +137,7 @@ def test_int8_draft_model_on_a_mesh_is_sharded_like_its_projections_and_decodes_
     drafter = DraftModel(layers=1, weights="int8")
     kept = drafter.kept_params(drafter.init(jax.random.key(1), Target(CONFIG, params)))
     tree = get_tree("chain-3")
-    tokens, lengths = pad_prompts(PROMPTS4)
-    kw = dict(config=CONFIG, drafter=drafter, tree=tree, max_new_tokens=12,
-              cache_size=tokens.shape[1] + 12 + scratch_slots(drafter, tree))
-    one = speculative_generate(params, kept, tokens, lengths, jax.random.key(0), **kw)
-    mesh = make_mesh(data=2, fsdp=2, tensor=2)
-    sharded_params, sharded_draft = place_for_decoding(mesh, CONFIG, params, drafter, kept)
+    tokens, lengths, kw, one, mesh, sharded_params, sharded_draft = _one_device_and_placed(params, drafter, kept, tree)
     projections = [p for p in _dicts(sharded_draft) if "weight_scale" in p]
     assert projections and all(p["weight"].dtype == jnp.int8 for p in projections)
     assert not all(p["weight"].sharding.is_fully_replicated for p in projections)
@@ -160,6 +150,18 @@ def test_int8_draft_model_on_a_mesh_is_sharded_like_its_projections_and_decodes_
     ar = generate(params, tokens, lengths, jax.random.key(0), config=CONFIG, max_new_tokens=12,
                   cache_size=tokens.shape[1] + 12)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ar.tokens))
+
+
+def _one_device_and_placed(params: dict, drafter, draft, tree) -> tuple:
+    """Greedy speculative decoding of `PROMPTS4` (12 new tokens) on one device, and the params placed over (data=2,
+    fsdp=2, tensor=2): (tokens, lengths, the decode keywords, one device's output, mesh, target params, draft params
+    placed)."""
+    tokens, lengths = pad_prompts(PROMPTS4)
+    kw = dict(config=CONFIG, drafter=drafter, tree=tree, max_new_tokens=12,
+              cache_size=tokens.shape[1] + 12 + scratch_slots(drafter, tree))
+    one = speculative_generate(params, draft, tokens, lengths, jax.random.key(0), **kw)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    return (tokens, lengths, kw, one, mesh, *place_for_decoding(mesh, CONFIG, params, drafter, draft))
 
 
 def _dicts(tree: dict) -> list[dict]:
