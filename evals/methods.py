@@ -43,7 +43,7 @@ from amphista_jax.facade.drafter_source import (
 )
 from amphista_jax.facade.generator import Generator
 from amphista_jax.infra.errors import UserError
-from amphista_jax.infra.identity import heads_identity, target_identity
+from amphista_jax.infra.identity import heads_identity, json_digest, target_identity
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.trees.names import AUTO
 from amphista_jax.trees.tree import Tree, TreeBudget, TreeSpec
@@ -103,8 +103,11 @@ class Method:
         return dataclasses.replace(self, tree=gen.policy.at(batch), tree_name=gen.policy.label(batch), choice=None)
 
     def describe(self) -> dict[str, Any]:
-        """What a run records of this method (`run.json`); `auto` not yet chosen leaves out the tree (`CHOSEN`)."""
+        """What a run records of this method (`run.json`, summary.json): its drafter's settings, a draft vocabulary
+        as its size and digest; `auto` not yet chosen leaves out the tree (`CHOSEN`)."""
         settings = dataclasses.asdict(self.source.drafter) if self.source is not None else {}
+        if vocab := settings.get("draft_vocab"):  # 32,768 ids a method would repeat in every record: their digest
+            settings["draft_vocab"] = {"ids": len(vocab), "sha256": json_digest(list(vocab))}
         choices = [list(p) for p in self.tree.choices] if isinstance(self.tree, TreeSpec) else None
         budget = dataclasses.asdict(self.tree) if isinstance(self.tree, TreeBudget) else None
         tree = {"tree": self.tree_name, "tree_nodes": self.tree_nodes, "tree_choices": choices, "tree_budget": budget}

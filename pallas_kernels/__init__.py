@@ -1,1 +1,1 @@
-"""Pallas kernels, each beside its pure-jnp reference."""
+"""Kernels (Pallas, and a C++ CPU kernel called through XLA's FFI), each beside its pure-jnp reference."""

@@ -123,7 +123,9 @@ def test_stacked_head_projections_are_not_read_inside_the_decode_loop(method):
 @pytest.mark.parametrize("rows", [1, 5, 40])  # one row, a few (the fused form), more than FEW_ROWS (a plain product)
 def test_an_int8_projection_is_its_dequantized_weights_product(rows):
     """`int8_rows` rounds each weight to within half its row's step, and `rows_product` over the int8 weight and its
-    scales equals the product with the dequantized weight; `int8_projections` quantizes each projection once."""
+    scales equals the product with the dequantized weight (to 1e-3 of its largest output where the CPU kernel rounds
+    the activations to int16 steps: its bound is `test_int8_rows_kernel.py`'s); `int8_projections` quantizes each
+    projection once."""
     import numpy as np
 
     from amphista_jax.models.projections import int8_projections, int8_rows, rows_product
@@ -133,8 +135,9 @@ def test_an_int8_projection_is_its_dequantized_weights_product(rows):
     dequantized = np.asarray(q["weight"], np.float32) * np.asarray(q["weight_scale"])[:, None]
     assert np.all(np.abs(dequantized - np.asarray(weight)) <= np.asarray(q["weight_scale"])[:, None] / 2 + 1e-7)
     x = jax.random.normal(jax.random.key(1), (1, rows, 24))
-    np.testing.assert_allclose(np.asarray(rows_product(q["weight"], x, q["weight_scale"])),
-                               np.asarray(x) @ dequantized.T, rtol=1e-5, atol=1e-5)
+    expected = np.asarray(x) @ dequantized.T
+    np.testing.assert_allclose(np.asarray(rows_product(q["weight"], x, q["weight_scale"])), expected, rtol=1e-5,
+                               atol=1e-3 * np.max(np.abs(expected)))
     tree = {"proj": {"weight": weight, "bias": jnp.ones(48)}, "embed": {"embedding": weight}}
     once = int8_projections(tree)
     assert once["proj"]["weight"].dtype == jnp.int8 and once["embed"]["embedding"].dtype == jnp.float32

@@ -236,4 +236,12 @@ def test_method_specs_resolve_any_registered_drafter_and_reject_bad_ones(tmp_pat
     assert resolve_methods((spec,), "small-8")[1].drafter.full_tree_attention is False
     with pytest.raises(MethodSpecError, match="empty tree after `@`"):
         resolve_methods(("medusa:untrained@",), "small-8")
+    # a run records a draft vocabulary by its size and digest, not its ids (32,768 of them, per method)
+    from amphista_jax.infra.identity import json_digest
+
+    (cut,) = resolve_methods(("medusa:untrained@chain-4#draft_vocab=[7]",), "small-8", target.config)[1:]
+    assert cut.drafter.draft_vocab == (7,)
+    assert cut.describe()["settings"]["draft_vocab"] == {"ids": 1, "sha256": json_digest([7])}
+    (whole,) = resolve_methods(("medusa:untrained@chain-4",), "small-8", target.config)[1:]
+    assert whole.describe()["settings"]["draft_vocab"] == ()
 

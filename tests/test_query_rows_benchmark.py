@@ -9,21 +9,30 @@ from __future__ import annotations
 import json
 import sys
 
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from amphista_jax.evals.benchmarks import query_rows
 from amphista_jax.evals.benchmarks.common import load_target
+from amphista_jax.models.projections import int8_projections
 
 
 def test_mlp_weights_are_every_layers_three_out_major_weights():
     _, params, config = load_target(None)
     weights = query_rows.mlp_weights(params)
     assert len(weights) == 3 * config.num_layers
-    assert {tuple(w.shape) for w in weights} == {(config.hidden_size, config.intermediate_size),
-                                                 (config.intermediate_size, config.hidden_size)}
+    assert {tuple(w.shape) for w, _ in weights} == {(config.hidden_size, config.intermediate_size),
+                                                    (config.intermediate_size, config.hidden_size)}
+    assert all(s is None for _, s in weights)
+    assert weights[0][0] is params["layer_0"]["mlp"]["gate_proj"]["weight"]  # a forward's order
+    assert weights[-1][0] is params[f"layer_{config.num_layers - 1}"]["mlp"]["down_proj"]["weight"]
+    int8 = query_rows.mlp_weights(int8_projections(params))
+    assert [w.dtype for w, _ in int8] == [jnp.int8] * len(weights) and all(s is not None for _, s in int8)
 
 
-def test_one_row_per_count_with_one_row_added(monkeypatch, tmp_path):
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_one_row_per_count_with_one_row_added(monkeypatch, tmp_path, weights):
     calls = []
 
     def fastest_ms(fn, runs: int) -> float:
@@ -33,10 +42,10 @@ def test_one_row_per_count_with_one_row_added(monkeypatch, tmp_path):
 
     monkeypatch.setattr(query_rows, "fastest_ms", fastest_ms)
     monkeypatch.setattr(sys, "argv", ["query_rows", "--rows", "3", "--runs", "1", "--committed", "16",
-                                      "--out", str(tmp_path)])
+                                      "--weights", weights, "--out", str(tmp_path)])
     query_rows.main()
     report = json.loads((tmp_path / "query_rows.json").read_text())
-    assert [r["rows"] for r in report["rows"]] == [1, 3]
+    assert [r["rows"] for r in report["rows"]] == [1, 3] and report["weights"] == weights
     # per count: forward with logits, without, then the MLP products by `rows_product` and plainly, in that order
     assert [(r["forward_ms"], r["layers_ms"], r["mlp_products_ms"], r["mlp_in_out_products_ms"])
             for r in report["rows"]] == [(1, 2, 3, 4), (5, 6, 7, 8)]

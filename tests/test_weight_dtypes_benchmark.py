@@ -21,7 +21,10 @@ def test_each_product_is_the_matrix_product_of_its_weights(name):
     x = jax.random.randint(jax.random.PRNGKey(1), (3, 16), -4, 4).astype(jnp.float32)
     expected = np.asarray(x) @ np.asarray(w, np.float32)
     w = w.T if name in weight_dtypes.OUT_MAJOR else w  # decoding's products read out-major [V, D] weights
-    np.testing.assert_allclose(np.asarray(jax.jit(product)(x, w), np.float32), expected)
+    # decoding's int8 product runs the CPU kernel, which rounds activations to int16 steps (`pallas_kernels/int8_rows`;
+    # its bound: test_int8_rows_kernel.py); every other product is exact on these integers
+    atol = 1e-3 * np.max(np.abs(expected)) if name == "int8 rows, decoding's rows_product" else 0
+    np.testing.assert_allclose(np.asarray(jax.jit(product)(x, w), np.float32), expected, atol=atol)
 
 
 def test_a_run_writes_a_row_per_dtype_and_row_count(tmp_path, monkeypatch):

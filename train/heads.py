@@ -51,10 +51,11 @@ from amphista_jax.infra.compile_cache import enable_compile_cache
 from amphista_jax.infra.config_io import to_dict
 from amphista_jax.infra.errors import OutputExistsError, check_writable_dir
 from amphista_jax.infra.figures import pyplot, save_figure
+from amphista_jax.infra.home import amphista_home
 from amphista_jax.infra.identity import target_identity
 from amphista_jax.infra.output_lock import output_lock, write_atomic
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.fetch import amphista_home, resolve_model
+from amphista_jax.models.fetch import resolve_model
 from amphista_jax.models.hf import load_config, load_params, param_dtype
 from amphista_jax.models.llama import Transformer, param_shapes
 from amphista_jax.models.target import Target

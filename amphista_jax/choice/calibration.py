@@ -129,7 +129,7 @@ def cost_key(gen: Decoder, batch: int, acceptance: Acceptance) -> str:
 
 def cache_file(machine: Machine | None = None) -> Path:
     """This machine's calibration cache (`AMPHISTA_HOME/calibration/<machine key>.json`)."""
-    from amphista_jax.models.fetch import amphista_home
+    from amphista_jax.infra.home import amphista_home
 
     return amphista_home() / "calibration" / f"{(machine or this_machine()).key()}.json"
 

@@ -29,8 +29,9 @@ distribution (the target frozen; its hidden states may come from the heads' stor
 scores only those tokens' rows of its projection, which cuts each drafted depth's read of a large vocabulary as
 for the heads (`draft_vocab.py`). With `weights="int8"` it drafts from int8 copies of its decoder projections and
 vocabulary projection, one scale per output row (`projections.int8_rows`): a quarter of the bytes each drafted token
-reads, made once at load (`kept_params`) or per generation (`decode_params`). The draft's weights only change which
-tokens it proposes (its acceptance), never the output: the target verifies every one.
+reads, made once at load (`kept_params`) or per generation (`decode_params`); on the CPU their products run in
+`pallas_kernels/int8_rows.cc`'s kernel where it builds, and `weights="auto"` takes int8 exactly there. The draft's
+weights only change which tokens it proposes (its acceptance), never the output: the target verifies every one.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from amphista_jax.models.cache import KVCache
 from amphista_jax.models.config import ModelConfig
 from amphista_jax.models.hf import load_config, load_params
 from amphista_jax.models.llama import Output, PrefixKV, Transformer, param_shapes, target_model
-from amphista_jax.models.projections import int8_projections, rows_product
+from amphista_jax.models.projections import int8_kernel, int8_projections, rows_product
 from amphista_jax.models.target import Target
 from amphista_jax.models.tokenizer import load_tokenizer
 from amphista_jax.trees.tree import Tree, TreeBudget, TreeError, TreeSpec
@@ -90,13 +91,16 @@ class DraftModel(LogicalInit):
     p_min: float = setting(0.0, ge=0, lt=1, why="0 = draft every node of the tree")
     layers: int = setting(2, ge=1)  # without `config`: how many of the target's decoder layers it starts from
     draft_vocab: tuple[int, ...] = ()  # the candidates' target ids (draft_vocab.py); () = the whole vocabulary
-    # how decoding holds its projections: "float32" as loaded, or "int8" with a scale per output row (`WEIGHTS`)
+    # how decoding holds its projections: "float32" as loaded, "int8" with a scale per output row, or "auto": int8
+    # where this machine has the CPU kernel of int8 products (`projections.int8_kernel`), float32 elsewhere (`WEIGHTS`)
     weights: str = "float32"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.weights not in WEIGHTS:
             raise DraftModelError(f"draft_model weights={self.weights!r}: choose one of {', '.join(WEIGHTS)}")
+        if self.weights == "auto":
+            object.__setattr__(self, "weights", "int8" if int8_kernel() is not None else "float32")
         if isinstance(self.config, dict):  # read back from draft.json
             object.__setattr__(self, "config", config_io.from_dict(ModelConfig, self.config, "draft_model config"))
         if not isinstance(self.config, ModelConfig | None):
@@ -274,7 +278,7 @@ class DraftModel(LogicalInit):
                            draft_vocab=self.draft_vocab)
 
 
-WEIGHTS = ("float32", "int8")  # `DraftModel.weights`
+WEIGHTS = ("float32", "int8", "auto")  # `DraftModel.weights`
 
 
 def _has_tokenizer(path: str | Path) -> bool:

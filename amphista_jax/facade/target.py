@@ -26,8 +26,8 @@ from amphista_jax.drafters.base import Drafter
 from amphista_jax.engine.decode import decode
 from amphista_jax.engine.decode_spec import DecodeSpec
 from amphista_jax.infra.compile_cache import enable_compile_cache
+from amphista_jax.infra.home import amphista_home
 from amphista_jax.models.config import ModelConfig
-from amphista_jax.models.fetch import amphista_home
 from amphista_jax.models.target import Target
 
 if TYPE_CHECKING:

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from amphista_jax.assets import DEFAULT_MODEL, REAL_TARGET, default_model_dir
 from amphista_jax.infra.errors import UsageError, UserError, check_writable_dir
+from amphista_jax.infra.home import amphista_home
 from amphista_jax.infra.output_lock import file_lock
 
 MARKER = "fetched.json"
@@ -181,10 +182,6 @@ NAMES = (*REGISTRY, "all")
 def fetch_all_names() -> list[str]:
     """What `fetch all` fetches: every entry but the large models, which are fetched when named."""
     return [name for name, entry in REGISTRY.items() if entry.in_all]
-
-
-def amphista_home() -> Path:
-    return Path(os.environ.get("AMPHISTA_HOME") or "~/.cache/amphista-jax").expanduser()
 
 
 def _marker(entry: Pinned) -> dict:

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from amphista_jax.infra.home import amphista_home
+from pallas_kernels.int8_rows import int8_rows_product, load_cpu_kernel
 
 Dtype = Any
 
@@ -51,25 +55,29 @@ def rows_product(weight: jax.Array, x: jax.Array, scale: jax.Array | None = None
     For a few rows the product is formed as `weight @ x.T` `[out, rows]` and transposed after: XLA:CPU then reads
     the weight once for all the rows, where `x @ kernel` over `[in, out]` kernels reads it at 8-16 GB/s from 2 rows
     on against 28 GB/s for one (`evals/benchmarks/query_rows.py`). The barrier keeps XLA from folding the
-    transpose back into the product. An int8 weight's few-row product is a multiply and a sum over `in`, which XLA:CPU
-    fuses into one pass over the int8 weight (a `dot` would first write a widened fp32 copy of it); its scales
-    multiply the result."""
+    transpose back into the product. An int8 weight's few-row product is `pallas_kernels.int8_rows`'s: its CPU
+    kernel where `int8_kernel` has one, else one fused multiply and sum over `in` (a `dot` would first write a
+    widened fp32 copy of the weight)."""
     dtype = jnp.result_type(x, jnp.float32 if scale is not None else weight)
     x = x.astype(dtype)
     rows = math.prod(x.shape[:-1])
     if rows > FEW_ROWS:
         y = x @ weight.astype(dtype).T
-    elif scale is not None:  # one fused multiply-reduce over the int8 weight where it lies (a dot widens a copy)
+    elif scale is not None:  # one pass over the int8 weight where it lies (a dot widens a copy)
         weight, x = jax.lax.optimization_barrier((weight, x))  # a loop's step widens no invariant copy before it
-        x2 = x.reshape(rows, x.shape[-1])
-        w = weight.astype(dtype)
-        # one row as a 2-D product: XLA:CPU runs the 3-D form's fused pass far slower at one row
-        y = jnp.sum(w * x2[0], axis=-1)[None] if rows == 1 else jnp.sum(w[:, None] * x2[None], axis=-1).T
-        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        y = int8_rows_product(weight, x.reshape(rows, x.shape[-1]), scale, int8_kernel())
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     else:
         y = jax.lax.dot_general(weight.astype(dtype), x.reshape(rows, x.shape[-1]), (((1,), (1,)), ((), ())))
         y = jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], weight.shape[0])  # from [out, rows]
     return y if scale is None else y * scale.astype(dtype)
+
+
+def int8_kernel() -> Path | None:
+    """The CPU kernel of int8 weights' few-row products (`pallas_kernels/int8_rows.py`, compiled once per machine
+    under `AMPHISTA_HOME/kernels`) where the default backend is the CPU and it builds here; None elsewhere (the
+    products then take XLA's fused pass)."""
+    return load_cpu_kernel(amphista_home() / "kernels") if jax.default_backend() == "cpu" else None
 
 
 def int8_rows(weight: jax.Array) -> dict[str, jax.Array]:

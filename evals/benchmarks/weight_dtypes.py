@@ -8,8 +8,9 @@ their bytes (bf16, f16) or quartering them (int8) pays only where the compiled p
 same rate. Each row times the product with the weights held as one dtype: fp32; bf16 (activations cast to bf16, fp32
 accumulation); f16 and int8 converted to fp32 inside the product (weight-only quantisation, as XLA fuses it); int8
 activations times int8 weights into int32; and decoding's own products (`projections.rows_product` over out-major
-`[V, D]` weights): fp32, and int8 with a scale per row (`projections.int8_rows`, a drafter's `weights="int8"`: one
-fused multiply-and-sum over the int8 bytes). The default shape is Qwen2.5-Coder-0.5B's output projection (896 x
+`[V, D]` weights): fp32, and int8 with a scale per row (`projections.int8_rows`, a drafter's `weights="int8"`: on the
+CPU `pallas_kernels/int8_rows.cc`'s kernel), beside the kernel's reference (XLA's fused multiply-and-sum over the int8
+bytes). The default shape is Qwen2.5-Coder-0.5B's output projection (896 x
 151,936, 545 MB in fp32). Each time is the fastest of `--runs` calls after a warm-up; GB/s is the weights' bytes
 over it. Writes weight_dtypes.json and weight_dtypes.md to `--out`.
 """
@@ -25,6 +26,7 @@ from jax.typing import DTypeLike
 from amphista_jax.evals.benchmarks.common import benchmark_parser, write_report
 from amphista_jax.infra.timing import wall_times
 from amphista_jax.models.projections import rows_product
+from pallas_kernels.int8_rows import int8_rows_reference
 
 # name -> (the weights' dtype, the product over activations x [T, D] and weights w [D, V], or w [V, D] for the names
 # in OUT_MAJOR)
@@ -32,13 +34,14 @@ PRODUCTS: dict[str, tuple[DTypeLike, Callable[[jax.Array, jax.Array], jax.Array]
     "fp32": (jnp.float32, lambda x, w: x @ w),
     "fp32, decoding's rows_product": (jnp.float32, lambda x, w: rows_product(w, x)),
     "int8 rows, decoding's rows_product": (jnp.int8, lambda x, w: rows_product(w, x, jnp.ones(w.shape[0]))),
+    "int8 rows, XLA's fused pass": (jnp.int8, lambda x, w: int8_rows_reference(w, x, jnp.ones(w.shape[0]))),
     "bf16": (jnp.bfloat16, lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)),
     "f16 -> fp32 in the product": (jnp.float16, lambda x, w: x @ w.astype(jnp.float32)),
     "int8 -> fp32 in the product": (jnp.int8, lambda x, w: x @ w.astype(jnp.float32)),
     "int8 x int8 -> int32": (jnp.int8, lambda x, w: jnp.dot(x.astype(jnp.int8), w,
                                                             preferred_element_type=jnp.int32)),
 }
-OUT_MAJOR = ("fp32, decoding's rows_product", "int8 rows, decoding's rows_product")
+OUT_MAJOR = ("fp32, decoding's rows_product", "int8 rows, decoding's rows_product", "int8 rows, XLA's fused pass")
 
 
 def product_ms(name: str, rows: int, shape: tuple[int, int], runs: int) -> float:
