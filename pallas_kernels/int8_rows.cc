@@ -174,10 +174,16 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t begin = t * xd[1] + c * kChunk, end = t * xd[1] + std::min(xd[1], (c + 1) * kChunk);
       float top = 0.0f;
-      for (int64_t i = begin; i < end; ++i) top = std::max(top, std::abs(acts[i]));
-      const float step = top > 0.0f ? top / 32767.0f : 1.0f;
+      bool finite = true;
+      for (int64_t i = begin; i < end; ++i) {
+        top = std::max(top, std::abs(acts[i]));
+        finite = finite && std::isfinite(acts[i]);
+      }
+      // a NaN or infinite activation makes its chunk's step NaN, so its products are NaN, as the reference's are
+      const float step = !finite ? std::nanf("") : top > 0.0f ? top / 32767.0f : 1.0f;
       work->x_step[t * chunks + c] = step;
-      for (int64_t i = begin; i < end; ++i) work->x[i] = static_cast<int16_t>(std::lrint(acts[i] / step));
+      for (int64_t i = begin; i < end; ++i)
+        work->x[i] = finite ? static_cast<int16_t>(std::lrint(acts[i] / step)) : 0;
     }
   }
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->blocks) - 1;

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 SOURCE = Path(__file__).with_name("int8_rows.cc")
 SYMBOL = "Int8RowsProduct"
-SETTING = "AMPHISTA_CPU_KERNELS"  # "0": products take the reference
+SETTING = "AMPHISTA_CPU_KERNELS"  # "0": products take the reference (read once per process and folder)
+COMPILE_SECONDS = 300
 
 
 class KernelBuildError(RuntimeError):
@@ -105,10 +106,15 @@ def build_cpu_kernel(folder: Path) -> Path:
     fd, partial = tempfile.mkstemp(prefix=".int8_rows-", suffix=".so.partial", dir=library.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True)
+        try:
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True,
+                                  timeout=COMPILE_SECONDS)
+        except subprocess.TimeoutExpired as e:
+            raise KernelBuildError(f"{compiler} took over {COMPILE_SECONDS} s on {SOURCE.name}") from e
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise KernelBuildError(f"{compiler} failed on {SOURCE.name}: {last}")
+            lines = done.stderr.strip().splitlines() or ["no message"]
+            first = next((line for line in lines if "error" in line), lines[-1])
+            raise KernelBuildError(f"{compiler} failed on {SOURCE.name}: {first.strip()}")
         os.replace(partial, library)
     finally:
         Path(partial).unlink(missing_ok=True)
@@ -117,13 +123,15 @@ def build_cpu_kernel(folder: Path) -> Path:
 
 @functools.cache
 def load_cpu_kernel(folder: Path) -> Path | None:
-    """`build_cpu_kernel(folder)`, or None where `AMPHISTA_CPU_KERNELS=0` or the build failed (said once, in one
-    `note:` line on stderr)."""
+    """`build_cpu_kernel(folder)`, loaded and registered with XLA; None where `AMPHISTA_CPU_KERNELS=0`, or where the
+    build or the load failed (said once, in one `note:` line on stderr). Cached per process and folder."""
     if os.environ.get(SETTING, "1").strip() == "0":
         return None
     try:
-        return build_cpu_kernel(folder)
-    except (KernelBuildError, OSError) as e:
+        library = build_cpu_kernel(folder)
+        _register(library)
+        return library
+    except (KernelBuildError, OSError, AttributeError) as e:
         print(f"note: int8 products take XLA's path, slower on this CPU: {e}; {SETTING}=0 silences this",
               file=sys.stderr)
         return None
