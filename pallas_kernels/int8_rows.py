@@ -50,9 +50,9 @@ def int8_rows_reference(weight: jax.Array, x: jax.Array, scale: jax.Array) -> ja
 
 
 def int8_rows_product(weight: jax.Array, x: jax.Array, scale: jax.Array, kernel: Path | None) -> jax.Array:
-    """`int8_rows_reference`'s product, by the CPU kernel loaded from `kernel` (`load_cpu_kernel`'s library) where
-    it is given and the default backend is the CPU, else by the reference."""
-    if kernel is None or jax.default_backend() != "cpu":
+    """`int8_rows_reference`'s product, by the CPU kernel loaded from `kernel` (`load_cpu_kernel`'s library; the
+    caller gives one only for the CPU backend), else by the reference."""
+    if kernel is None:
         return int8_rows_reference(weight, x, scale)
     out = jax.ShapeDtypeStruct((x.shape[0], weight.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(_register(kernel), out)(weight, x.astype(jnp.float32), scale.astype(jnp.float32))

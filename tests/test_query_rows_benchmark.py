@@ -25,8 +25,9 @@ def test_mlp_weights_are_every_layers_three_out_major_weights():
     assert {tuple(w.shape) for w, _ in weights} == {(config.hidden_size, config.intermediate_size),
                                                     (config.intermediate_size, config.hidden_size)}
     assert all(s is None for _, s in weights)
-    assert weights[0][0] is params["layer_0"]["mlp"]["gate_proj"]["weight"]  # a forward's order
-    assert weights[-1][0] is params[f"layer_{config.num_layers - 1}"]["mlp"]["down_proj"]["weight"]
+    mlps = [params[f"layer_{i}"]["mlp"][name]["weight"] for i in range(config.num_layers)
+            for name in query_rows.MLP_WEIGHTS]
+    assert {id(w) for w, _ in weights} == {id(w) for w in mlps}  # each layer's own arrays, every one
     int8 = query_rows.mlp_weights(int8_projections(params))
     assert [w.dtype for w, _ in int8] == [jnp.int8] * len(weights) and all(s is not None for _, s in int8)
 

@@ -45,7 +45,7 @@ def fastest_ms(fn: Callable[[], Any], runs: int) -> float:
 
 def mlp_weights(params: dict) -> list[tuple[jax.Array, jax.Array | None]]:
     """Every layer's out-major MLP weights (`[out, in]`, decoding's `split_layers` layout) with their row scales where
-    they are int8 (else None), in the order a forward reads them."""
+    they are int8 (else None), in the params' key order."""
     found = []
 
     def visit(node: Any, names: tuple[str, ...]) -> None:
@@ -53,20 +53,11 @@ def mlp_weights(params: dict) -> list[tuple[jax.Array, jax.Array | None]]:
             if "weight" in node and any(n in MLP_WEIGHTS for n in names):
                 found.append((node["weight"], node.get("weight_scale")))
                 return
-            for key in sorted(node, key=_layer_order):
+            for key in sorted(node):
                 visit(node[key], (*names, key))
 
     visit(params, ())
     return found
-
-
-def _layer_order(key: str) -> tuple[int, str]:
-    """A forward's order where plain sorting would not keep it: `layer_10` after `layer_9`, and an MLP's weights as
-    `MLP_WEIGHTS` lists them."""
-    head, _, tail = key.rpartition("_")
-    if key in MLP_WEIGHTS:
-        return MLP_WEIGHTS.index(key), key
-    return (int(tail), head) if tail.isdigit() else (-1, key)
 
 
 def committed_cache(params: dict, config: Any, committed: int, room: int) -> Any:
